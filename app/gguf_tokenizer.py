@@ -1,0 +1,114 @@
+"""Build a ``tokenizers`` tokenizer (``tokenizer.json``) from a GGUF file's vocabulary.
+
+transformers' GGUF loader does the same but needs torch just to read a vocabulary; the
+``gguf`` package reads the tokens, merges, token types and pre-tokenizer name directly.
+Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported, with
+the pre-tokenizers llama.cpp names below; anything else is a clear ``ModelError`` rather
+than a tokenizer that silently disagrees with the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from app.errors import ModelError
+
+# llama.cpp's token types (llama_token_type / gguf.TokenType).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# The split regexes llama.cpp applies for each `tokenizer.ggml.pre` (llama-vocab.cpp).
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt-2", "gpt2"):
+        return byte_level
+    if pre == "smollm":
+        # llama.cpp: "\\p{N}" then the GPT-2 pattern == HF's Digits(individual) + ByteLevel.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    if pre in ("llama-bpe", "llama3", "llama-v3"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise ModelError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt-2, llama-bpe)")
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """What a model card needs from a GGUF file's metadata."""
+
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+    context_length: int | None
+    name: str | None
+    special_tokens: dict[str, int]
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def read_gguf_vocab(path: Path) -> GGUFVocab:
+    """Read a GGUF file's tokenizer and the metadata a model card needs."""
+    from gguf import GGUFReader  # numpy-backed; only needed when preparing a model
+
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read GGUF file {path.name}") from exc
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE)")
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+    merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+    pre = _field(reader, "tokenizer.ggml.pre") or "default"
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    specials = {tokens[i]: i for i, t in enumerate(types) if t == _CONTROL}
+    user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+    # Added tokens keep their vocabulary ids (they are already in `vocab`).
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in sorted(specials, key=specials.get)]
+    )
+    if user_defined:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
+
+    arch = _field(reader, "general.architecture")
+    ctx = _field(reader, f"{arch}.context_length") if arch else None
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    return GGUFVocab(
+        tokenizer=tokenizer,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(add_bos) if add_bos is not None else False,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        context_length=int(ctx) if ctx is not None else None,
+        name=_field(reader, "general.name"),
+        special_tokens=specials,
+    )

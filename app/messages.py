@@ -1,0 +1,236 @@
+"""Typed messages that travel between tokenrelay's processes.
+
+The web tier writes a request (``StopConditions`` + ``SamplingParams``), a worker
+publishes ``TokenDelta`` values (token ids, never text), and a streamer turns them into
+``OutputEvent`` values that the web tier frames as SSE or WebSocket messages.
+
+Hot-path messages (``TokenDelta``, ``OutputEvent``) are slotted dataclasses rather than
+pydantic models: the relay handles tens of thousands of them per second and pydantic's
+validation would dominate its CPU budget. Each has exactly one encode/decode pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class FinishReason(str, Enum):
+    """Why a choice ended, as the OpenAI API reports it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ERROR = "error"
+    CANCELLED = "abort"
+
+
+class EngineFinish(str, Enum):
+    """Why an engine stopped producing tokens for a choice.
+
+    Engines know nothing of stop strings: they stop on an EOS/stop token id, on
+    max_new_tokens, on a cancel, or on an error.
+    """
+
+    EOS = "eos"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class StopConditions(BaseModel):
+    """Everything that ends a choice, applied by the Decoder (and partly by engines).
+
+    ``eos_token_ids`` come from the model card and end a choice silently (no
+    stop_reason); ``stop_token_ids`` come from the user and are reported as the
+    stop_reason. Both are hidden from the text.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
+    min_tokens: int = Field(default=0, ge=0, description="No stop applies before this many.")
+    stop: tuple[str, ...] = Field(default=(), description="Stop strings.")
+    stop_token_ids: tuple[int, ...] = Field(default=(), description="User stop token ids.")
+    eos_token_ids: tuple[int, ...] = Field(default=(), description="The model's EOS ids.")
+    include_stop_str_in_output: bool = Field(
+        default=False, description="Keep the matched stop string in the text."
+    )
+    ignore_eos: bool = Field(default=False, description="Do not stop on the model's EOS ids.")
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings with OpenAI's neutral defaults (engines map them explicitly)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int | None = None
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="None: no logprobs; 0: the sampled token's only; k: plus the top k.",
+    )
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The logprob of one generated token and, when asked, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def encode(self) -> list[Any]:
+        return [self.token_id, self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def decode(cls, raw: list[Any]) -> TokenLogprob:
+        return cls(int(raw[0]), float(raw[1]), [(int(t), float(lp)) for t, lp in raw[2]])
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """New token ids for one choice of one request, as a worker publishes them.
+
+    ``logprobs`` is aligned with ``token_ids`` when the request asked for logprobs.
+    ``finish`` is set on the last delta of a choice; ``error`` carries a message that
+    is safe to show a client when ``finish`` is ``EngineFinish.ERROR``.
+    """
+
+    choice: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish: EngineFinish | None = None
+    error: str | None = None
+    cached_tokens: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"c": self.choice, "t": self.token_ids}
+        if self.logprobs is not None:
+            out["l"] = [lp.encode() for lp in self.logprobs]
+        if self.finish is not None:
+            out["f"] = self.finish.value
+        if self.error is not None:
+            out["e"] = self.error
+        if self.cached_tokens is not None:
+            out["k"] = self.cached_tokens
+        return out
+
+    @classmethod
+    def decode(cls, raw: dict[str, Any]) -> TokenDelta:
+        lps = raw.get("l")
+        fin = raw.get("f")
+        return cls(
+            choice=int(raw["c"]),
+            token_ids=list(raw["t"]),
+            logprobs=[TokenLogprob.decode(x) for x in lps] if lps is not None else None,
+            finish=EngineFinish(fin) if fin is not None else None,
+            error=raw.get("e"),
+            cached_tokens=raw.get("k"),
+        )
+
+
+class OutputKind(str, Enum):
+    """The kinds of event on a request's output stream (streamer -> web)."""
+
+    DELTA = "delta"
+    FINAL = "final"
+    USAGE = "usage"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    """One generated token as the client sees it in ``logprobs``.
+
+    ``text`` is the token's own text (independent of stop-string withholding);
+    ``top`` holds (text, logprob) pairs with texts filled from the tokenizer.
+    """
+
+    token_id: int
+    text: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+    def encode(self) -> list[Any]:
+        return [self.token_id, self.text, self.logprob, self.bytes, [list(t) for t in self.top]]
+
+    @classmethod
+    def decode(cls, raw: list[Any]) -> LogprobEntry:
+        return cls(
+            int(raw[0]),
+            str(raw[1]),
+            float(raw[2]),
+            list(raw[3]),
+            [(str(t), float(lp)) for t, lp in raw[4]],
+        )
+
+
+@dataclass(slots=True)
+class OutputEvent:
+    """One event on a request's output stream.
+
+    - DELTA: ``text`` (never empty unless it carries logprobs) for ``choice``.
+    - FINAL: ``finish_reason`` and ``stop_reason`` (the user's stop string or token id).
+    - USAGE: ``usage`` dict (prompt_tokens, completion_tokens, total_tokens, ...).
+    - ERROR: ``error`` message and ``code`` (an HTTP status the web tier may use);
+      with ``choice`` None it ends the whole request.
+    """
+
+    kind: OutputKind
+    choice: int | None = None
+    text: str = ""
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    code: int | None = None
+
+    def encode(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"k": self.kind.value}
+        if self.choice is not None:
+            out["c"] = self.choice
+        if self.text:
+            out["t"] = self.text
+        if self.logprobs is not None:
+            out["l"] = [e.encode() for e in self.logprobs]
+        if self.finish_reason is not None:
+            out["f"] = self.finish_reason.value
+        if self.stop_reason is not None:
+            out["s"] = self.stop_reason
+        if self.usage is not None:
+            out["u"] = self.usage
+        if self.error is not None:
+            out["e"] = self.error
+        if self.code is not None:
+            out["n"] = self.code
+        return out
+
+    @classmethod
+    def decode(cls, raw: dict[str, Any]) -> OutputEvent:
+        lps = raw.get("l")
+        fin = raw.get("f")
+        return cls(
+            kind=OutputKind(raw["k"]),
+            choice=raw.get("c"),
+            text=raw.get("t", ""),
+            logprobs=[LogprobEntry.decode(x) for x in lps] if lps is not None else None,
+            finish_reason=FinishReason(fin) if fin is not None else None,
+            stop_reason=raw.get("s"),
+            usage=raw.get("u"),
+            error=raw.get("e"),
+            code=raw.get("n"),
+        )

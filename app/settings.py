@@ -1,0 +1,135 @@
+"""The one settings object, read from ``TOKENRELAY_*`` environment variables once at
+start-up and passed down explicitly (no module-level singletons).
+
+``docs/configuration.md`` is generated from the field descriptions here
+(``tokenrelay config docs``); a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EngineName = Literal["llamacpp", "exllamav2", "echo"]
+
+
+def _default_models_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "tokenrelay" / "models"
+
+
+class Settings(BaseSettings):
+    """Configuration for every tokenrelay process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENRELAY_", extra="ignore", frozen=True, validate_default=True
+    )
+
+    # Redis and Celery
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis used as Celery broker, result backend and for all token traffic.",
+    )
+    key_prefix: str = Field(default="tr:", description="Prefix of every Redis key tokenrelay owns.")
+
+    # Models
+    models_dir: Path = Field(
+        default_factory=_default_models_dir,
+        description="Directory holding prepared model directories (one per model).",
+    )
+    model: str = Field(
+        default="SmolLM2-135M-Instruct",
+        description="Model to serve: a directory name under models_dir, or a path to a "
+        "HF-style model directory.",
+    )
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use for the model (default: the model's name)."
+    )
+
+    # Workers and engines
+    engine: EngineName = Field(default="llamacpp", description="Engine a worker runs.")
+    worker_slots: int = Field(
+        default=16, ge=1, description="Concurrent jobs per worker (Celery threads, batch size)."
+    )
+    echo_tokens_per_second: float = Field(
+        default=0.0, ge=0.0, description="Echo engine rate per job; 0 means unlimited."
+    )
+    llamacpp_threads: int | None = Field(
+        default=None, ge=1, description="CPU threads for llama.cpp (default: all cores)."
+    )
+    llamacpp_n_ctx: int = Field(
+        default=8192, ge=256, description="llama.cpp context shared by all active sequences."
+    )
+    exllamav2_cache_tokens: int = Field(
+        default=65536, ge=256, description="Paged KV cache size of the exllamav2 engine, tokens."
+    )
+    lease_ttl_s: float = Field(
+        default=5.0, gt=0, description="A job whose worker has not refreshed it for this long "
+        "is considered lost and is resumed elsewhere."
+    )
+
+    # Requests
+    max_stop_sequences: int = Field(
+        default=16, ge=1, description="Most stop strings per request (OpenAI allows 4)."
+    )
+    max_n: int = Field(default=16, ge=1, description="Largest n (choices per prompt) accepted.")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="Deadline of a request, from its arrival."
+    )
+    stream_ttl_s: int = Field(
+        default=3600, ge=10, description="TTL of request records and token/output streams."
+    )
+
+    # Web
+    host: str = Field(default="127.0.0.1", description="Address the web server binds.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the web server binds.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Bearer keys accepted (JSON list); empty means no authentication.",
+    )
+    max_queue: int = Field(
+        default=256, ge=1, description="Admission limit: requests in flight before 429."
+    )
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413)."
+    )
+
+    # Flower
+    flower_port: int = Field(default=5555, ge=1, le=65535, description="Flower's port.")
+    flower_basic_auth: str | None = Field(
+        default=None, description="Flower basic auth as user:password."
+    )
+
+    def model_path(self) -> Path:
+        """The directory of the served model (an absolute path wins over models_dir)."""
+        candidate = Path(self.model).expanduser()
+        if candidate.is_absolute() or candidate.exists():
+            return candidate
+        return self.models_dir / self.model
+
+
+def settings_markdown() -> str:
+    """Render docs/configuration.md from the field descriptions."""
+    lines = [
+        "# Configuration",
+        "",
+        "Every process reads one settings object from environment variables with the",
+        "`TOKENRELAY_` prefix (lists as JSON, e.g. `TOKENRELAY_API_KEYS='[\"k1\"]'`).",
+        "This page is generated from `app/settings.py` by `tokenrelay config docs`.",
+        "",
+        "| Variable | Default | Description |",
+        "| --- | --- | --- |",
+    ]
+    for name, info in Settings.model_fields.items():
+        if info.default_factory is not None:
+            default = "(computed)" if name == "models_dir" else "`[]`"
+        else:
+            default = f"`{info.default!r}`" if info.default is not None else "(unset)"
+        if name == "models_dir":
+            default = "`$XDG_DATA_HOME/tokenrelay/models` (`~/.local/share/...`)"
+        lines.append(f"| `TOKENRELAY_{name.upper()}` | {default} | {info.description} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""tokenrelay's broker package."""

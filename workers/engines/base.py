@@ -1,0 +1,104 @@
+"""The engine interface every backend implements (exllamav2, llamacpp, echo).
+
+Engines turn prompt token ids into new token ids. They never decode text and never
+handle stop strings (the streamer's Decoder does). Only the worker's engine thread calls
+an engine, so implementations need no locking.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from app.messages import SamplingParams, TokenDelta
+
+
+class JobRejected(Exception):
+    """The engine cannot run this job (e.g. prompt + max_new_tokens exceed the cache).
+
+    Its message is shown to the client as a 400.
+    """
+
+
+@dataclass(slots=True)
+class ChoiceJob:
+    """One choice of a job.
+
+    ``prefix_ids`` are tokens this choice already generated before a resume (they are
+    appended to the prompt and not published again); ``max_new_tokens`` is what is left.
+    """
+
+    index: int
+    max_new_tokens: int
+    prefix_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineJob:
+    """A request as an engine sees it: token ids and sampling, nothing textual.
+
+    ``eos_token_ids`` (the model's, empty when ignore_eos) and ``stop_token_ids`` (the
+    user's) both end a choice with ``EngineFinish.EOS``; neither may end it before
+    ``min_tokens`` tokens were generated. ``echo_ids`` is only read by the echo engine
+    (the last user message of a chat, or None to echo the whole prompt).
+    """
+
+    job_id: str
+    prompt_ids: list[int]
+    choices: list[ChoiceJob]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    echo_ids: list[int] | None = None
+
+    @property
+    def all_stop_ids(self) -> frozenset[int]:
+        return self.eos_token_ids | self.stop_token_ids
+
+
+@dataclass(slots=True)
+class EngineStep:
+    """New output of one job for one choice, produced by one ``Engine.step()``."""
+
+    job_id: str
+    delta: TokenDelta
+
+
+class Engine(abc.ABC):
+    """Continuous-batching engine driven by a single thread.
+
+    Contract (checked by tests/engines/test_contract.py for every engine that runs here):
+    - ``submit`` validates synchronously and raises ``JobRejected`` for jobs that can
+      never run; otherwise the job joins the running batch at the next ``step``.
+    - ``step`` advances every active job by (at most) one token per choice and returns
+      the new ids; a choice's last ``EngineStep`` has ``delta.finish`` set; every choice
+      of every submitted job eventually gets exactly one finish.
+    - ``cancel`` ends a job: its unfinished choices get ``EngineFinish.CANCELLED`` at the
+      next ``step`` and it frees its resources; unknown ids are ignored.
+    - A failure of one job is reported as ``EngineFinish.ERROR`` on its choices, never
+      raised out of ``step`` (an exception from ``step`` means the engine itself broke).
+    """
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def submit(self, job: EngineJob) -> None: ...
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> list[EngineStep]: ...
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """True while any submitted job still has unfinished choices."""
+
+    @property
+    @abc.abstractmethod
+    def capacity(self) -> int:
+        """How many sequences (choices) it batches at once at most."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free the engine's resources."""
