@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test lint install install-dev bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Stamp files: reinstall only when pyproject.toml changes.
+$(VENV)/.installed-cpu: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e '.[cpu]'
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -e '.[cpu,dev]'
+	touch $@ $(VENV)/.installed-cpu
+
+install: $(VENV)/.installed-cpu
+install-dev: $(VENV)/.installed-dev
+
+run: install
+	$(BIN)/tokenrelay model prepare
+	$(BIN)/tokenrelay up
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+bench: install-dev
+	$(BIN)/python benchmarks/decoder.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
