@@ -105,7 +105,8 @@ class TokenDelta:
 
     ``logprobs`` is aligned with ``token_ids`` when the request asked for logprobs.
     ``finish`` is set on the last delta of a choice; ``error`` carries a message that
-    is safe to show a client when ``finish`` is ``EngineFinish.ERROR``.
+    is safe to show a client when ``finish`` is ``EngineFinish.ERROR``, and
+    ``error_code`` the HTTP status it maps to (400 for a job the engine rejects).
     """
 
     choice: int
@@ -113,6 +114,7 @@ class TokenDelta:
     logprobs: list[TokenLogprob] | None = None
     finish: EngineFinish | None = None
     error: str | None = None
+    error_code: int | None = None
     cached_tokens: int | None = None
 
     def encode(self) -> dict[str, Any]:
@@ -123,6 +125,8 @@ class TokenDelta:
             out["f"] = self.finish.value
         if self.error is not None:
             out["e"] = self.error
+        if self.error_code is not None:
+            out["n"] = self.error_code
         if self.cached_tokens is not None:
             out["k"] = self.cached_tokens
         return out
@@ -137,6 +141,7 @@ class TokenDelta:
             logprobs=[TokenLogprob.decode(x) for x in lps] if lps is not None else None,
             finish=EngineFinish(fin) if fin is not None else None,
             error=raw.get("e"),
+            error_code=raw.get("n"),
             cached_tokens=raw.get("k"),
         )
 

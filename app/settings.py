@@ -104,6 +104,11 @@ class Settings(BaseSettings):
         default=None, description="Flower basic auth as user:password."
     )
 
+    @property
+    def served_name(self) -> str:
+        """The model id clients use, Celery queues are named after and workers register."""
+        return self.served_model_name or Path(self.model).name
+
     def model_path(self) -> Path:
         """The directory of the served model (an absolute path wins over models_dir)."""
         candidate = Path(self.model).expanduser()

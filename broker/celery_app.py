@@ -1,0 +1,65 @@
+"""The Celery app object, built from settings; importable without any engine.
+
+The web tier sends ``tokenrelay.generate`` by name (``send_generate``) so it never
+imports worker code; ``workers.celery_worker`` registers the task on the same app.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue
+
+from app.settings import Settings
+
+GENERATE_TASK = "tokenrelay.generate"
+
+
+def queue_name(kind: str, model: str) -> str:
+    """Queues are per served model, so a worker only takes jobs for its own model."""
+    return f"tr.{kind}.{model}"
+
+
+def worker_queues(model: str) -> list[str]:
+    """Interactive first: with the 'priority' order strategy it is always polled first."""
+    return [queue_name("interactive", model), queue_name("batch", model)]
+
+
+def create_celery(settings: Settings, model: str | None = None) -> Celery:
+    model = model or settings.served_name
+    app = Celery("tokenrelay", broker=settings.redis_url, backend=settings.redis_url)
+    app.conf.update(
+        task_queues=[Queue(q) for q in worker_queues(model)],
+        task_default_queue=queue_name("interactive", model),
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        # Long GPU jobs: one message per free thread, acknowledged after the job ends,
+        # so a dead worker's message is redelivered (our lease fencing makes the
+        # redelivery a no-op when the request was already resumed elsewhere).
+        worker_prefetch_multiplier=1,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_track_started=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        result_expires=settings.stream_ttl_s,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            # Longer than any job: the lease, not the visibility timeout, drives resume.
+            "visibility_timeout": int(settings.request_timeout_s) + 600,
+            "queue_order_strategy": "priority",
+            "unacked_restore_interval": 30,
+        },
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+def send_generate(app: Celery, request_id: str, attempt: int, *, queue: str, model: str) -> None:
+    """Enqueue ``generate(request_id, attempt)`` without importing worker code."""
+    app.send_task(
+        GENERATE_TASK,
+        args=[request_id, attempt],
+        queue=queue_name(queue, model),
+        task_id=f"{request_id}.{attempt}",
+    )

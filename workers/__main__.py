@@ -1,0 +1,46 @@
+"""``tokenrelay worker``: a Celery worker with the threads pool and one engine thread.
+
+Equivalent to ``celery -A workers.celery_worker worker -P threads -c <slots> -Q <queues>``
+with tokenrelay's defaults; extra arguments are passed to Celery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenrelay worker", description=__doc__)
+    parser.add_argument("--engine", choices=["echo", "llamacpp", "exllamav2"])
+    parser.add_argument("--model", help="model name under models_dir, or a path")
+    parser.add_argument("--slots", type=int, help="concurrent jobs (Celery threads)")
+    parser.add_argument("--loglevel", default="INFO")
+    args, rest = parser.parse_known_args(argv)
+    # Settings are read from the environment once, in workers.celery_worker.
+    if args.engine:
+        os.environ["TOKENRELAY_ENGINE"] = args.engine
+    if args.model:
+        os.environ["TOKENRELAY_MODEL"] = args.model
+    if args.slots:
+        os.environ["TOKENRELAY_WORKER_SLOTS"] = str(args.slots)
+
+    from app.settings import Settings
+    from broker.celery_app import worker_queues
+
+    settings = Settings()
+    from workers.celery_worker import app
+
+    model = settings.served_name
+    celery_args = [
+        "worker", "-P", "threads", "-c", str(settings.worker_slots),
+        "-Q", ",".join(worker_queues(model)), "--loglevel", args.loglevel,
+        "-E", "--without-gossip", "--without-mingle", *rest,
+    ]
+    app.worker_main(celery_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

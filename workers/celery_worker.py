@@ -1,0 +1,49 @@
+"""The Celery worker module: ``celery -A workers.celery_worker worker -P threads``.
+
+Registers the ``generate`` task on the app from ``broker.celery_app`` and starts the
+engine once per worker process in ``worker_init`` (the model loads before any task).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_init, worker_shutdown
+
+from app.settings import Settings
+from broker.celery_app import GENERATE_TASK, create_celery
+from workers.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(settings: Settings) -> Celery:
+    celery_app = create_celery(settings)
+    state: dict[str, WorkerRuntime] = {}
+
+    @celery_app.task(name=GENERATE_TASK, bind=True)
+    def generate(self: Any, request_id: str, attempt: int = 0) -> dict[str, Any]:
+        runtime = state.get("runtime")
+        if runtime is None:
+            raise RuntimeError("worker runtime not started (worker_init did not run)")
+        return runtime.generate(request_id, attempt)
+
+    def _start(**_: Any) -> None:
+        runtime = WorkerRuntime.from_settings(settings)
+        runtime.start()
+        state["runtime"] = runtime
+
+    def _stop(**_: Any) -> None:
+        runtime = state.pop("runtime", None)
+        if runtime is not None:
+            runtime.stop()
+
+    worker_init.connect(_start, weak=False)
+    worker_shutdown.connect(_stop, weak=False)
+    celery_app.tokenrelay_state = state  # type: ignore[attr-defined]
+    return celery_app
+
+
+app = build_app(Settings())

@@ -1,0 +1,282 @@
+"""The engine thread: the only thread that touches the engine.
+
+Celery task threads hand it ``WorkItem`` values through a queue and block on the
+returned handle until the request ends, so Flower shows true task states and the
+worker's thread count is its backpressure. Each loop iteration:
+
+1. admits new jobs (without blocking while the engine has work),
+2. runs one ``engine.step()``,
+3. publishes every request's new token ids in ONE Redis round trip (a Lua script that
+   also refreshes each lease and reports cancels and lost leases),
+4. cancels jobs whose request was cancelled, fenced, or ran past its deadline.
+
+A job that fails is reported as an error on its token stream; nothing a job does can
+end the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.messages import EngineFinish, TokenDelta
+from broker.requests import PublishItem, PublishStatus, RequestStore
+from workers.engines.base import Engine, EngineJob, JobRejected
+
+logger = logging.getLogger(__name__)
+
+DEADLINE_MESSAGE = "The request exceeded its deadline."
+ENGINE_FAILURE_MESSAGE = "The engine failed while generating; please retry."
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """One request (attempt) to generate: its engine jobs and how to publish them."""
+
+    request_id: str
+    attempt: int
+    lease_value: str
+    jobs: list[EngineJob]
+    deadline: float  # unix time
+
+
+@dataclass
+class JobHandle:
+    """What a task thread waits on; ``summary`` is set when the request ended here."""
+
+    item: WorkItem
+    done: threading.Event = field(default_factory=threading.Event)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+
+@dataclass(slots=True)
+class _Active:
+    handle: JobHandle
+    open_choices: set[int]
+    started: float
+    unpublished: list[TokenDelta] = field(default_factory=list)
+    first: bool = True
+    cancel_sent: bool = False
+    deadline_hit: bool = False
+    tokens: dict[int, int] = field(default_factory=dict)
+    finishes: dict[int, str] = field(default_factory=dict)
+    last_publish: float = 0.0
+    outcome: str = "done"
+
+
+class EngineThread(threading.Thread):
+    """Owns the engine; see the module docstring for one iteration."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: RequestStore,
+        *,
+        lease_ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        super().__init__(name="engine", daemon=True)
+        self.engine = engine
+        self.store = store
+        self.lease_ttl_s = lease_ttl_s
+        self.clock = clock
+        self.idle_wait_s = idle_wait_s
+        self.inbox: queue.Queue[JobHandle] = queue.Queue()
+        self._active: dict[str, _Active] = {}
+        self._job_owner: dict[str, str] = {}
+        self._stopping = threading.Event()
+        self.steps = 0
+        self.max_batch = 0
+
+    # -- called from task threads ---------------------------------------------------
+    def submit(self, item: WorkItem) -> JobHandle:
+        handle = JobHandle(item)
+        self.inbox.put(handle)
+        return handle
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.iterate()
+            except Exception:  # pragma: no cover - last resort, keep serving
+                logger.exception("engine loop iteration failed")
+                time.sleep(0.1)
+        self._abandon_all("worker shutting down")
+
+    def iterate(self) -> None:
+        self._admit(block=not self.engine.has_work() and not self._active)
+        steps = []
+        if self.engine.has_work():
+            try:
+                steps = self.engine.step()
+            except Exception:
+                logger.exception("engine step failed; failing its active jobs")
+                self._fail_all_jobs(ENGINE_FAILURE_MESSAGE)
+            self.steps += 1
+        for s in steps:
+            rid = self._job_owner.get(s.job_id)
+            act = self._active.get(rid) if rid else None
+            if act is None:
+                continue  # fenced or abandoned: its tokens are no longer ours
+            self._record(act, s.delta)
+        self.max_batch = max(self.max_batch, sum(len(a.open_choices) for a in self._active.values()))
+        self._check_deadlines()
+        self._publish()
+
+    def _admit(self, block: bool) -> None:
+        try:
+            handle = self.inbox.get(timeout=self.idle_wait_s) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._start(handle)
+            try:
+                handle = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _start(self, handle: JobHandle) -> None:
+        item = handle.item
+        choices = {c.index for job in item.jobs for c in job.choices}
+        act = _Active(handle=handle, open_choices=set(choices), started=self.clock())
+        self._active[item.request_id] = act
+        for job in item.jobs:
+            spent = [c for c in job.choices if c.max_new_tokens <= 0]
+            for c in spent:  # resumed right after its last token: only the finish is left
+                self._record(act, TokenDelta(c.index, [], finish=EngineFinish.LENGTH))
+            job.choices = [c for c in job.choices if c.max_new_tokens > 0]
+            if not job.choices:
+                continue
+            try:
+                self.engine.submit(job)
+                self._job_owner[job.job_id] = item.request_id
+            except JobRejected as exc:
+                for c in job.choices:
+                    self._record(act, TokenDelta(c.index, [], finish=EngineFinish.ERROR,
+                                                 error=str(exc), error_code=400))
+            except Exception:
+                logger.exception("engine rejected job %s unexpectedly", job.job_id)
+                for c in job.choices:
+                    self._record(act, TokenDelta(c.index, [], finish=EngineFinish.ERROR,
+                                                 error=ENGINE_FAILURE_MESSAGE, error_code=500))
+        if act.open_choices and len(act.open_choices) < len(choices):
+            # Part of the request was rejected: stop the rest rather than run it half.
+            self._cancel_jobs(act)
+
+    def _record(self, act: _Active, delta: TokenDelta) -> None:
+        if delta.choice not in act.open_choices:
+            return
+        if delta.finish is EngineFinish.CANCELLED and act.deadline_hit:
+            delta = TokenDelta(delta.choice, delta.token_ids, delta.logprobs,
+                               EngineFinish.ERROR, DEADLINE_MESSAGE, 504)
+        act.unpublished.append(delta)
+        act.tokens[delta.choice] = act.tokens.get(delta.choice, 0) + len(delta.token_ids)
+        if delta.finish is not None:
+            act.open_choices.discard(delta.choice)
+            act.finishes[delta.choice] = delta.finish.value
+
+    def _check_deadlines(self) -> None:
+        now = self.clock()
+        for act in self._active.values():
+            if not act.deadline_hit and act.open_choices and now > act.handle.item.deadline:
+                act.deadline_hit = True
+                self._cancel_jobs(act)
+
+    def _cancel_jobs(self, act: _Active) -> None:
+        if act.cancel_sent:
+            return
+        act.cancel_sent = True
+        for job in act.handle.item.jobs:
+            self.engine.cancel(job.job_id)
+
+    def _publish(self) -> None:
+        now = self.clock()
+        refresh_after = self.lease_ttl_s / 3
+        items: list[tuple[_Active, PublishItem]] = []
+        for rid, act in self._active.items():
+            done = not act.open_choices
+            if not act.unpublished and not done and now - act.last_publish < refresh_after:
+                continue
+            item = act.handle.item
+            items.append((act, PublishItem(rid, item.lease_value, item.attempt,
+                                           act.unpublished, first=act.first, done=done)))
+        if not items:
+            return
+        try:
+            statuses = self.store.publish([p for _, p in items], self.lease_ttl_s)
+        except Exception:
+            # Redis unreachable: keep the deltas and retry on the next iteration.
+            logger.exception("publishing to redis failed; will retry")
+            time.sleep(0.05)
+            return
+        for (act, pitem), status in zip(items, statuses, strict=True):
+            act.unpublished = []
+            act.first = False
+            act.last_publish = now
+            if status is PublishStatus.FENCED:
+                act.outcome = "fenced"
+                self._cancel_jobs(act)
+                self._release(act)
+            elif pitem.done:
+                if act.cancel_sent and not act.deadline_hit:
+                    act.outcome = "cancelled"
+                self._release(act)
+            elif status is PublishStatus.CANCEL:
+                self._cancel_jobs(act)
+
+    def _release(self, act: _Active) -> None:
+        item = act.handle.item
+        self._active.pop(item.request_id, None)
+        for job in item.jobs:
+            self._job_owner.pop(job.job_id, None)
+        act.handle.summary = {
+            "request_id": item.request_id,
+            "attempt": item.attempt,
+            "outcome": act.outcome,
+            "finish_reasons": {str(k): v for k, v in sorted(act.finishes.items())},
+            "completion_tokens": {str(k): v for k, v in sorted(act.tokens.items())},
+            "run_s": round(self.clock() - act.started, 4),
+        }
+        act.handle.done.set()
+
+    def _fail_all_jobs(self, message: str) -> None:
+        for act in list(self._active.values()):
+            for c in list(act.open_choices):
+                self._record(act, TokenDelta(c, [], finish=EngineFinish.ERROR, error=message,
+                                             error_code=500))
+            for job in act.handle.item.jobs:
+                try:
+                    self.engine.cancel(job.job_id)
+                except Exception:
+                    logger.exception("cancel after engine failure failed")
+
+    def _abandon_all(self, reason: str) -> None:
+        """On shutdown: release waiting tasks; leases expire and streamers resume."""
+        for act in list(self._active.values()):
+            act.outcome = "abandoned"
+            self._release(act)
+        while True:
+            try:
+                h = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            h.summary = {"request_id": h.item.request_id, "outcome": "abandoned",
+                         "reason": reason}
+            h.done.set()

@@ -1,0 +1,127 @@
+"""The echo engine: a real engine with no model, for tests, demos and relay benchmarks.
+
+Each choice's completion is ``echo_ids`` (the web tier puts the last user message
+there for chats) or else the prompt's own ids, followed by the model's first EOS id.
+It honours max_new_tokens, min_tokens, user stop token ids, n, resume prefixes and
+cancel, at a configurable rate per choice (0 = one token per choice per step, as fast
+as the caller steps). Logprobs are exact for a deterministic model: 0.0 for the echoed
+token, alternatives at -9999.0 (vLLM's stand-in for -inf, which JSON cannot carry).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.messages import EngineFinish, TokenDelta, TokenLogprob
+from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
+
+NEG_INF_LOGPROB = -9999.0
+
+
+@dataclass(slots=True)
+class _Choice:
+    job_id: str
+    index: int
+    source: list[int]
+    pos: int  # tokens generated so far, including a resumed prefix
+    limit: int  # pos at which max_new_tokens is reached
+    job: EngineJob
+    next_due: float = 0.0
+    cancelled: bool = False
+
+
+class EchoEngine(Engine):
+    name = "echo"
+
+    def __init__(
+        self,
+        *,
+        tokens_per_second: float = 0.0,
+        max_batch: int = 256,
+        context_length: int = 8192,
+        vocab_size: int = 49152,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+        self.max_batch = max_batch
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.sleep = sleep
+        self._choices: list[_Choice] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch
+
+    def submit(self, job: EngineJob) -> None:
+        source = job.echo_ids if job.echo_ids else job.prompt_ids
+        if not source:
+            raise JobRejected("the echo engine needs a non-empty prompt")
+        now = self.clock()
+        for c in job.choices:
+            total = len(job.prompt_ids) + len(c.prefix_ids) + c.max_new_tokens
+            if total > self.context_length:
+                raise JobRejected(
+                    f"prompt ({len(job.prompt_ids) + len(c.prefix_ids)} tokens) + max_tokens "
+                    f"({c.max_new_tokens}) exceeds the context ({self.context_length} tokens)"
+                )
+        for c in job.choices:
+            pos = len(c.prefix_ids)
+            self._choices.append(
+                _Choice(job.job_id, c.index, source, pos, pos + c.max_new_tokens, job, now)
+            )
+
+    def cancel(self, job_id: str) -> None:
+        for c in self._choices:
+            if c.job_id == job_id:
+                c.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self._choices)
+
+    def _token_at(self, c: _Choice) -> tuple[int, bool]:
+        """The token at position ``c.pos`` and whether it ends the choice (EOS/stop id)."""
+        job = c.job
+        n = len(c.source)
+        eos = min(job.eos_token_ids) if job.eos_token_ids else None
+        if eos is not None and c.pos >= job.min_tokens and c.pos >= n:
+            return eos, True
+        tok = c.source[c.pos % n]
+        return tok, c.pos + 1 > job.min_tokens and tok in job.all_stop_ids
+
+    def step(self) -> list[EngineStep]:
+        if self.interval and self._choices:
+            wait = min(c.next_due for c in self._choices) - self.clock()
+            if wait > 0 and not any(c.cancelled for c in self._choices):
+                self.sleep(wait)
+        now = self.clock()
+        out: list[EngineStep] = []
+        keep: list[_Choice] = []
+        for c in self._choices:
+            if c.cancelled:
+                out.append(EngineStep(c.job_id, TokenDelta(c.index, [], finish=EngineFinish.CANCELLED)))
+                continue
+            if self.interval and c.next_due > now:
+                keep.append(c)
+                continue
+            tok, ends = self._token_at(c)
+            c.pos += 1
+            c.next_due = max(c.next_due + self.interval, now) if self.interval else 0.0
+            finish = EngineFinish.EOS if ends else (
+                EngineFinish.LENGTH if c.pos >= c.limit else None
+            )
+            lps = None
+            k = c.job.sampling.logprobs
+            if k is not None:
+                top = [(tok, 0.0)] + [((tok + j) % self.vocab_size, NEG_INF_LOGPROB)
+                                      for j in range(1, k)]
+                lps = [TokenLogprob(tok, 0.0, top[:k])]
+            out.append(EngineStep(c.job_id, TokenDelta(c.index, [tok], lps, finish)))
+            if finish is None:
+                keep.append(c)
+        self._choices = keep
+        return out

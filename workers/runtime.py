@@ -1,0 +1,152 @@
+"""Per-process worker state: the engine thread, the request store, the registration.
+
+Created once in Celery's ``worker_init`` (so the model loads once per process, before
+any task runs) and reached by tasks through the Celery app object.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+import redis
+
+from app.model_card import ModelCard, load_model_card
+from app.settings import Settings
+from broker.keys import Keys
+from broker.records import RequestRecord
+from broker.registry import WorkerInfo, WorkerRegistry
+from broker.requests import ClaimResult, RequestStore, lease_value
+from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem
+from workers.engines import load_engine
+from workers.engines.base import ChoiceJob, Engine, EngineJob
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerRuntime:
+    """Everything one worker process owns; ``generate`` is the task body."""
+
+    def __init__(
+        self, settings: Settings, card: ModelCard, engine: Engine, client: redis.Redis
+    ) -> None:
+        self.settings = settings
+        self.card = card
+        self.engine = engine
+        self.model_name = settings.served_name
+        self.worker_id = new_worker_id()
+        keys = Keys(settings.key_prefix)
+        self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
+        self.registry = WorkerRegistry(client, keys, ttl_s=5 * HEARTBEAT_S)
+        self.thread = EngineThread(engine, self.store, lease_ttl_s=settings.lease_ttl_s)
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self.started = time.time()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WorkerRuntime:
+        card = load_model_card(settings.model_path())
+        engine = load_engine(settings, card)
+        client = redis.Redis.from_url(settings.redis_url)
+        return cls(settings, card, engine, client)
+
+    def start(self) -> None:
+        self.thread.start()
+        self._heartbeat.start()
+        logger.info("worker %s serving %s with the %s engine", self.worker_id,
+                    self.model_name, self.engine.name)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.stop()
+        self.thread.join(timeout=10)
+        try:
+            self.registry.unregister(self.worker_id)
+        except redis.RedisError:
+            logger.warning("could not unregister worker %s", self.worker_id)
+        self.engine.close()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            worker_id=self.worker_id, model=self.model_name, engine=self.engine.name,
+            capacity=self.settings.worker_slots, hostname=socket.gethostname(),
+            pid=os.getpid(), started=self.started, active_jobs=self.thread.active_requests,
+        )
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.registry.heartbeat(self.info())
+            except redis.RedisError:
+                logger.warning("worker heartbeat failed", exc_info=True)
+            self._stop.wait(HEARTBEAT_S)
+
+    # -- the task body -----------------------------------------------------------------
+    def generate(self, request_id: str, attempt: int) -> dict[str, Any]:
+        """Run ``attempt`` of a request to its end here, unless someone else owns it."""
+        claim = self.store.claim(request_id, attempt, self.worker_id, self.settings.lease_ttl_s)
+        if claim is not ClaimResult.OK:
+            logger.info("request %s attempt %s not run here: %s", request_id, attempt, claim.value)
+            return {"request_id": request_id, "attempt": attempt, "outcome": claim.value}
+        loaded = self.store.load(request_id)
+        if loaded is None:
+            return {"request_id": request_id, "attempt": attempt, "outcome": "missing"}
+        record = loaded[0]
+        item = self.work_item(record, attempt)
+        handle = self.thread.submit(item)
+        # Wake up now and then so a stuck engine never pins this thread forever.
+        while not handle.wait(timeout=max(1.0, record.deadline - time.time() + 30)):
+            if time.time() > record.deadline + 60:
+                logger.error("request %s: engine thread did not finish it", request_id)
+                return {"request_id": request_id, "attempt": attempt, "outcome": "timeout",
+                        "error": DEADLINE_MESSAGE}
+        return handle.summary
+
+    def work_item(self, record: RequestRecord, attempt: int) -> WorkItem:
+        """The engine jobs for ``attempt``: on a resume, only unfinished choices, each
+        continuing from the tokens it already published."""
+        n_choices = record.num_choices
+        progress = self.store.progress(record.request_id, n_choices) if attempt > 0 else None
+        stop = record.stop
+        eos = frozenset() if stop.ignore_eos else frozenset(self.card.eos_token_ids)
+        jobs: list[EngineJob] = []
+        for p, prompt in enumerate(record.prompts):
+            choices = []
+            for i in range(record.n):
+                idx = p * record.n + i
+                prefix = progress[idx].token_ids if progress else []
+                if progress and progress[idx].finish is not None:
+                    continue
+                choices.append(ChoiceJob(idx, max(record.max_tokens - len(prefix), 0), prefix))
+            if not choices:
+                continue
+            jobs.append(
+                EngineJob(
+                    job_id=f"{record.request_id}/{p}",
+                    prompt_ids=prompt,
+                    choices=choices,
+                    sampling=record.sampling,
+                    eos_token_ids=eos,
+                    stop_token_ids=frozenset(stop.stop_token_ids),
+                    min_tokens=stop.min_tokens,
+                    echo_ids=record.echo_ids[p] if record.echo_ids else None,
+                )
+            )
+        return WorkItem(
+            request_id=record.request_id,
+            attempt=attempt,
+            lease_value=lease_value(self.worker_id, attempt),
+            jobs=jobs,
+            deadline=record.deadline,
+        )
