@@ -7,6 +7,7 @@ start-up and passed down explicitly (no module-level singletons).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -103,6 +104,16 @@ class Settings(BaseSettings):
     flower_basic_auth: str | None = Field(
         default=None, description="Flower basic auth as user:password."
     )
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as TOKENRELAY_* variables, to hand to a child process."""
+        out: dict[str, str] = {}
+        for name, value in self.model_dump(mode="json").items():
+            if value is None:
+                continue
+            text = value if isinstance(value, str) else json.dumps(value)
+            out[f"TOKENRELAY_{name.upper()}"] = text
+        return out
 
     @property
     def served_name(self) -> str:

@@ -79,6 +79,8 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc and self.proc.stderr:
+            self.proc.stderr.close()
         if self._tmp:
             self._tmp.cleanup()
             self._tmp = None
