@@ -9,7 +9,7 @@ than a tokenizer that silently disagrees with the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if pre == "smollm":
         # llama.cpp: "\\p{N}" then the GPT-2 pattern == HF's Digits(individual) + ByteLevel.
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("llama-bpe", "llama3", "llama-v3"):
         return pre_tokenizers.Sequence(
             [
@@ -44,7 +42,9 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise ModelError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt-2, llama-bpe)")
+    raise ModelError(
+        f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt-2, llama-bpe)"
+    )
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class GGUFVocab:
     context_length: int | None
     name: str | None
     special_tokens: dict[str, int]
+    # Every scalar (non-array) metadata field, e.g. ``llama.block_count``: what a
+    # config.json needs, without opening the file a second time (that costs seconds).
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -84,7 +87,10 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
     pre = _field(reader, "tokenizer.ggml.pre") or "default"
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs: list[tuple[str, str]] = []
+    for m in merges:
+        left, _, right = m.partition(" ")
+        pairs.append((left, right))
     bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
     tokenizer = Tokenizer(bpe)
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
@@ -94,7 +100,10 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
     user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
     # Added tokens keep their vocabulary ids (they are already in `vocab`).
     tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in sorted(specials, key=specials.get)]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in sorted(specials, key=specials.__getitem__)
+        ]
     )
     if user_defined:
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
@@ -111,4 +120,15 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
         context_length=int(ctx) if ctx is not None else None,
         name=_field(reader, "general.name"),
         special_tokens=specials,
+        metadata=_scalar_metadata(reader),
     )
+
+
+def _scalar_metadata(reader: Any) -> dict[str, Any]:
+    from gguf import GGUFValueType
+
+    return {
+        key: f.contents()
+        for key, f in reader.fields.items()
+        if not key.startswith("GGUF.") and f.types and f.types[0] != GGUFValueType.ARRAY
+    }

@@ -73,6 +73,23 @@ class Settings(BaseSettings):
         "is considered lost and is resumed elsewhere."
     )
 
+    # Streamers and recovery
+    streamer_takeover_s: float = Field(
+        default=5.0, gt=0, description="A streamer silent this long has its requests taken "
+        "over by another streamer."
+    )
+    max_attempts: int = Field(
+        default=4, ge=1, description="Most times a request is (re)started after losing workers."
+    )
+    requeue_after_s: float = Field(
+        default=30.0, gt=0, description="A request still queued this long is sent again "
+        "(duplicates are harmless: only one worker can claim it)."
+    )
+    no_worker_timeout_s: float = Field(
+        default=30.0, gt=0, description="A queued request fails (503) when no live worker "
+        "serves its model for this long."
+    )
+
     # Requests
     max_stop_sequences: int = Field(
         default=16, ge=1, description="Most stop strings per request (OpenAI allows 4)."

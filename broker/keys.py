@@ -7,6 +7,8 @@
     {p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
     {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
     {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
+    {p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
+    {p}streamers        zset   streamer ids scored by last heartbeat
     {p}new              stream new requests handed to streamers (consumer group)
 """
 
@@ -40,12 +42,12 @@ class Keys:
     def cancel_channel(self) -> str:
         return f"{self.prefix}cancels"
 
-    def worker(self, wid: str) -> str:
-        return f"{self.prefix}worker:{wid}"
+    def member(self, kind: str, member_id: str) -> str:
+        """Registration of one process of ``kind`` ("worker" or "streamer")."""
+        return f"{self.prefix}{kind}:{member_id}"
 
-    @property
-    def workers(self) -> str:
-        return f"{self.prefix}workers"
+    def members(self, kind: str) -> str:
+        return f"{self.prefix}{kind}s"
 
     @property
     def new_requests(self) -> str:

@@ -1,12 +1,13 @@
-"""Worker registration: who serves which model, with a heartbeat TTL.
+"""Process registration (workers, streamers) with a heartbeat TTL.
 
-The web tier reads it to answer /ready and to route by model; a worker that stops
+The web tier reads it to answer /ready and to route by model; a process that stops
 heart-beating disappears when its key expires (the zset entry is pruned by readers).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Generic, TypeVar
 
 import redis
 from pydantic import BaseModel, ConfigDict
@@ -26,32 +27,72 @@ class WorkerInfo(BaseModel):
     started: float
     active_jobs: int = 0
 
+    @property
+    def member_id(self) -> str:
+        return self.worker_id
 
-class WorkerRegistry:
-    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: float = 10.0) -> None:
+
+class StreamerInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    streamer_id: str
+    hostname: str
+    pid: int
+    started: float
+    active_requests: int = 0
+
+    @property
+    def member_id(self) -> str:
+        return self.streamer_id
+
+
+InfoT = TypeVar("InfoT", WorkerInfo, StreamerInfo)
+
+
+class Registry(Generic[InfoT]):
+    """Live members of one kind, each a key with a TTL plus a zset index."""
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, kind: str, info_type: type[InfoT], *,
+        ttl_s: float = 10.0,
+    ) -> None:
         self.redis = client
         self.keys = keys
+        self.kind = kind
+        self.info_type = info_type
         self.ttl_s = ttl_s
 
-    def heartbeat(self, info: WorkerInfo, now: float | None = None) -> None:
+    def heartbeat(self, info: InfoT, now: float | None = None) -> None:
         now = time.time() if now is None else now
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.worker(info.worker_id), info.model_dump_json(), px=int(self.ttl_s * 1000))
-        pipe.zadd(self.keys.workers, {info.worker_id: now})
+        pipe.set(self.keys.member(self.kind, info.member_id), info.model_dump_json(),
+                 px=int(self.ttl_s * 1000))
+        pipe.zadd(self.keys.members(self.kind), {info.member_id: now})
         pipe.execute()
 
-    def unregister(self, worker_id: str) -> None:
+    def unregister(self, member_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self.keys.worker(worker_id))
-        pipe.zrem(self.keys.workers, worker_id)
+        pipe.delete(self.keys.member(self.kind, member_id))
+        pipe.zrem(self.keys.members(self.kind), member_id)
         pipe.execute()
 
-    def live_workers(self, now: float | None = None) -> list[WorkerInfo]:
-        """Workers whose heartbeat key still exists (stale ids are pruned)."""
+    def live(self, now: float | None = None) -> list[InfoT]:
+        """Members whose heartbeat key still exists (long-dead ids are pruned)."""
         now = time.time() if now is None else now
-        self.redis.zremrangebyscore(self.keys.workers, "-inf", now - 10 * self.ttl_s)
-        ids = [i.decode() if isinstance(i, bytes) else i for i in self.redis.zrange(self.keys.workers, 0, -1)]
+        index = self.keys.members(self.kind)
+        self.redis.zremrangebyscore(index, "-inf", now - 10 * self.ttl_s)
+        ids = [i.decode() if isinstance(i, bytes) else i for i in self.redis.zrange(index, 0, -1)]
         if not ids:
             return []
-        raws = self.redis.mget([self.keys.worker(i) for i in ids])
-        return [WorkerInfo.model_validate_json(r) for r in raws if r is not None]
+        raws = self.redis.mget([self.keys.member(self.kind, i) for i in ids])
+        return [self.info_type.model_validate_json(r) for r in raws if r is not None]
+
+
+def worker_registry(client: redis.Redis, keys: Keys, ttl_s: float = 10.0) -> Registry[WorkerInfo]:
+    return Registry(client, keys, "worker", WorkerInfo, ttl_s=ttl_s)
+
+
+def streamer_registry(
+    client: redis.Redis, keys: Keys, ttl_s: float = 10.0
+) -> Registry[StreamerInfo]:
+    return Registry(client, keys, "streamer", StreamerInfo, ttl_s=ttl_s)

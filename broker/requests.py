@@ -13,9 +13,11 @@ from enum import Enum
 from typing import Any
 
 import redis
+from celery import Celery
 
 from app.messages import EngineFinish, TokenDelta
 from broker import scripts
+from broker.celery_app import send_generate
 from broker.keys import Keys
 from broker.records import RequestRecord, RequestState
 
@@ -81,6 +83,11 @@ class RequestStore:
         pipe.xadd(self.keys.new_requests, {"r": record.request_id}, maxlen=100_000,
                   approximate=True)
         pipe.execute()
+
+    def submit(self, record: RequestRecord, celery_app: Celery) -> None:
+        """Write the record, hand it to the streamers, and queue ``generate`` for it."""
+        self.create(record)
+        send_generate(celery_app, record.request_id, 0, queue=record.queue, model=record.model)
 
     def cancel(self, rid: str) -> None:
         """Ask whoever generates ``rid`` to stop (durable key + a wake-up)."""

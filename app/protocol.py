@@ -1,0 +1,783 @@
+"""The OpenAI API as tokenrelay serves it: request validation and response shapes.
+
+Field names follow OpenAI's API (and vLLM's extensions: ``stop_token_ids``,
+``min_tokens``, ``top_k``, ``stop_reason``, ...) exactly, so any OpenAI client works.
+
+Requests
+    ``parse_chat_request`` / ``parse_completion_request`` validate a decoded JSON body
+    against limits taken from settings and raise ``InvalidRequest`` (400) whose ``param``
+    names the offending field (``"temperature"``, ``"messages[0].content"``). Unknown
+    fields are rejected as OpenAI does. ``to_sampling_params`` / ``to_stop_conditions``
+    turn a validated request into the internal messages of ``app.messages``.
+
+Responses
+    Build the models below and send ``resp.to_dict()`` (or ``resp.to_json()``); they
+    dump exactly what OpenAI clients expect: ``finish_reason``, ``logprobs`` and
+    ``stop_reason`` are always present (``null`` when unset), while a chunk's ``usage``,
+    a delta's ``role``/``content`` and ``prompt_tokens_details`` appear only when set.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Literal, cast
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from app.errors import InvalidRequest
+from app.messages import FinishReason, LogprobEntry, SamplingParams, StopConditions
+
+DEFAULT_MAX_STOP_SEQUENCES = 16
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_LOGPROBS = 20  # OpenAI allows 20 top_logprobs (5 for legacy completions)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+_LIMIT_DEFAULTS = {
+    "max_stop_sequences": DEFAULT_MAX_STOP_SEQUENCES,
+    "max_n": DEFAULT_MAX_N,
+    "max_logprobs": DEFAULT_MAX_LOGPROBS,
+}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# ---------------------------------------------------------------------------------------
+# Validation plumbing
+# ---------------------------------------------------------------------------------------
+
+
+def _invalid(message: str, *, subpath: str | None = None) -> PydanticCustomError:
+    """A validation error with a client-ready message.
+
+    ``subpath`` extends the error's location (a model validator's error has none of its
+    own): ``"stream_options"`` or ``"[2].type"``.
+    """
+    return PydanticCustomError("invalid_request", message, {"subpath": subpath})
+
+
+def _limit(info: ValidationInfo, name: str) -> int:
+    context = info.context
+    if isinstance(context, Mapping) and context.get(name) is not None:
+        return int(context[name])
+    return _LIMIT_DEFAULTS[name]
+
+
+def _format_loc(loc: Iterable[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _short(value: Any) -> str | None:
+    if isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= 40):
+        return repr(value)
+    return None
+
+
+def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequest:
+    """The 400 for a request that failed validation (its first error, like OpenAI).
+
+    ``param`` is the offending field's path, e.g. ``"temperature"``,
+    ``"messages[0].role"``, ``"stream_options"``; ``None`` when the body itself is wrong.
+    """
+    errors = exc.errors(include_url=False)
+    if not errors:  # pragma: no cover - pydantic never raises an empty ValidationError
+        return InvalidRequest("Invalid request.")
+    err = errors[0]
+    param = _format_loc(err["loc"])
+    ctx = err.get("ctx") or {}
+    subpath = ctx.get("subpath")
+    if subpath:
+        param = param + subpath if subpath.startswith("[") or not param else f"{param}.{subpath}"
+    kind = err["type"]
+    if kind == "invalid_request":
+        message = err["msg"]
+    elif not param:
+        message = "The request body must be a JSON object."
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif kind == "missing":
+        message = f"Missing required parameter: '{param}'."
+    else:
+        got = _short(err.get("input"))
+        suffix = f" (got {got})" if got is not None else ""
+        message = f"Invalid value for '{param}': {err['msg']}{suffix}."
+    return InvalidRequest(message, param=param or None)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = Field(
+        default=None, description="Send a final chunk with the request's usage."
+    )
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by chat and text completions (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = Field(default=None, description="Served model name (default: ours).")
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
+    stop: list[str] = Field(default_factory=list, description="A string or a list of them.")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0 disables top-k.")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int, info: ValidationInfo) -> int:
+        max_n = _limit(info, "max_n")
+        if n > max_n:
+            raise _invalid(f"'n' must be at most {max_n} (got {n}).")
+        return n
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any, info: ValidationInfo) -> list[str]:
+        if value is None:
+            return []
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise _invalid("'stop' must be a string or a list of strings.")
+        # An empty stop string would end every completion at once: treat it as absent.
+        stops = list(dict.fromkeys(s for s in items if s))
+        most = _limit(info, "max_stop_sequences")
+        if len(stops) > most:
+            raise _invalid(f"'stop' may hold at most {most} sequences (got {len(stops)}).")
+        return stops
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _check_stop_token_ids(cls, value: Any) -> list[int]:
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        ):
+            raise _invalid("'stop_token_ids' must be a list of non-negative token ids.")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias(cls, value: Any) -> dict[int, float] | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise _invalid("'logit_bias' must be an object mapping token ids to biases.")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            try:
+                token = int(key) if isinstance(key, str | int) else -1
+            except ValueError:
+                token = -1
+            if isinstance(key, bool) or token < 0:
+                raise _invalid(f"Invalid key in 'logit_bias': {key!r} is not a token id.")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise _invalid(f"Invalid bias for token {key!r} in 'logit_bias': not a number.")
+            if not -100 <= bias <= 100:
+                raise _invalid(
+                    f"Invalid bias for token {key!r} in 'logit_bias': "
+                    f"must be between -100 and 100 (got {bias!r})."
+                )
+            out[token] = float(bias)
+        return out
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _invalid(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                subpath="stream_options",
+            )
+        limit = self.max_new_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise _invalid(
+                f"'min_tokens' ({self.min_tokens}) must not exceed 'max_tokens' ({limit}).",
+                subpath="min_tokens",
+            )
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The requested completion length limit, if the client set one."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streaming client asked for a final usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(_Request):
+    """One message of a conversation. Only text content is supported."""
+
+    role: ChatRole
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> str | list[TextContentPart] | None:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _invalid("Message content must be a string or a list of text parts.")
+        parts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict):
+                raise _invalid(f"Content part {i} must be an object.", subpath=f"[{i}]")
+            kind = part.get("type")
+            if kind != "text":
+                raise _invalid(
+                    f"Content part type {kind!r} is not supported; only 'text' parts are.",
+                    subpath=f"[{i}].type",
+                )
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise PydanticCustomError(
+                    "extra_forbidden",
+                    "Extra inputs are not permitted",
+                    {"subpath": f"[{i}].{extra[0]}"},
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _invalid(f"Content part {i} needs a string 'text'.", subpath=f"[{i}].text")
+            parts.append(TextContentPart(type="text", text=text))
+        return parts
+
+    @model_validator(mode="after")
+    def _check_role_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise _invalid(
+                f"Missing required parameter: 'content' of a {self.role!r} message.",
+                subpath="content",
+            )
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    # Accepted by the schema only so the web tier can answer 501 (see
+    # ``uses_deprecated_functions``), and "none" forms of tool calling / response formats.
+    functions: Any = None
+    function_call: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise _invalid("'messages' must be a non-empty list of messages.")
+        return messages
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        most = _limit(info, "max_logprobs")
+        if value is not None and value > most:
+            raise _invalid(f"'top_logprobs' must be at most {most} (got {value}).")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise _invalid("Tool calling is not supported by this server; omit 'tools'.")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> Any:
+        # With no tools, "auto" means the same as "none".
+        if value not in (None, "none", "auto"):
+            raise _invalid(
+                "Tool calling is not supported by this server; 'tool_choice' may only be 'none'."
+            )
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: Any) -> Any:
+        if value is None or value == {"type": "text"}:
+            return value
+        kind = value.get("type") if isinstance(value, dict) else value
+        raise _invalid(f"'response_format' of type {kind!r} is not supported; only 'text' is.")
+
+    @model_validator(mode="after")
+    def _check_chat_combinations(self) -> ChatCompletionRequest:
+        if (
+            self.max_completion_tokens is not None
+            and self.max_tokens is not None
+            and self.max_completion_tokens != self.max_tokens
+        ):
+            raise _invalid(
+                "'max_tokens' and 'max_completion_tokens' disagree; set only one.",
+                subpath="max_completion_tokens",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid(
+                "'top_logprobs' is only allowed when 'logprobs' is true.", subpath="top_logprobs"
+            )
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def uses_deprecated_functions(self) -> bool:
+        """True when the deprecated function-calling API is used (the web tier: 501)."""
+        return (
+            self.functions is not None
+            or self.function_call is not None
+            or any(m.role == "function" for m in self.messages)
+        )
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``; token-id prompts are accepted, as vLLM does."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        bad = (
+            "'prompt' must be a non-empty string, a list of strings, a list of token ids "
+            "or a list of lists of token ids."
+        )
+        if isinstance(value, str):
+            if not value:
+                raise _invalid("'prompt' must not be empty.")
+            return value
+        if not isinstance(value, list) or not value:
+            raise _invalid(bad)
+        if all(isinstance(p, str) for p in value):
+            if not all(value):
+                raise _invalid("'prompt' must not contain empty strings.")
+            return value
+        if _is_token_ids(value) or all(_is_token_ids(p) for p in value):
+            return value
+        raise _invalid(bad)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        most = _limit(info, "max_logprobs")
+        if value is not None and value > most:
+            raise _invalid(f"'logprobs' must be at most {most} (got {value}).")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise _invalid("'echo' is not supported by this server.")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _invalid("'suffix' is not supported by this server.")
+        return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise _invalid(
+                f"'best_of' must equal 'n' ({self.n}) when set (got {self.best_of}).",
+                subpath="best_of",
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this batch (choice index = prompt_index * n + i)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if _is_token_ids(prompt):
+            return [cast("list[int]", prompt)]
+        return list(cast("list[str] | list[list[int]]", prompt))
+
+
+def _context(max_stop_sequences: int, max_n: int, max_logprobs: int) -> dict[str, int]:
+    return {
+        "max_stop_sequences": max_stop_sequences,
+        "max_n": max_n,
+        "max_logprobs": min(max_logprobs, 20),  # SamplingParams holds at most 20
+    }
+
+
+def parse_chat_request(
+    body: Any,
+    *,
+    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
+    max_n: int = DEFAULT_MAX_N,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+) -> ChatCompletionRequest:
+    """Validate a decoded JSON body; raises ``InvalidRequest`` (400) naming the field."""
+    try:
+        return ChatCompletionRequest.model_validate(
+            body, context=_context(max_stop_sequences, max_n, max_logprobs)
+        )
+    except ValidationError as exc:
+        raise validation_error_to_invalid_request(exc) from exc
+
+
+def parse_completion_request(
+    body: Any,
+    *,
+    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
+    max_n: int = DEFAULT_MAX_N,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+) -> CompletionRequest:
+    """Validate a decoded JSON body; raises ``InvalidRequest`` (400) naming the field."""
+    try:
+        return CompletionRequest.model_validate(
+            body, context=_context(max_stop_sequences, max_n, max_logprobs)
+        )
+    except ValidationError as exc:
+        raise validation_error_to_invalid_request(exc) from exc
+
+
+# ---------------------------------------------------------------------------------------
+# Conversions to the internal messages
+# ---------------------------------------------------------------------------------------
+
+
+def _pick(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The request's sampling settings; what it leaves unset gets OpenAI's neutral value."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    return SamplingParams(
+        temperature=_pick(req.temperature, 1.0),
+        top_p=_pick(req.top_p, 1.0),
+        top_k=max(req.top_k or 0, 0),
+        min_p=_pick(req.min_p, 0.0),
+        presence_penalty=_pick(req.presence_penalty, 0.0),
+        frequency_penalty=_pick(req.frequency_penalty, 0.0),
+        repetition_penalty=_pick(req.repetition_penalty, 1.0),
+        logit_bias=dict(req.logit_bias or {}),
+        seed=req.seed,
+        logprobs=logprobs,
+    )
+
+
+def to_stop_conditions(
+    req: ChatCompletionRequest | CompletionRequest,
+    *,
+    eos_token_ids: Iterable[int],
+    default_max_tokens: int | None,
+) -> StopConditions:
+    """Everything that ends a choice of this request.
+
+    ``max_tokens`` is ``max_completion_tokens``, else ``max_tokens``, else
+    ``default_max_tokens`` (e.g. what is left of the context; None: no limit).
+    """
+    return StopConditions(
+        max_tokens=req.max_new_tokens or default_max_tokens,
+        min_tokens=req.min_tokens,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        eos_token_ids=tuple(eos_token_ids),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------
+
+
+def new_chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Response(BaseModel):
+    """A response body. Fields in ``_omit_if_none`` are left out while they are None."""
+
+    model_config = ConfigDict(extra="forbid")
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready body (``model_dump(mode="json")``)."""
+        return self.model_dump(mode="json")
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    _omit_if_none = frozenset({"prompt_tokens_details"})
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatLogprobToken] | None = None
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[LogprobEntry]) -> ChatChoiceLogprobs:
+        """Chat ``logprobs`` from the streamer's entries."""
+        return cls(
+            content=[
+                ChatLogprobToken(
+                    token=e.text,
+                    logprob=e.logprob,
+                    bytes=list(e.bytes),
+                    top_logprobs=[
+                        TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top
+                    ],
+                )
+                for e in entries
+            ]
+        )
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str = Field(default_factory=new_chat_completion_id)
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    _omit_if_none = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(_Response):
+    index: int
+    delta: ChatDelta = Field(default_factory=ChatDelta)
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
+
+    _omit_if_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[LogprobEntry], offset: int) -> CompletionLogprobs:
+        """Legacy ``logprobs`` from the streamer's entries; ``offset`` is the length of
+        the choice's text before the first entry."""
+        out = cls()
+        for e in entries:
+            out.tokens.append(e.text)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append(dict(e.top))
+            out.text_offset.append(offset)
+            offset += len(e.text)
+        return out
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str = Field(default_factory=new_completion_id)
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Response):
+    """One SSE event of a streamed text completion (OpenAI keeps the same ``object``)."""
+
+    _omit_if_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class ModelObject(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tokenrelay"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelObject] = Field(default_factory=list)
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """``{"error": {...}}``; ``app.errors.error_body`` builds the same dict from an
+    exception."""
+
+    error: ErrorBody

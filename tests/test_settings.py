@@ -1,0 +1,82 @@
+"""Settings: read from TOKENRELAY_* variables; docs/configuration.md kept in step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings, settings_markdown
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_configuration_docs_are_generated_from_the_settings() -> None:
+    docs = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert docs == settings_markdown(), "run `tokenrelay config docs --write`"
+
+
+def test_every_setting_is_documented() -> None:
+    text = settings_markdown()
+    for name, info in Settings.model_fields.items():
+        assert f"`TOKENRELAY_{name.upper()}`" in text
+        assert info.description, f"{name} has no description"
+
+
+def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOKENRELAY_PORT", "9001")
+    monkeypatch.setenv("TOKENRELAY_ENGINE", "echo")
+    monkeypatch.setenv("TOKENRELAY_API_KEYS", '["k1", "k2"]')
+    monkeypatch.setenv("TOKENRELAY_MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("TOKENRELAY_REDIS_URL", "redis://example:6380/2")
+    monkeypatch.setenv("TOKENRELAY_ECHO_TOKENS_PER_SECOND", "12.5")
+    monkeypatch.setenv("PORT", "1")  # unprefixed variables are not ours
+    settings = Settings()
+    assert settings.port == 9001
+    assert settings.engine == "echo"
+    assert settings.api_keys == ["k1", "k2"]
+    assert settings.models_dir == tmp_path
+    assert settings.redis_url == "redis://example:6380/2"
+    assert settings.echo_tokens_per_second == 12.5
+
+
+def test_defaults_and_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOKENRELAY_MODELS_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENRELAY_MODEL", raising=False)
+    settings = Settings()
+    assert settings.model == "SmolLM2-135M-Instruct"
+    assert settings.model_path() == tmp_path / "SmolLM2-135M-Instruct"
+    absolute = tmp_path / "elsewhere" / "my-model"
+    monkeypatch.setenv("TOKENRELAY_MODEL", str(absolute))
+    assert Settings().model_path() == absolute
+
+
+def test_xdg_data_home_sets_the_default_models_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("TOKENRELAY_MODELS_DIR", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert Settings().models_dir == tmp_path / "tokenrelay" / "models"
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("TOKENRELAY_PORT", "0"),
+        ("TOKENRELAY_PORT", "http"),
+        ("TOKENRELAY_ENGINE", "vllm"),
+        ("TOKENRELAY_WORKER_SLOTS", "0"),
+        ("TOKENRELAY_API_KEYS", "not json"),
+    ],
+)
+def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises((ValidationError, ValueError)):
+        Settings()
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings()
+    with pytest.raises(ValidationError):
+        settings.port = 1  # type: ignore[misc]
