@@ -267,7 +267,7 @@ class Decoder:
                 at = window.find(s, max(start - len(s) + 1, 0))
                 if at >= 0:
                     end = at + len(s)
-                    if best_end < 0 or at < best_at:
+                    if best_end < 0 or end < best_end or (end == best_end and at < best_at):
                         best_end, best_at, best = end, at, s
             if best:
                 self._held = ""

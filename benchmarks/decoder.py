@@ -21,10 +21,10 @@ from tokenizers.decoders import DecodeStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.decoder import Decoder  # noqa: E402
-from app.messages import StopConditions  # noqa: E402
+from app.decoder import Decoder
+from app.messages import StopConditions
 
-WORDS = (
+VOCABULARY = (
     "the of and to in is that it for was on are as with his they at be this from have "
     "or by one had not but what all were when we there can an your which their said if "
     "do will each about how up out them then she many some so these would other into has "
@@ -42,7 +42,8 @@ WORDS = (
     "light parts country father let night following picture being study second eyes soon "
     "token decoder stream latency throughput request worker broker cache model prompt café "
     "naïve résumé 東京 日本語 données straße"
-).split()
+)
+WORDS = VOCABULARY.split()
 STOPS = ("<|stop|>", "\n\nUser:", "###", "END_OF_ANSWER")
 
 

@@ -17,7 +17,7 @@ import redis
 
 from app.settings import Settings
 from broker.keys import Keys
-from broker.registry import worker_registry
+from broker.registry import streamer_registry, worker_registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,6 +119,29 @@ def worker_process(
                 return any(w.pid == proc.pid for w in registry.live())
 
             wait_for(registered, 60, "the worker to register")
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def streamer_process(
+    settings: Settings, log_dir: Path, *, name: str = "streamer", wait: bool = True
+) -> Iterator[Proc]:
+    """``tokenrelay streamer`` as a real process; waits until it has registered."""
+    proc = Proc([sys.executable, "-m", "workers.streamer", "--loglevel", "INFO"],
+                child_env(settings), log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log")
+    try:
+        if wait:
+            registry = streamer_registry(redis.Redis.from_url(settings.redis_url),
+                                         Keys(settings.key_prefix))
+
+            def registered() -> bool:
+                if not proc.alive():
+                    raise RuntimeError(f"streamer exited early:\n{proc.output()}")
+                return any(s.pid == proc.pid for s in registry.live())
+
+            wait_for(registered, 60, "the streamer to register")
         yield proc
     finally:
         proc.stop()

@@ -112,7 +112,7 @@ def test_eos_before_min_tokens_is_just_a_token(
     smollm_tokenizer: Tokenizer, skip: bool, expected: str | None
 ) -> None:
     ids = [*ids_of(smollm_tokenizer, "Hello"), EOS, *ids_of(smollm_tokenizer, " world"), EOS]
-    stop = StopConditions(eos_token_ids=(EOS,), stop_token_ids=(EOS,), min_tokens=3)
+    stop = StopConditions(eos_token_ids=(EOS,), stop_token_ids=(EOS,), min_tokens=4)
     dec = new_decoder(smollm_tokenizer, stop, skip_special_tokens=skip)
     text = "".join(one_by_one(dec, ids))
     assert text == (expected or "Hello<|im_end|> world")

@@ -19,7 +19,7 @@ from app.decoder import Decoder
 from app.messages import EngineFinish, FinishReason, StopConditions
 
 PROMPT = "<|im_start|>user\nWrite.<|im_end|>\n<|im_start|>assistant\n"
-CHARS = list("ab <|>\n.,x") + ["é", "ß", "日", "本", "語", "😀", "🍕", "🎉"]
+CHARS = [*"ab <|>\n.,x", "é", "ß", "日", "本", "語", "😀", "🍕", "🎉"]
 WORDS = ["hello", " world", " the", "日本語", "です", " 😀", "🍕🍕", " <|stop|>", "ab", "\n\n"]
 
 texts = st.one_of(

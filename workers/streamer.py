@@ -240,6 +240,7 @@ class Streamer:
             "decode_s": None if t.first_token_at is None else round(now - t.first_token_at, 4),
             "e2e_s": round(now - rec.created, 4),
         }
+        usage["streamer"] = self.consumer  # internal: the web tier drops it
         return OutputEvent(OutputKind.USAGE, usage=usage)
 
     def _end(self, t: Tracked) -> None:
