@@ -34,10 +34,10 @@ from app.messages import (
 
 __all__ = ["Decoder", "RequestDecoder", "TokenTexts"]
 
-# The stream is prefilled with this many prompt ids, not the whole prompt: the stream only
-# needs a little left context (leading-space handling, a character split across the
+# The stream is prefilled with the prompt's last ids, not the whole prompt: it only needs
+# a little left context (leading-space handling, a character split across the
 # prompt/completion boundary), and decoding a 100k-token prompt per choice is wasted work.
-PROMPT_CONTEXT = 16
+PROMPT_CONTEXT = 32
 
 _ENGINE_FINISH = {
     EngineFinish.EOS: FinishReason.STOP,
@@ -151,7 +151,7 @@ class Decoder:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
-        context = list(prompt_ids[-PROMPT_CONTEXT:]) if PROMPT_CONTEXT else []
+        context = list(prompt_ids[-PROMPT_CONTEXT:])
         stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._stream_step = stream.step
         self._min_tokens = stop.min_tokens

@@ -69,25 +69,32 @@ class Settings(BaseSettings):
         default=65536, ge=256, description="Paged KV cache size of the exllamav2 engine, tokens."
     )
     lease_ttl_s: float = Field(
-        default=5.0, gt=0, description="A job whose worker has not refreshed it for this long "
-        "is considered lost and is resumed elsewhere."
+        default=5.0,
+        gt=0,
+        description="A job whose worker has not refreshed it for this long "
+        "is considered lost and is resumed elsewhere.",
     )
 
     # Streamers and recovery
     streamer_takeover_s: float = Field(
-        default=5.0, gt=0, description="A streamer silent this long has its requests taken "
-        "over by another streamer."
+        default=5.0,
+        gt=0,
+        description="A streamer silent this long has its requests taken over by another streamer.",
     )
     max_attempts: int = Field(
         default=4, ge=1, description="Most times a request is (re)started after losing workers."
     )
     requeue_after_s: float = Field(
-        default=30.0, gt=0, description="A request still queued this long is sent again "
-        "(duplicates are harmless: only one worker can claim it)."
+        default=30.0,
+        gt=0,
+        description="A request still queued this long is sent again "
+        "(duplicates are harmless: only one worker can claim it).",
     )
     no_worker_timeout_s: float = Field(
-        default=30.0, gt=0, description="A queued request fails (503) when no live worker "
-        "serves its model for this long."
+        default=30.0,
+        gt=0,
+        description="A queued request fails (503) when no live worker "
+        "serves its model for this long.",
     )
 
     # Requests

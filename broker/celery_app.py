@@ -7,7 +7,7 @@ imports worker code; ``workers.celery_worker`` registers the task on the same ap
 from __future__ import annotations
 
 from celery import Celery
-from kombu import Queue
+from kombu import Queue  # type: ignore[attr-defined]
 
 from app.settings import Settings
 
@@ -28,7 +28,7 @@ def create_celery(settings: Settings, model: str | None = None) -> Celery:
     model = model or settings.served_name
     app = Celery("tokenrelay", broker=settings.redis_url, backend=settings.redis_url)
     app.conf.update(
-        task_queues=[Queue(q) for q in worker_queues(model)],
+        task_queues=[Queue(q) for q in worker_queues(model)],  # type: ignore[no-untyped-call]
         task_default_queue=queue_name("interactive", model),
         task_serializer="json",
         result_serializer="json",

@@ -1,15 +1,15 @@
 """Every Redis key tokenrelay uses, built in one place under one prefix.
 
-    {p}req:{rid}        hash   request record: body (JSON), state, attempt, worker
-    {p}lease:{rid}      string "worker:attempt" of the worker generating it; PX lease TTL
-    {p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt d=JSON
-    {p}out:{rid}        stream output events (streamer -> web), field e=JSON
-    {p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
-    {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
-    {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
-    {p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
-    {p}streamers        zset   streamer ids scored by last heartbeat
-    {p}new              stream new requests handed to streamers (consumer group)
+{p}req:{rid}        hash   request record: body (JSON), state, attempt, worker
+{p}lease:{rid}      string "worker:attempt" of the worker generating it; PX lease TTL
+{p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt d=JSON
+{p}out:{rid}        stream output events (streamer -> web), field e=JSON
+{p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
+{p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
+{p}workers          zset   worker ids scored by last heartbeat (unix seconds)
+{p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
+{p}streamers        zset   streamer ids scored by last heartbeat
+{p}new              stream new requests handed to streamers (consumer group)
 """
 
 from __future__ import annotations

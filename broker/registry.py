@@ -7,7 +7,7 @@ heart-beating disappears when its key expires (the zset entry is pruned by reade
 from __future__ import annotations
 
 import time
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import redis
 from pydantic import BaseModel, ConfigDict
@@ -53,20 +53,28 @@ class Registry(Generic[InfoT]):
     """Live members of one kind, each a key with a TTL plus a zset index."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, kind: str, info_type: type[InfoT], *,
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        kind: str,
+        info_type: type[InfoT],
+        *,
         ttl_s: float = 10.0,
     ) -> None:
         self.redis = client
         self.keys = keys
         self.kind = kind
-        self.info_type = info_type
+        self.info_type: type[InfoT] = info_type
         self.ttl_s = ttl_s
 
     def heartbeat(self, info: InfoT, now: float | None = None) -> None:
         now = time.time() if now is None else now
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.member(self.kind, info.member_id), info.model_dump_json(),
-                 px=int(self.ttl_s * 1000))
+        pipe.set(
+            self.keys.member(self.kind, info.member_id),
+            info.model_dump_json(),
+            px=int(self.ttl_s * 1000),
+        )
         pipe.zadd(self.keys.members(self.kind), {info.member_id: now})
         pipe.execute()
 
@@ -81,10 +89,11 @@ class Registry(Generic[InfoT]):
         now = time.time() if now is None else now
         index = self.keys.members(self.kind)
         self.redis.zremrangebyscore(index, "-inf", now - 10 * self.ttl_s)
-        ids = [i.decode() if isinstance(i, bytes) else i for i in self.redis.zrange(index, 0, -1)]
+        members: Any = self.redis.zrange(index, 0, -1)
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in members]
         if not ids:
             return []
-        raws = self.redis.mget([self.keys.member(self.kind, i) for i in ids])
+        raws: Any = self.redis.mget([self.keys.member(self.kind, i) for i in ids])
         return [self.info_type.model_validate_json(r) for r in raws if r is not None]
 
 

@@ -77,11 +77,19 @@ class RequestStore:
         """Write a new record (state queued, attempt 0) and hand it to the streamers."""
         k = self.keys.request(record.request_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(k, mapping={"body": record.encode(), "state": RequestState.QUEUED.value,
-                              "attempt": 0, "worker": ""})
+        pipe.hset(
+            k,
+            mapping={
+                "body": record.encode(),
+                "state": RequestState.QUEUED.value,
+                "attempt": 0,
+                "worker": "",
+            },
+        )
         pipe.expire(k, self.stream_ttl_s)
-        pipe.xadd(self.keys.new_requests, {"r": record.request_id}, maxlen=100_000,
-                  approximate=True)
+        pipe.xadd(
+            self.keys.new_requests, {"r": record.request_id}, maxlen=100_000, approximate=True
+        )
         pipe.execute()
 
     def submit(self, record: RequestRecord, celery_app: Celery) -> None:
@@ -117,8 +125,9 @@ class RequestStore:
         self, rid: str, cursor: str = "0-0", count: int | None = None
     ) -> list[tuple[str, int, list[TokenDelta]]]:
         """Token stream entries after ``cursor``: (entry id, attempt, deltas)."""
-        entries = self.redis.xrange(self.keys.tokens(rid), min=f"({cursor}" if cursor != "0-0"
-                                    else "-", count=count)
+        entries: Any = self.redis.xrange(
+            self.keys.tokens(rid), min=f"({cursor}" if cursor != "0-0" else "-", count=count
+        )
         return [(_s(eid), int(f[b"a"]), decode_deltas(f[b"d"])) for eid, f in entries]
 
     def progress(self, rid: str, num_choices: int) -> list[ChoiceProgress]:

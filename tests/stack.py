@@ -129,12 +129,16 @@ def streamer_process(
     settings: Settings, log_dir: Path, *, name: str = "streamer", wait: bool = True
 ) -> Iterator[Proc]:
     """``tokenrelay streamer`` as a real process; waits until it has registered."""
-    proc = Proc([sys.executable, "-m", "workers.streamer", "--loglevel", "INFO"],
-                child_env(settings), log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log")
+    proc = Proc(
+        [sys.executable, "-m", "workers.streamer", "--loglevel", "INFO"],
+        child_env(settings),
+        log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log",
+    )
     try:
         if wait:
-            registry = streamer_registry(redis.Redis.from_url(settings.redis_url),
-                                         Keys(settings.key_prefix))
+            registry = streamer_registry(
+                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+            )
 
             def registered() -> bool:
                 if not proc.alive():

@@ -34,9 +34,19 @@ def main(argv: list[str] | None = None) -> int:
 
     model = settings.served_name
     celery_args = [
-        "worker", "-P", "threads", "-c", str(settings.worker_slots),
-        "-Q", ",".join(worker_queues(model)), "--loglevel", args.loglevel,
-        "-E", "--without-gossip", "--without-mingle", *rest,
+        "worker",
+        "-P",
+        "threads",
+        "-c",
+        str(settings.worker_slots),
+        "-Q",
+        ",".join(worker_queues(model)),
+        "--loglevel",
+        args.loglevel,
+        "-E",
+        "--without-gossip",
+        "--without-mingle",
+        *rest,
     ]
     app.worker_main(celery_args)
     return 0

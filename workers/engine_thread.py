@@ -136,7 +136,9 @@ class EngineThread(threading.Thread):
             if act is None:
                 continue  # fenced or abandoned: its tokens are no longer ours
             self._record(act, s.delta)
-        self.max_batch = max(self.max_batch, sum(len(a.open_choices) for a in self._active.values()))
+        self.max_batch = max(
+            self.max_batch, sum(len(a.open_choices) for a in self._active.values())
+        )
         self._check_deadlines()
         self._publish()
 
@@ -169,13 +171,25 @@ class EngineThread(threading.Thread):
                 self._job_owner[job.job_id] = item.request_id
             except JobRejected as exc:
                 for c in job.choices:
-                    self._record(act, TokenDelta(c.index, [], finish=EngineFinish.ERROR,
-                                                 error=str(exc), error_code=400))
+                    self._record(
+                        act,
+                        TokenDelta(
+                            c.index, [], finish=EngineFinish.ERROR, error=str(exc), error_code=400
+                        ),
+                    )
             except Exception:
                 logger.exception("engine rejected job %s unexpectedly", job.job_id)
                 for c in job.choices:
-                    self._record(act, TokenDelta(c.index, [], finish=EngineFinish.ERROR,
-                                                 error=ENGINE_FAILURE_MESSAGE, error_code=500))
+                    self._record(
+                        act,
+                        TokenDelta(
+                            c.index,
+                            [],
+                            finish=EngineFinish.ERROR,
+                            error=ENGINE_FAILURE_MESSAGE,
+                            error_code=500,
+                        ),
+                    )
         if act.open_choices and len(act.open_choices) < len(choices):
             # Part of the request was rejected: stop the rest rather than run it half.
             self._cancel_jobs(act)
@@ -184,8 +198,14 @@ class EngineThread(threading.Thread):
         if delta.choice not in act.open_choices:
             return
         if delta.finish is EngineFinish.CANCELLED and act.deadline_hit:
-            delta = TokenDelta(delta.choice, delta.token_ids, delta.logprobs,
-                               EngineFinish.ERROR, DEADLINE_MESSAGE, 504)
+            delta = TokenDelta(
+                delta.choice,
+                delta.token_ids,
+                delta.logprobs,
+                EngineFinish.ERROR,
+                DEADLINE_MESSAGE,
+                504,
+            )
         act.unpublished.append(delta)
         act.tokens[delta.choice] = act.tokens.get(delta.choice, 0) + len(delta.token_ids)
         if delta.finish is not None:
@@ -215,8 +235,19 @@ class EngineThread(threading.Thread):
             if not act.unpublished and not done and now - act.last_publish < refresh_after:
                 continue
             item = act.handle.item
-            items.append((act, PublishItem(rid, item.lease_value, item.attempt,
-                                           act.unpublished, first=act.first, done=done)))
+            items.append(
+                (
+                    act,
+                    PublishItem(
+                        rid,
+                        item.lease_value,
+                        item.attempt,
+                        act.unpublished,
+                        first=act.first,
+                        done=done,
+                    ),
+                )
+            )
         if not items:
             return
         try:
@@ -259,8 +290,9 @@ class EngineThread(threading.Thread):
     def _fail_all_jobs(self, message: str) -> None:
         for act in list(self._active.values()):
             for c in list(act.open_choices):
-                self._record(act, TokenDelta(c, [], finish=EngineFinish.ERROR, error=message,
-                                             error_code=500))
+                self._record(
+                    act, TokenDelta(c, [], finish=EngineFinish.ERROR, error=message, error_code=500)
+                )
             for job in act.handle.item.jobs:
                 try:
                     self.engine.cancel(job.job_id)
@@ -277,6 +309,5 @@ class EngineThread(threading.Thread):
                 h = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            h.summary = {"request_id": h.item.request_id, "outcome": "abandoned",
-                         "reason": reason}
+            h.summary = {"request_id": h.item.request_id, "outcome": "abandoned", "reason": reason}
             h.done.set()

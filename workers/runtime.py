@@ -64,8 +64,12 @@ class WorkerRuntime:
     def start(self) -> None:
         self.thread.start()
         self._heartbeat.start()
-        logger.info("worker %s serving %s with the %s engine", self.worker_id,
-                    self.model_name, self.engine.name)
+        logger.info(
+            "worker %s serving %s with the %s engine",
+            self.worker_id,
+            self.model_name,
+            self.engine.name,
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -79,9 +83,14 @@ class WorkerRuntime:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
-            worker_id=self.worker_id, model=self.model_name, engine=self.engine.name,
-            capacity=self.settings.worker_slots, hostname=socket.gethostname(),
-            pid=os.getpid(), started=self.started, active_jobs=self.thread.active_requests,
+            worker_id=self.worker_id,
+            model=self.model_name,
+            engine=self.engine.name,
+            capacity=self.settings.worker_slots,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            started=self.started,
+            active_jobs=self.thread.active_requests,
         )
 
     def _beat(self) -> None:
@@ -109,8 +118,12 @@ class WorkerRuntime:
         while not handle.wait(timeout=max(1.0, record.deadline - time.time() + 30)):
             if time.time() > record.deadline + 60:
                 logger.error("request %s: engine thread did not finish it", request_id)
-                return {"request_id": request_id, "attempt": attempt, "outcome": "timeout",
-                        "error": DEADLINE_MESSAGE}
+                return {
+                    "request_id": request_id,
+                    "attempt": attempt,
+                    "outcome": "timeout",
+                    "error": DEADLINE_MESSAGE,
+                }
         return handle.summary
 
     def work_item(self, record: RequestRecord, attempt: int) -> WorkItem:

@@ -18,6 +18,7 @@ One loop per process (several processes may run):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -59,8 +60,14 @@ class ChoiceDecoders:
         logprobs = record.sampling.logprobs is not None
         self.n = record.n
         self.parts = [
-            RequestDecoder(tokenizer, prompt, record.stop, n=record.n,
-                           skip_special_tokens=record.skip_special_tokens, logprobs=logprobs)
+            RequestDecoder(
+                tokenizer,
+                prompt,
+                record.stop,
+                n=record.n,
+                skip_special_tokens=record.skip_special_tokens,
+                logprobs=logprobs,
+            )
             for prompt in record.prompts
         ]
         self.prompt_tokens = sum(len(p) for p in record.prompts)
@@ -77,8 +84,9 @@ class ChoiceDecoders:
                 ev.code = delta.error_code
         return events
 
-    def finish_all(self, reason: EngineFinish, error: str | None = None,
-                   code: int | None = None) -> list[OutputEvent]:
+    def finish_all(
+        self, reason: EngineFinish, error: str | None = None, code: int | None = None
+    ) -> list[OutputEvent]:
         events: list[OutputEvent] = []
         for p, part in enumerate(self.parts):
             for ev in part.finish_all(reason, error):
@@ -96,9 +104,7 @@ class ChoiceDecoders:
     @property
     def stopped_locally(self) -> bool:
         """Some choice ended on a stop string/token before the engine finished it."""
-        return any(
-            d.finish_reason is FinishReason.STOP for p in self.parts for d in p.choices
-        )
+        return any(d.finish_reason is FinishReason.STOP for p in self.parts for d in p.choices)
 
     def usage(self) -> dict[str, Any]:
         completion = sum(p.completion_tokens for p in self.parts)
@@ -174,10 +180,8 @@ class Streamer:
             except redis.RedisError:
                 logger.exception("redis error in the streamer loop; retrying")
                 time.sleep(0.5)
-        try:
+        with contextlib.suppress(redis.RedisError):
             self.registry.unregister(self.consumer)
-        except redis.RedisError:
-            pass
 
     def iterate(self) -> None:
         for entry_id, rid in self.handoff.claim_new(self.consumer):
@@ -213,8 +217,9 @@ class Streamer:
                 events.append(self._usage_event(t))
                 ended.append(t)
             if events:
-                outputs.append(OutputEntry(t.record.request_id, events, t.cursor,
-                                           first=not t.wrote_output))
+                outputs.append(
+                    OutputEntry(t.record.request_id, events, t.cursor, first=not t.wrote_output)
+                )
                 t.wrote_output = True
         self.outputs.write(outputs)
         for t in ended:
@@ -235,8 +240,12 @@ class Streamer:
         now = self.clock()
         rec = t.record
         usage["timings"] = {
-            "queue_s": None if t.first_token_at is None else round(t.first_token_at - rec.created, 4),
-            "ttft_s": None if t.first_token_at is None else round(t.first_token_at - rec.created, 4),
+            "queue_s": None
+            if t.first_token_at is None
+            else round(t.first_token_at - rec.created, 4),
+            "ttft_s": None
+            if t.first_token_at is None
+            else round(t.first_token_at - rec.created, 4),
             "decode_s": None if t.first_token_at is None else round(now - t.first_token_at, 4),
             "e2e_s": round(now - rec.created, 4),
         }
@@ -257,8 +266,9 @@ class Streamer:
             self.handoff.ack(entry_id)  # expired before anyone decoded it
             return
         record, _state, _attempt = loaded
-        t = Tracked(entry_id, record, ChoiceDecoders(self.tokenizer, record),
-                    claimed_at=self.clock())
+        t = Tracked(
+            entry_id, record, ChoiceDecoders(self.tokenizer, record), claimed_at=self.clock()
+        )
         last = self.outputs.last_source(rid)
         if last is not None:
             source, ended = last
@@ -281,9 +291,15 @@ class Streamer:
         self._last_watchdog = now
         if force or now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            self.registry.heartbeat(StreamerInfo(
-                streamer_id=self.consumer, hostname=socket.gethostname(), pid=os.getpid(),
-                started=self.started, active_requests=len(self.tracked)))
+            self.registry.heartbeat(
+                StreamerInfo(
+                    streamer_id=self.consumer,
+                    hostname=socket.gethostname(),
+                    pid=os.getpid(),
+                    started=self.started,
+                    active_requests=len(self.tracked),
+                )
+            )
             self.handoff.touch(self.consumer, [t.entry_id for t in self.tracked.values()])
             min_idle = int(self.settings.streamer_takeover_s * 1000)
             for entry_id, rid in self.handoff.take_over(self.consumer, min_idle):
@@ -320,15 +336,17 @@ class Streamer:
                 if t.record.model not in live_models:
                     t.no_worker_since = t.no_worker_since or now
                     if now - t.no_worker_since > self.settings.no_worker_timeout_s:
-                        failures.append(self._fail(
-                            t, f"No worker is serving model {t.record.model!r}.", 503))
+                        failures.append(
+                            self._fail(t, f"No worker is serving model {t.record.model!r}.", 503)
+                        )
                         continue
                 else:
                     t.no_worker_since = None
                 if now - max(t.queued_since, t.last_sent) > self.settings.requeue_after_s:
                     t.last_sent = now
-                    send_generate(self.celery, rid, attempt, queue=t.record.queue,
-                                  model=t.record.model)
+                    send_generate(
+                        self.celery, rid, attempt, queue=t.record.queue, model=t.record.model
+                    )
             elif state is RequestState.DONE:
                 self._finish_done(t, failures)
         self.outputs.write([f for f in failures if f.events])
@@ -344,8 +362,9 @@ class Streamer:
             return
         if attempt >= self.settings.max_attempts:
             self.store.cancel(rid)
-            failures.append(self._fail(
-                t, f"The request lost its worker {attempt} times; giving up.", 503))
+            failures.append(
+                self._fail(t, f"The request lost its worker {attempt} times; giving up.", 503)
+            )
             return
         logger.warning("request %s lost its worker; resuming as attempt %d", rid, attempt)
         t.last_sent = self.clock()
@@ -396,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenrelay streamer", description=__doc__.split("\n")[0])
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.loglevel.upper(),
-                        format="%(asctime)s %(levelname)s streamer %(message)s")
+    logging.basicConfig(
+        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s streamer %(message)s"
+    )
     streamer = build_streamer(Settings())
 
     def _stop(_sig: int, _frame: object) -> None:

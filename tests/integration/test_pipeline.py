@@ -270,7 +270,7 @@ def test_worker_killed_mid_request_resumes_on_another(
         killed_at = time.time()
         got = collect(client.events(rid, timeout_s=40))
     progress = client.store.progress(rid, 2)
-    assert [p.token_ids for p in progress] == [ids + [EOS]] * 2, "gapless, duplicate-free"
+    assert [p.token_ids for p in progress] == [[*ids, EOS]] * 2, "gapless, duplicate-free"
     assert all(p.finish is EngineFinish.EOS for p in progress)
     assert got.texts == {0: TEXT, 1: TEXT}
     assert client.store.state(rid) is not None and client.store.state(rid)[1] == 1

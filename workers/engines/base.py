@@ -39,8 +39,9 @@ class EngineJob:
 
     ``eos_token_ids`` (the model's, empty when ignore_eos) and ``stop_token_ids`` (the
     user's) both end a choice with ``EngineFinish.EOS``; neither may end it before
-    ``min_tokens`` tokens were generated (counting a resumed choice's ``prefix_ids``). ``echo_ids`` is only read by the echo engine
-    (the last user message of a chat, or None to echo the whole prompt).
+    ``min_tokens`` tokens were generated (counting a resumed choice's ``prefix_ids``).
+    ``echo_ids`` is only read by the echo engine (the last user message of a chat, or
+    None to echo the whole prompt).
     """
 
     job_id: str

@@ -103,7 +103,9 @@ class EchoEngine(Engine):
         keep: list[_Choice] = []
         for c in self._choices:
             if c.cancelled:
-                out.append(EngineStep(c.job_id, TokenDelta(c.index, [], finish=EngineFinish.CANCELLED)))
+                out.append(
+                    EngineStep(c.job_id, TokenDelta(c.index, [], finish=EngineFinish.CANCELLED))
+                )
                 continue
             if self.interval and c.next_due > now:
                 keep.append(c)
@@ -111,14 +113,15 @@ class EchoEngine(Engine):
             tok, ends = self._token_at(c)
             c.pos += 1
             c.next_due = max(c.next_due + self.interval, now) if self.interval else 0.0
-            finish = EngineFinish.EOS if ends else (
-                EngineFinish.LENGTH if c.pos >= c.limit else None
+            finish = (
+                EngineFinish.EOS if ends else (EngineFinish.LENGTH if c.pos >= c.limit else None)
             )
             lps = None
             k = c.job.sampling.logprobs
             if k is not None:
-                top = [(tok, 0.0)] + [((tok + j) % self.vocab_size, NEG_INF_LOGPROB)
-                                      for j in range(1, k)]
+                top = [(tok, 0.0)] + [
+                    ((tok + j) % self.vocab_size, NEG_INF_LOGPROB) for j in range(1, k)
+                ]
                 lps = [TokenLogprob(tok, 0.0, top[:k])]
             out.append(EngineStep(c.job_id, TokenDelta(c.index, [tok], lps, finish)))
             if finish is None:
