@@ -134,7 +134,6 @@ class Decoder:
         "_max_tokens",
         "_min_tokens",
         "_n",
-        "_prefixes",
         "_stop_ids",
         "_stop_reason",
         "_stops",
@@ -164,7 +163,6 @@ class Decoder:
         self._stop_ids = stop_ids
         self._stops = tuple(dict.fromkeys(s for s in stop.stop if s))
         self._first = frozenset(s[0] for s in self._stops)
-        self._prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
         self._max_prefix = max((len(s) - 1 for s in self._stops), default=0)
         self._hide = not stop.include_stop_str_in_output
         # The longest suffix of the text so far that is a proper prefix of a stop string:
@@ -276,13 +274,16 @@ class Decoder:
                 self._stop_reason = best
                 return window[:best_at] if self._hide else window[start:best_end]
         # The longest suffix that could still grow into a stop string.
+        # (Checked with startswith rather than a set of all prefixes, which would take
+        # memory quadratic in a stop string's length.)
         new_held = ""
         first = self._first
-        prefixes = self._prefixes
         for i in range(max(len(window) - self._max_prefix, 0), len(window)):
-            if window[i] in first and window[i:] in prefixes:
-                new_held = window[i:]
-                break
+            if window[i] in first:
+                tail = window[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self._stops):
+                    new_held = tail
+                    break
         self._held = new_held
         if self._hide:
             return window[: len(window) - len(new_held)]
@@ -349,25 +350,31 @@ class RequestDecoder:
 
     def feed(self, delta: TokenDelta) -> list[OutputEvent]:
         """Apply one worker delta; ignored once its choice has ended."""
-        if not 0 <= delta.choice < len(self._choices):
-            raise ValueError(f"choice {delta.choice} out of range for n={len(self._choices)}")
-        if delta.logprobs is not None and len(delta.logprobs) != len(delta.token_ids):
-            raise ValueError(f"{len(delta.logprobs)} logprobs for {len(delta.token_ids)} token ids")
+        choice = delta.choice
+        if not 0 <= choice < len(self._choices):
+            raise ValueError(f"choice {choice} out of range for n={len(self._choices)}")
         if delta.cached_tokens is not None:
             self._cached_tokens = delta.cached_tokens
-        decoder = self._choices[delta.choice]
+        decoder = self._choices[choice]
         if decoder.done:
             return []
-        before = decoder.completion_tokens
-        text = decoder.step(delta.token_ids)
-        entries = None
-        if self._texts is not None and delta.logprobs is not None:
+        logprobs = delta.logprobs
+        if logprobs is None or self._texts is None:
+            text = decoder.step(delta.token_ids)
+            entries = None
+        else:
+            if len(logprobs) != len(delta.token_ids):
+                raise ValueError(f"{len(logprobs)} logprobs for {len(delta.token_ids)} token ids")
+            before = decoder.completion_tokens
+            text = decoder.step(delta.token_ids)
             entry = self._texts.entry
-            accepted = decoder.completion_tokens - before
-            entries = [entry(lp) for lp in delta.logprobs[:accepted]]
+            entries = [entry(lp) for lp in logprobs[: decoder.completion_tokens - before]]
         if delta.finish is not None and not decoder.done:
             text += decoder.finish(delta.finish, delta.error)
-        return self._events(delta.choice, decoder, text, entries)
+        if entries is None and not decoder.done:
+            # The common case: text only, no allocation beyond the event itself.
+            return [OutputEvent(OutputKind.DELTA, choice, text)] if text else []
+        return self._events(choice, decoder, text, entries)
 
     def finish_all(self, reason: EngineFinish, error: str | None = None) -> list[OutputEvent]:
         """End every open choice (a cancel, a lost worker), releasing withheld text."""
