@@ -1,0 +1,161 @@
+"""Relay benchmark: the echo engine at unlimited rate through real processes.
+
+    python benchmarks/relay.py [--requests 64] [--tokens 512] [--stage relay|worker]
+
+- ``--stage worker`` (issue #3): one worker publishes; the client only waits for the
+  requests to finish. Reports token ids published per second and worker CPU µs/token.
+- ``--stage relay`` (issue #4): worker + streamer + redis; the client reads every
+  request's output stream (one XREAD over all of them). Reports delivered tokens/s, CPU
+  µs per delivered token for each process (from /proc: stable under noise), and the
+  latency the relay adds over the engine: for every output entry, the time the client
+  received it minus the time the worker published the last token in it (token entry ids
+  are Redis server timestamps), so TTFT/ITL "added" exclude the engine's own step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.messages import OutputKind, SamplingParams, StopConditions  # noqa: E402
+from app.prepare import prepare_bundled_model  # noqa: E402
+from broker.celery_app import create_celery  # noqa: E402
+from broker.keys import Keys  # noqa: E402
+from broker.records import RequestRecord, RequestState  # noqa: E402
+from broker.requests import RequestStore  # noqa: E402
+from broker.server import RedisServer  # noqa: E402
+from broker.streams import decode_events, is_terminal  # noqa: E402
+from tests.stack import isolated_settings, streamer_process, worker_process  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its reaped children, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[str, object]:
+    with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
+        settings = isolated_settings(server.url, models_dir, worker_slots=n_requests,
+                                     echo_tokens_per_second=0.0)
+        client = redis.Redis.from_url(server.url)
+        keys = Keys(settings.key_prefix)
+        store = RequestStore(client, keys)
+        celery_app = create_celery(settings)
+        prompt = [1000 + (i % 30000) for i in range(n_tokens)]  # no EOS inside
+        with worker_process(settings, Path(logs)) as worker:
+            streamer_ctx = streamer_process(settings, Path(logs)) if stage == "relay" else None
+            streamer = streamer_ctx.__enter__() if streamer_ctx else None
+            try:
+                pids = {"worker": worker.pid, "redis": server.proc.pid}  # type: ignore[union-attr]
+                if streamer:
+                    pids["streamer"] = streamer.pid
+                records = []
+                now = time.time()
+                for _ in range(n_requests):
+                    records.append(RequestRecord(
+                        request_id=uuid.uuid4().hex, model=settings.served_name,
+                        prompts=[prompt], sampling=SamplingParams(temperature=0.0),
+                        stop=StopConditions(max_tokens=n_tokens, eos_token_ids=(2,)),
+                        created=now, deadline=now + 600))
+                cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                t0 = time.time()
+                for r in records:
+                    store.submit(r, celery_app)
+                lat: list[float] = []
+                ttft_added: list[float] = []
+                ttft: list[float] = []
+                delivered = 0
+                if stage == "worker":
+                    pending = {r.request_id for r in records}
+                    while pending:
+                        for rid in list(pending):
+                            st = store.state(rid)
+                            if st and st[0] is RequestState.DONE:
+                                pending.discard(rid)
+                        time.sleep(0.01)
+                    delivered = sum(
+                        len(p.token_ids) for r in records
+                        for p in store.progress(r.request_id, 1))
+                else:
+                    cursors = {keys.output(r.request_id): "0-0" for r in records}
+                    seen_first: set[str] = set()
+                    while cursors:
+                        res = client.xread(cursors, count=1024, block=1000)
+                        recv = time.time()
+                        for key_raw, entries in res or []:
+                            key = key_raw.decode()
+                            for eid, fields in entries:
+                                cursors[key] = eid
+                                src_ms = int(fields[b"s"].split(b"-")[0]) / 1000
+                                for ev in decode_events(fields[b"e"]):
+                                    if ev.kind is OutputKind.DELTA:
+                                        if key not in seen_first:
+                                            seen_first.add(key)
+                                            ttft_added.append(recv - src_ms)
+                                            ttft.append(recv - t0)
+                                        lat.append(recv - src_ms)
+                                    if ev.kind is OutputKind.USAGE and ev.usage:
+                                        delivered += ev.usage["completion_tokens"]
+                                    if is_terminal(ev):
+                                        cursors.pop(key, None)
+                elapsed = time.time() - t0
+                cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+            finally:
+                if streamer_ctx:
+                    streamer_ctx.__exit__(None, None, None)
+        out: dict[str, object] = {
+            "stage": stage, "requests": n_requests, "tokens_per_request": n_tokens,
+            "delivered_tokens": delivered, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(delivered / elapsed),
+            "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
+        }
+        out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
+        if stage == "relay":
+            out["added_latency_ms"] = {
+                "ttft_p50": round(percentile(ttft_added, 0.5) * 1000, 2),
+                "ttft_p99": round(percentile(ttft_added, 0.99) * 1000, 2),
+                "itl_p50": round(percentile(lat, 0.5) * 1000, 2),
+                "itl_p99": round(percentile(lat, 0.99) * 1000, 2),
+            }
+            out["ttft_ms_p50"] = round(statistics.median(ttft) * 1000, 1) if ttft else None
+        return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--stage", choices=["relay", "worker", "both"], default="both")
+    parser.add_argument("--models-dir", type=Path)
+    args = parser.parse_args()
+    models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
+    prepare_bundled_model(models_dir)
+    stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
+    for stage in stages:
+        print(json.dumps(run(stage, args.requests, args.tokens, models_dir), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
