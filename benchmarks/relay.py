@@ -28,15 +28,15 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.messages import OutputKind, SamplingParams, StopConditions  # noqa: E402
-from app.prepare import prepare_bundled_model  # noqa: E402
-from broker.celery_app import create_celery  # noqa: E402
-from broker.keys import Keys  # noqa: E402
-from broker.records import RequestRecord, RequestState  # noqa: E402
-from broker.requests import RequestStore  # noqa: E402
-from broker.server import RedisServer  # noqa: E402
-from broker.streams import decode_events, is_terminal  # noqa: E402
-from tests.stack import isolated_settings, streamer_process, worker_process  # noqa: E402
+from app.messages import OutputKind, SamplingParams, StopConditions
+from app.prepare import prepare_bundled_model
+from broker.celery_app import create_celery
+from broker.keys import Keys
+from broker.records import RequestRecord, RequestState
+from broker.requests import RequestStore
+from broker.server import RedisServer
+from broker.streams import decode_events, is_terminal
+from tests.stack import isolated_settings, streamer_process, worker_process
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -56,8 +56,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
-        settings = isolated_settings(server.url, models_dir, worker_slots=n_requests,
-                                     echo_tokens_per_second=0.0)
+        settings = isolated_settings(
+            server.url, models_dir, worker_slots=n_requests, echo_tokens_per_second=0.0
+        )
         client = redis.Redis.from_url(server.url)
         keys = Keys(settings.key_prefix)
         store = RequestStore(client, keys)
@@ -73,11 +74,17 @@ def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[st
                 records = []
                 now = time.time()
                 for _ in range(n_requests):
-                    records.append(RequestRecord(
-                        request_id=uuid.uuid4().hex, model=settings.served_name,
-                        prompts=[prompt], sampling=SamplingParams(temperature=0.0),
-                        stop=StopConditions(max_tokens=n_tokens, eos_token_ids=(2,)),
-                        created=now, deadline=now + 600))
+                    records.append(
+                        RequestRecord(
+                            request_id=uuid.uuid4().hex,
+                            model=settings.served_name,
+                            prompts=[prompt],
+                            sampling=SamplingParams(temperature=0.0),
+                            stop=StopConditions(max_tokens=n_tokens, eos_token_ids=(2,)),
+                            created=now,
+                            deadline=now + 600,
+                        )
+                    )
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
                 t0 = time.time()
                 for r in records:
@@ -95,8 +102,8 @@ def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[st
                                 pending.discard(rid)
                         time.sleep(0.01)
                     delivered = sum(
-                        len(p.token_ids) for r in records
-                        for p in store.progress(r.request_id, 1))
+                        len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
+                    )
                 else:
                     cursors = {keys.output(r.request_id): "0-0" for r in records}
                     seen_first: set[str] = set()
@@ -125,8 +132,11 @@ def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[st
                 if streamer_ctx:
                     streamer_ctx.__exit__(None, None, None)
         out: dict[str, object] = {
-            "stage": stage, "requests": n_requests, "tokens_per_request": n_tokens,
-            "delivered_tokens": delivered, "elapsed_s": round(elapsed, 3),
+            "stage": stage,
+            "requests": n_requests,
+            "tokens_per_request": n_tokens,
+            "delivered_tokens": delivered,
+            "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round(delivered / elapsed),
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }

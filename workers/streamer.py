@@ -101,11 +101,6 @@ class ChoiceDecoders:
     def all_done(self) -> bool:
         return all(p.all_done for p in self.parts)
 
-    @property
-    def stopped_locally(self) -> bool:
-        """Some choice ended on a stop string/token before the engine finished it."""
-        return any(d.finish_reason is FinishReason.STOP for p in self.parts for d in p.choices)
-
     def usage(self) -> dict[str, Any]:
         completion = sum(p.completion_tokens for p in self.parts)
         out: dict[str, Any] = {

@@ -1,0 +1,105 @@
+"""Flower, pointed at the same Redis, lists the worker and its finished generate task."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from app.messages import SamplingParams, StopConditions
+from app.settings import Settings
+from broker.celery_app import create_celery
+from broker.keys import Keys
+from broker.records import RequestRecord, RequestState
+from broker.requests import RequestStore
+from broker.server import free_port
+from tests.stack import Proc, child_env, wait_for, worker_process
+
+pytestmark = pytest.mark.integration
+
+
+def _get(url: str, auth: str) -> Any:
+    req = urllib.request.Request(
+        url, headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_flower_lists_worker_and_task(settings: Settings, tmp_path: Path) -> None:
+    port, auth = free_port(), "ops:secret"
+    flower = Proc(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "--broker",
+            settings.redis_url,
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            f"--basic-auth={auth}",
+        ],
+        child_env(settings),
+        tmp_path / "flower.log",
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                _get(f"{base}/api/workers", auth)
+                return True
+            except (urllib.error.URLError, ConnectionError):
+                return False
+
+        wait_for(up, 30, "flower to answer", interval=0.3)
+        with pytest.raises(urllib.error.HTTPError):  # basic auth is enforced
+            _get(f"{base}/api/workers", "ops:wrong")
+        with worker_process(settings, tmp_path):
+            store = RequestStore(
+                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+            )
+            now = time.time()
+            rec = RequestRecord(
+                request_id=uuid.uuid4().hex,
+                model=settings.served_name,
+                prompts=[[10, 11, 12]],
+                sampling=SamplingParams(),
+                stop=StopConditions(max_tokens=8, eos_token_ids=(2,)),
+                created=now,
+                deadline=now + 60,
+            )
+            store.submit(rec, create_celery(settings))
+            wait_for(
+                lambda: (s := store.state(rec.request_id)) and s[0] is RequestState.DONE,
+                30,
+                "the request to finish",
+            )
+            task_id = f"{rec.request_id}.0"
+
+            def task_listed() -> bool:
+                tasks = _get(f"{base}/api/tasks", auth)
+                return tasks.get(task_id, {}).get("state") == "SUCCESS"
+
+            wait_for(task_listed, 30, "flower to list the task", interval=0.5)
+            workers = wait_for(
+                lambda: _get(f"{base}/api/workers?refresh=1", auth),
+                30,
+                "flower to list the worker",
+                interval=0.5,
+            )
+            assert any(name.startswith("celery@") for name in workers)  # type: ignore[union-attr]
+            task = _get(f"{base}/api/task/info/{task_id}", auth)
+            assert task["name"] == "tokenrelay.generate"
+    finally:
+        flower.stop()
