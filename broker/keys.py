@@ -10,6 +10,7 @@
 {p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
 {p}streamers        zset   streamer ids scored by last heartbeat
 {p}new              stream new requests handed to streamers (consumer group)
+{p}inflight         zset   admitted request ids scored by deadline (admission limit)
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class Keys:
 
     def members(self, kind: str) -> str:
         return f"{self.prefix}{kind}s"
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.prefix}inflight"
 
     @property
     def new_requests(self) -> str:

@@ -71,6 +71,7 @@ class RequestStore:
         self._claim = client.register_script(scripts.CLAIM)
         self._resume = client.register_script(scripts.RESUME)
         self._publish = client.register_script(scripts.PUBLISH)
+        self._admit = client.register_script(scripts.ADMIT)
 
     # -- web tier -----------------------------------------------------------------
     def create(self, record: RequestRecord) -> None:
@@ -96,6 +97,21 @@ class RequestStore:
         """Write the record, hand it to the streamers, and queue ``generate`` for it."""
         self.create(record)
         send_generate(celery_app, record.request_id, 0, queue=record.queue, model=record.model)
+
+    def admit(self, rid: str, deadline: float, limit: int, now: float) -> bool:
+        """Count ``rid`` against the shared in-flight limit; False when full."""
+        res = self._admit(keys=[self.keys.inflight], args=[now, limit, rid, deadline])
+        return bool(int(res))
+
+    def release(self, rid: str) -> None:
+        """The request's reader is done with it: free its admission slot."""
+        self.redis.zrem(self.keys.inflight, rid)
+
+    def in_flight(self, now: float) -> int:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(self.keys.inflight, "-inf", now)
+        pipe.zcard(self.keys.inflight)
+        return int(pipe.execute()[1])
 
     def cancel(self, rid: str) -> None:
         """Ask whoever generates ``rid`` to stop (durable key + a wake-up)."""

@@ -66,3 +66,13 @@ for i = 0, n - 1 do
 end
 return out
 """
+
+# KEYS: inflight zset              ARGV: now, limit, rid, deadline
+# Admission across every web process: requests in flight (pruned at their deadline,
+# so a crashed web process cannot leak capacity). -> 1 admitted, 0 full
+ADMIT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+return 1
+"""

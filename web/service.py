@@ -1,0 +1,201 @@
+"""The web tier's one door to the rest of the system (through ``broker/`` only).
+
+``GenerationService`` turns a validated OpenAI request into a ``RequestRecord``
+(template, tokenize, context check, stop conditions), admits it against the shared
+in-flight limit, submits it, and reads its output stream from a cursor. Routes for
+HTTP/SSE, WebSocket and batches all use it, so they cannot disagree on what a request
+means. One instance per web process, built from settings (no module-level globals).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+
+from app.chat_template import PromptBuilder
+from app.errors import ContextLengthExceeded, InvalidRequest, NotFound, QueueFull
+from app.messages import OutputEvent
+from app.model_card import ModelCard, load_model_card
+from app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    to_sampling_params,
+    to_stop_conditions,
+)
+from app.settings import Settings
+from broker.celery_app import create_celery
+from broker.keys import Keys
+from broker.records import QueueName, RequestRecord
+from broker.registry import streamer_registry, worker_registry
+from broker.requests import RequestStore
+from broker.streams import OutputStreams, is_terminal
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request that was admitted and handed to workers and streamers."""
+
+    record: RequestRecord
+    prompt_tokens: int
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+
+class GenerationService:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        card: ModelCard | None = None,
+        client: redis.Redis | None = None,
+        celery_app: Celery | None = None,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self.settings = settings
+        self.card = card or load_model_card(settings.model_path())
+        self.prompts = PromptBuilder.from_card(self.card)
+        self.tokenizer = self.prompts.tokenizer
+        self.model_name = settings.served_name
+        self.redis = client or redis.Redis.from_url(settings.redis_url)
+        keys = Keys(settings.key_prefix)
+        self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
+        self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)
+        self.workers = worker_registry(self.redis, keys)
+        self.streamers = streamer_registry(self.redis, keys)
+        self.celery = celery_app or create_celery(settings)
+        self.clock = clock
+        self.new_id = new_id
+
+    # -- models -----------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """Only the served model exists here (a missing model field means ours)."""
+        if model is not None and model != self.model_name:
+            raise NotFound(
+                f"The model '{model}' does not exist.", param="model", code="model_not_found"
+            )
+
+    # -- building records -------------------------------------------------------------------
+    def chat_record(
+        self, req: ChatCompletionRequest, *, queue: QueueName = "interactive"
+    ) -> RequestRecord:
+        self.check_model(req.model)
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        prompt = self.prompts.encode_chat(messages)
+        last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
+        echo = (
+            [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
+        )
+        return self._record(req, [prompt], echo_ids=echo, queue=queue)
+
+    def completion_record(
+        self, req: CompletionRequest, *, queue: QueueName = "interactive"
+    ) -> RequestRecord:
+        self.check_model(req.model)
+        prompts = [p if isinstance(p, list) else self.prompts.encode(p) for p in req.prompts]
+        vocab = self.card.vocab_size
+        for ids in prompts:
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+        return self._record(req, prompts, echo_ids=None, queue=queue)
+
+    def _record(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        *,
+        echo_ids: list[list[int]] | None,
+        queue: QueueName,
+    ) -> RequestRecord:
+        ctx = self.card.context_length
+        longest = max(len(p) for p in prompts)
+        if longest >= ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"prompt has {longest} tokens. Please reduce the length of the prompt.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        asked = req.max_new_tokens
+        if asked is not None and longest + asked > ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you "
+                f"requested {longest + asked} tokens ({longest} in the prompt, {asked} for "
+                f"the completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+            )
+        stop = to_stop_conditions(
+            req, eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
+        )
+        now = self.clock()
+        return RequestRecord(
+            request_id=self.new_id(),
+            model=self.model_name,
+            prompts=prompts,
+            n=req.n,
+            sampling=to_sampling_params(req),
+            stop=stop,
+            echo_ids=echo_ids,
+            created=now,
+            deadline=now + self.settings.request_timeout_s,
+            queue=queue,
+        )
+
+    # -- running ----------------------------------------------------------------------------
+    def submit(self, record: RequestRecord) -> Submitted:
+        """Admit (429 when the shared in-flight limit is reached) and submit."""
+        now = self.clock()
+        if not self.store.admit(record.request_id, record.deadline, self.settings.max_queue, now):
+            raise QueueFull("The server is at capacity; please retry shortly.", retry_after=1)
+        try:
+            self.store.submit(record, self.celery)
+        except Exception:
+            self.store.release(record.request_id)
+            raise
+        return Submitted(record, sum(len(p) for p in record.prompts))
+
+    def events(
+        self, rid: str, cursor: str = "0-0", *, block_ms: int = 1000
+    ) -> Iterator[tuple[str, OutputEvent] | None]:
+        """The output stream from ``cursor``: (entry id, event) pairs until the terminal
+        event; ``None`` whenever ``block_ms`` passes without output (for keep-alives)."""
+        while True:
+            entries = self.outputs.read(rid, cursor, block_ms=block_ms)
+            if not entries:
+                yield None
+                continue
+            for eid, events in entries:
+                cursor = eid
+                for ev in events:
+                    yield eid, ev
+                    if is_terminal(ev):
+                        return
+
+    def finish(self, rid: str) -> None:
+        """The client has everything (or is gone): free the admission slot."""
+        self.store.release(rid)
+
+    def cancel(self, rid: str) -> None:
+        """Client disconnect or explicit cancel: stop generation and free the slot."""
+        self.store.cancel(rid)
+        self.store.release(rid)
+
+    # -- health -----------------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason): Redis reachable, a live worker for our model, a live streamer."""
+        try:
+            workers = [w for w in self.workers.live() if w.model == self.model_name]
+            streamers = self.streamers.live()
+        except redis.RedisError:
+            return False, "Redis is unreachable."
+        if not workers:
+            return False, f"No live worker serves model '{self.model_name}'."
+        if not streamers:
+            return False, "No live streamer."
+        return True, "ok"
