@@ -54,10 +54,17 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[str, object]:
+def run(
+    stage: str,
+    n_requests: int,
+    n_tokens: int,
+    models_dir: Path,
+    rate: float = 0.0,
+    rate: float = 0.0,
+) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         settings = isolated_settings(
-            server.url, models_dir, worker_slots=n_requests, echo_tokens_per_second=0.0
+            server.url, models_dir, worker_slots=n_requests, echo_tokens_per_second=rate
         )
         client = redis.Redis.from_url(server.url)
         keys = Keys(settings.key_prefix)
@@ -133,6 +140,7 @@ def run(stage: str, n_requests: int, n_tokens: int, models_dir: Path) -> dict[st
                     streamer_ctx.__exit__(None, None, None)
         out: dict[str, object] = {
             "stage": stage,
+            "engine_rate_per_request": rate or "unlimited",
             "requests": n_requests,
             "tokens_per_request": n_tokens,
             "delivered_tokens": delivered,
@@ -158,12 +166,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--stage", choices=["relay", "worker", "both"], default="both")
     parser.add_argument("--models-dir", type=Path)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="echo tokens/s per request (0 = unlimited); a paced run shows the latency the "
+        "relay adds when it is not saturated",
+    )
     args = parser.parse_args()
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
     prepare_bundled_model(models_dir)
     stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
     for stage in stages:
-        print(json.dumps(run(stage, args.requests, args.tokens, models_dir), indent=2))
+        print(json.dumps(run(stage, args.requests, args.tokens, models_dir, args.rate), indent=2))
     return 0
 
 
