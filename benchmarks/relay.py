@@ -60,7 +60,6 @@ def run(
     n_tokens: int,
     models_dir: Path,
     rate: float = 0.0,
-    rate: float = 0.0,
 ) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         settings = isolated_settings(
