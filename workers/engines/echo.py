@@ -3,9 +3,10 @@
 Each choice's completion is ``echo_ids`` (the web tier puts the last user message
 there for chats) or else the prompt's own ids, followed by the model's first EOS id.
 It honours max_new_tokens, min_tokens, user stop token ids, n, resume prefixes and
-cancel, at a configurable rate per choice (0 = one token per choice per step, as fast
-as the caller steps). Logprobs are exact for a deterministic model: 0.0 for the echoed
-token, alternatives at -9999.0 (vLLM's stand-in for -inf, which JSON cannot carry).
+cancel, at a configurable rate: steps per second, each advancing every running choice
+by one token as a real engine's batched step does (0 = as fast as the caller steps).
+Logprobs are exact for a deterministic model: 0.0 for the echoed token, alternatives at
+-9999.0 (vLLM's stand-in for -inf, which JSON cannot carry).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ class _Choice:
     pos: int  # tokens generated so far, including a resumed prefix
     limit: int  # pos at which max_new_tokens is reached
     job: EngineJob
-    next_due: float = 0.0
     cancelled: bool = False
 
 
@@ -52,6 +52,7 @@ class EchoEngine(Engine):
         self.clock = clock
         self.sleep = sleep
         self._choices: list[_Choice] = []
+        self._next_step = 0.0
 
     @property
     def capacity(self) -> int:
@@ -61,7 +62,6 @@ class EchoEngine(Engine):
         source = job.echo_ids if job.echo_ids else job.prompt_ids
         if not source:
             raise JobRejected("the echo engine needs a non-empty prompt")
-        now = self.clock()
         for c in job.choices:
             total = len(job.prompt_ids) + len(c.prefix_ids) + c.max_new_tokens
             if total > self.context_length:
@@ -72,7 +72,7 @@ class EchoEngine(Engine):
         for c in job.choices:
             pos = len(c.prefix_ids)
             self._choices.append(
-                _Choice(job.job_id, c.index, source, pos, pos + c.max_new_tokens, job, now)
+                _Choice(job.job_id, c.index, source, pos, pos + c.max_new_tokens, job)
             )
 
     def cancel(self, job_id: str) -> None:
@@ -95,10 +95,13 @@ class EchoEngine(Engine):
 
     def step(self) -> list[EngineStep]:
         if self.interval and self._choices:
-            wait = min(c.next_due for c in self._choices) - self.clock()
+            # Like a real engine, one step advances every running choice at once; the
+            # rate sets how often steps happen.
+            wait = self._next_step - self.clock()
             if wait > 0 and not any(c.cancelled for c in self._choices):
                 self.sleep(wait)
-        now = self.clock()
+            now = self.clock()
+            self._next_step = max(self._next_step + self.interval, now)
         out: list[EngineStep] = []
         keep: list[_Choice] = []
         for c in self._choices:
@@ -107,12 +110,8 @@ class EchoEngine(Engine):
                     EngineStep(c.job_id, TokenDelta(c.index, [], finish=EngineFinish.CANCELLED))
                 )
                 continue
-            if self.interval and c.next_due > now:
-                keep.append(c)
-                continue
             tok, ends = self._token_at(c)
             c.pos += 1
-            c.next_due = max(c.next_due + self.interval, now) if self.interval else 0.0
             finish = (
                 EngineFinish.EOS if ends else (EngineFinish.LENGTH if c.pos >= c.limit else None)
             )
