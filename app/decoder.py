@@ -311,16 +311,21 @@ class RequestDecoder:
         n: int = 1,
         skip_special_tokens: bool = True,
         logprobs: bool = False,
+        more_prompts: Sequence[Sequence[int]] = (),
     ) -> None:
+        """``more_prompts``: the completions endpoint's list of prompts after the first;
+        choice ``c`` then runs on prompt ``c // n`` (OpenAI's index = prompt_index*n + i)."""
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
+        prompts = [prompt_ids, *more_prompts]
         self._choices = [
-            Decoder(tokenizer, prompt_ids, stop, skip_special_tokens=skip_special_tokens)
+            Decoder(tokenizer, prompt, stop, skip_special_tokens=skip_special_tokens)
+            for prompt in prompts
             for _ in range(n)
         ]
         self._texts = TokenTexts(tokenizer) if logprobs else None
-        self._open = n
-        self._prompt_tokens = len(prompt_ids)
+        self._open = len(self._choices)
+        self._prompt_tokens = sum(len(p) for p in prompts)
         self._cached_tokens: int | None = None
 
     @property
@@ -374,18 +379,27 @@ class RequestDecoder:
         if entries is None and not decoder.done:
             # The common case: text only, no allocation beyond the event itself.
             return [OutputEvent(OutputKind.DELTA, choice, text)] if text else []
-        return self._events(choice, decoder, text, entries)
+        return self._events(choice, decoder, text, entries, delta.error_code)
 
-    def finish_all(self, reason: EngineFinish, error: str | None = None) -> list[OutputEvent]:
-        """End every open choice (a cancel, a lost worker), releasing withheld text."""
+    def finish_all(
+        self, reason: EngineFinish, error: str | None = None, code: int | None = None
+    ) -> list[OutputEvent]:
+        """End every open choice (a cancel, a lost worker), releasing withheld text.
+
+        ``code`` is the HTTP status an ERROR maps to (e.g. 504 for a deadline)."""
         events: list[OutputEvent] = []
         for i, decoder in enumerate(self._choices):
             if not decoder.done:
-                events += self._events(i, decoder, decoder.finish(reason, error), None)
+                events += self._events(i, decoder, decoder.finish(reason, error), None, code)
         return events
 
     def _events(
-        self, choice: int, decoder: Decoder, text: str, entries: list[LogprobEntry] | None
+        self,
+        choice: int,
+        decoder: Decoder,
+        text: str,
+        entries: list[LogprobEntry] | None,
+        code: int | None = None,
     ) -> list[OutputEvent]:
         events: list[OutputEvent] = []
         if text or entries:
@@ -399,6 +413,7 @@ class RequestDecoder:
                     finish_reason=decoder.finish_reason,
                     stop_reason=decoder.stop_reason,
                     error=decoder.error,
+                    code=code if decoder.finish_reason is FinishReason.ERROR else None,
                 )
             )
         return events

@@ -474,3 +474,26 @@ def test_one_token_at_a_time_equals_all_at_once(
         text += dec.finish(EngineFinish.LENGTH)
         outcomes.add((text, dec.finish_reason, dec.stop_reason, dec.completion_tokens))
     assert len(outcomes) == 1, outcomes
+
+
+def test_request_decoder_list_of_prompts_maps_choice_to_prompt(
+    smollm_tokenizer: Tokenizer,
+) -> None:
+    """Completions' list of prompts: choice c decodes against prompt c // n."""
+    a, b = ids_of(smollm_tokenizer, "first"), ids_of(smollm_tokenizer, "second")
+    req = RequestDecoder(smollm_tokenizer, a, StopConditions(), n=2, more_prompts=[b])
+    assert len(req.choices) == 4
+    assert req.usage["prompt_tokens"] == len(a) + len(b)
+    for c in range(4):
+        req.feed(TokenDelta(c, ids_of(smollm_tokenizer, " x"), finish=EngineFinish.LENGTH))
+    assert req.all_done
+
+
+def test_error_code_travels_on_the_final_event(smollm_tokenizer: Tokenizer) -> None:
+    req = RequestDecoder(smollm_tokenizer, [], StopConditions(), n=2)
+    (final,) = req.feed(
+        TokenDelta(0, [], finish=EngineFinish.ERROR, error="too long", error_code=400)
+    )
+    assert final.code == 400 and final.error == "too long"
+    finals = req.finish_all(EngineFinish.ERROR, "deadline", 504)
+    assert [(e.choice, e.code) for e in finals] == [(1, 504)]

@@ -36,7 +36,7 @@ from celery import Celery
 from tokenizers import Tokenizer
 
 from app.decoder import RequestDecoder
-from app.messages import EngineFinish, FinishReason, OutputEvent, OutputKind, TokenDelta
+from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
@@ -53,67 +53,17 @@ HEARTBEAT_S = 2.0
 READ_BLOCK_MS = 50
 
 
-class ChoiceDecoders:
-    """The request's choices: one RequestDecoder per prompt, choice c on prompt c // n."""
-
-    def __init__(self, tokenizer: Tokenizer, record: RequestRecord) -> None:
-        logprobs = record.sampling.logprobs is not None
-        self.n = record.n
-        self.parts = [
-            RequestDecoder(
-                tokenizer,
-                prompt,
-                record.stop,
-                n=record.n,
-                skip_special_tokens=record.skip_special_tokens,
-                logprobs=logprobs,
-            )
-            for prompt in record.prompts
-        ]
-        self.prompt_tokens = sum(len(p) for p in record.prompts)
-
-    def feed(self, delta: TokenDelta) -> list[OutputEvent]:
-        p, local = divmod(delta.choice, self.n)
-        global_choice = delta.choice
-        delta.choice = local
-        events = self.parts[p].feed(delta)
-        delta.choice = global_choice
-        for ev in events:
-            ev.choice = global_choice
-            if ev.kind is OutputKind.FINAL and ev.finish_reason is FinishReason.ERROR:
-                ev.code = delta.error_code
-        return events
-
-    def finish_all(
-        self, reason: EngineFinish, error: str | None = None, code: int | None = None
-    ) -> list[OutputEvent]:
-        events: list[OutputEvent] = []
-        for p, part in enumerate(self.parts):
-            for ev in part.finish_all(reason, error):
-                assert ev.choice is not None
-                ev.choice = p * self.n + ev.choice
-                if ev.kind is OutputKind.FINAL and reason is EngineFinish.ERROR:
-                    ev.code = code
-                events.append(ev)
-        return events
-
-    @property
-    def all_done(self) -> bool:
-        return all(p.all_done for p in self.parts)
-
-    def usage(self) -> dict[str, Any]:
-        completion = sum(p.completion_tokens for p in self.parts)
-        out: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-        }
-        cached = [p.usage.get("prompt_tokens_details") for p in self.parts]
-        if any(cached):
-            out["prompt_tokens_details"] = {
-                "cached_tokens": sum(c["cached_tokens"] for c in cached if c)
-            }
-        return out
+def request_decoder(tokenizer: Tokenizer, record: RequestRecord) -> RequestDecoder:
+    """The Decoders of all of a request's choices (choice c runs on prompt c // n)."""
+    return RequestDecoder(
+        tokenizer,
+        record.prompts[0],
+        record.stop,
+        n=record.n,
+        skip_special_tokens=record.skip_special_tokens,
+        logprobs=record.sampling.logprobs is not None,
+        more_prompts=record.prompts[1:],
+    )
 
 
 @dataclass
@@ -122,7 +72,7 @@ class Tracked:
 
     entry_id: str  # hand-off entry, acknowledged when the request ends
     record: RequestRecord
-    choices: ChoiceDecoders
+    choices: RequestDecoder
     cursor: str = "0-0"  # token stream read position
     wrote_output: bool = False
     engine_finished: set[int] = field(default_factory=set)
@@ -231,7 +181,7 @@ class Streamer:
         return events
 
     def _usage_event(self, t: Tracked) -> OutputEvent:
-        usage = t.choices.usage()
+        usage = dict(t.choices.usage)
         now = self.clock()
         rec = t.record
         usage["timings"] = {
@@ -262,7 +212,7 @@ class Streamer:
             return
         record, _state, _attempt = loaded
         t = Tracked(
-            entry_id, record, ChoiceDecoders(self.tokenizer, record), claimed_at=self.clock()
+            entry_id, record, request_decoder(self.tokenizer, record), claimed_at=self.clock()
         )
         last = self.outputs.last_source(rid)
         if last is not None:

@@ -35,7 +35,7 @@ from broker.streams import GROUP, OutputStreams
 from tests.stack import isolated_settings, streamer_process, wait_for, worker_process
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
-from workers.streamer import ChoiceDecoders
+from workers.streamer import request_decoder
 
 pytestmark = pytest.mark.integration
 
@@ -84,13 +84,13 @@ def reference(tokenizer: Tokenizer, record: RequestRecord) -> Result:
                 min_tokens=record.stop.min_tokens,
             )
         )
-    decoders = ChoiceDecoders(tokenizer, record)
+    decoders = request_decoder(tokenizer, record)
     events: list[OutputEvent] = []
     while engine.has_work():
         for s in engine.step():
             events += decoders.feed(s.delta)
     result = collect(iter(events))
-    result.usage = decoders.usage()
+    result.usage = decoders.usage
     return result
 
 
