@@ -121,12 +121,17 @@ class LlamaCppEngine(Engine):
         capacity: int = 16,
         prefill_chunk: int = 256,
         context_length: int | None = None,
+        verbose: bool = False,
     ) -> None:
         if not 1 <= capacity <= MAX_CAPACITY:
             raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, not {capacity}")
         self._capacity = capacity
         self.prefill_chunk = max(1, prefill_chunk)
         threads = n_threads or os.cpu_count() or 1
+        if not verbose:
+            # llama.cpp logs through llama-cpp-python's logger, which prints every level
+            # unless raised (what Llama(verbose=False) does too).
+            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         self._model = lc.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -175,10 +180,9 @@ class LlamaCppEngine(Engine):
     def from_card(cls, card: ModelCard, settings: Settings) -> LlamaCppEngine:
         if card.gguf_file is None:
             raise ValueError(f"model {card.name!r} has no GGUF file for the llamacpp engine")
-        # llama.cpp's log goes through llama-cpp-python's logger, which prints at every
-        # level unless raised (what Llama(verbose=False) does).
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-        capacity = min(MAX_CAPACITY, max(settings.worker_slots, settings.worker_slots * 2))
+        # Two sequences per Celery slot leaves room for n>1 jobs; bounded because a
+        # CPU step over too many sequences slows every stream down.
+        capacity = min(MAX_CAPACITY, settings.worker_slots * 2)
         return cls(
             card.path / card.gguf_file,
             n_ctx=settings.llamacpp_n_ctx,
@@ -331,17 +335,19 @@ class LlamaCppEngine(Engine):
         # With nothing to decode no one waits on the prefill: use the whole batch.
         budget = self.prefill_chunk if entries else self._n_batch
         budget = min(budget, self._n_batch - len(entries))
+        # One prompt (or one prompt shared by sibling choices) per step: in this
+        # llama.cpp build a unified-KV ubatch holding several tokens of each of two or
+        # more sequences yields wrong logits (checked against one-sequence decodes),
+        # while decode tokens of many sequences plus one prompt chunk are bit-exact.
         for job in self._jobs.values():
-            for p in job.prefills:
-                if budget <= 0:
-                    return entries
-                take = min(budget, len(p.tokens) - p.done)
+            if job.prefills and budget > 0:
+                p = job.prefills[0]
                 ids = [s.seq_id for s in p.seqs]
-                end = p.done + take
+                end = min(len(p.tokens), p.done + budget)
                 for i in range(p.done, end):
                     last = i == len(p.tokens) - 1
                     entries.append(_Entry(p.tokens[i], i, ids, last, job, prefill=p))
-                budget -= take
+                break
         return entries
 
     def _decode(self, entries: list[_Entry]) -> int:

@@ -1,0 +1,124 @@
+"""The engine thread in-process against a real redis-server: only it touches the engine,
+and nothing a job does can end its loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from app.messages import EngineFinish, StopConditions
+from broker.records import RequestRecord
+from broker.requests import ClaimResult, RequestStore, lease_value
+from workers.engine_thread import EngineThread, WorkItem
+from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
+from workers.engines.echo import EchoEngine
+
+pytestmark = pytest.mark.integration
+
+
+class ThreadCheckingEngine(Engine):
+    """Wraps a real engine and records which threads call it."""
+
+    name = "checked"
+
+    def __init__(self, inner: Engine, poison: str | None = None) -> None:
+        self.inner = inner
+        self.poison = poison
+        self.callers: set[str] = set()
+
+    def _seen(self) -> None:
+        self.callers.add(threading.current_thread().name)
+
+    def submit(self, job: EngineJob) -> None:
+        self._seen()
+        self.inner.submit(job)
+
+    def cancel(self, job_id: str) -> None:
+        self._seen()
+        self.inner.cancel(job_id)
+
+    def step(self) -> list[EngineStep]:
+        self._seen()
+        steps = self.inner.step()
+        if self.poison and any(s.job_id.startswith(self.poison) for s in steps):
+            self.poison = None
+            raise RuntimeError("simulated engine crash")
+        return steps
+
+    def has_work(self) -> bool:
+        self._seen()
+        return self.inner.has_work()
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+
+def start_request(store: RequestStore, rid: str, n_tokens: int) -> WorkItem:
+    now = time.time()
+    store.create(
+        RequestRecord(
+            request_id=rid,
+            model="m",
+            prompts=[list(range(100, 100 + n_tokens))],
+            stop=StopConditions(max_tokens=n_tokens + 1, eos_token_ids=(2,)),
+            created=now,
+            deadline=now + 60,
+        )
+    )
+    assert store.claim(rid, 0, "w", 5.0) is ClaimResult.OK
+    job = EngineJob(
+        job_id=f"{rid}/0",
+        prompt_ids=list(range(100, 100 + n_tokens)),
+        choices=[ChoiceJob(0, n_tokens + 1)],
+        eos_token_ids=frozenset({2}),
+    )
+    return WorkItem(rid, 0, lease_value("w", 0), [job], deadline=now + 60)
+
+
+@pytest.fixture
+def engine_thread(store: RequestStore) -> Iterator[tuple[EngineThread, ThreadCheckingEngine]]:
+    engine = ThreadCheckingEngine(EchoEngine(tokens_per_second=200), poison="poisoned")
+    thread = EngineThread(engine, store, lease_ttl_s=5.0)
+    thread.start()
+    yield thread, engine
+    thread.stop()
+    thread.join(5)
+
+
+def test_only_the_engine_thread_calls_the_engine(
+    engine_thread: tuple[EngineThread, ThreadCheckingEngine], store: RequestStore
+) -> None:
+    thread, engine = engine_thread
+    handles = []
+
+    def task(i: int) -> None:  # like Celery task threads
+        handles.append(thread.submit(start_request(store, f"req{i}", 10)))
+
+    tasks = [threading.Thread(target=task, args=(i,), name=f"task-{i}") for i in range(6)]
+    for t in tasks:
+        t.start()
+    for t in tasks:
+        t.join()
+    assert all(h.wait(10) for h in handles)
+    assert engine.callers == {"engine"}
+    assert all(h.summary["outcome"] == "done" for h in handles)
+    assert all(
+        p.finish is EngineFinish.EOS for h in handles for p in store.progress(h.item.request_id, 1)
+    )
+
+
+def test_an_engine_crash_fails_its_jobs_and_the_loop_goes_on(
+    engine_thread: tuple[EngineThread, ThreadCheckingEngine], store: RequestStore
+) -> None:
+    thread, _engine = engine_thread
+    bad = thread.submit(start_request(store, "poisoned", 20))
+    assert bad.wait(10)
+    last = store.read_tokens("poisoned")[-1][2][-1]
+    assert last.finish is EngineFinish.ERROR and last.error_code == 500
+    good = thread.submit(start_request(store, "after", 5))
+    assert good.wait(10)
+    assert store.progress("after", 1)[0].token_ids == [100, 101, 102, 103, 104, 2]
