@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from redis.client import Pipeline
 
 from app.messages import EngineFinish, TokenDelta
 from broker import scripts
@@ -76,8 +77,14 @@ class RequestStore:
     # -- web tier -----------------------------------------------------------------
     def create(self, record: RequestRecord) -> None:
         """Write a new record (state queued, attempt 0) and hand it to the streamers."""
-        k = self.keys.request(record.request_id)
         pipe = self.redis.pipeline(transaction=True)
+        self.queue_create(pipe, record)
+        pipe.execute()
+
+    def queue_create(self, pipe: Pipeline, record: RequestRecord) -> None:
+        """Add ``create``'s commands to a caller's transaction (the batch driver fences
+        them with WATCH on its batch lock, so a driver that lost its batch cannot submit)."""
+        k = self.keys.request(record.request_id)
         pipe.hset(
             k,
             mapping={
@@ -91,7 +98,6 @@ class RequestStore:
         pipe.xadd(
             self.keys.new_requests, {"r": record.request_id}, maxlen=100_000, approximate=True
         )
-        pipe.execute()
 
     def submit(self, record: RequestRecord, celery_app: Celery) -> None:
         """Write the record, hand it to the streamers, and queue ``generate`` for it."""
@@ -158,11 +164,16 @@ class RequestStore:
         return out
 
     # -- workers ------------------------------------------------------------------
-    def claim(self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float) -> ClaimResult:
-        """Take the lease for ``attempt`` of ``rid``; only then may a worker generate."""
+    def claim(
+        self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float
+    ) -> ClaimResult:
+        """Take the lease for ``attempt`` of ``rid``; only then may a worker generate.
+
+        The first claim's time is kept (field ``claimed``): queue time = claimed - created.
+        """
         res = self._claim(
             keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
-            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000)],
+            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now],
         )
         return ClaimResult(_s(res))
 

@@ -8,7 +8,7 @@ a second copy of the tokens.
 
 from __future__ import annotations
 
-# KEYS: req, lease, cancel          ARGV: attempt, lease_value, lease_ttl_ms
+# KEYS: req, lease, cancel          ARGV: attempt, lease_value, lease_ttl_ms, now
 # -> 'ok' | 'missing' | 'stale' | 'done' | 'held' | 'cancelled'
 CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -22,6 +22,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2])
+redis.call('HSETNX', KEYS[1], 'claimed', ARGV[4])
 return 'ok'
 """
 

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         "--without-mingle",
         *rest,
     ]
+    if not any(a in ("-n", "--hostname") or a.startswith("--hostname=") for a in rest):
+        # Unique node names: several workers on one host must not collide in Flower.
+        celery_args += ["-n", f"tokenrelay-{os.getpid()}@%h"]
     app.worker_main(celery_args)
     return 0
 

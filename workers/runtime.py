@@ -104,7 +104,9 @@ class WorkerRuntime:
     # -- the task body -----------------------------------------------------------------
     def generate(self, request_id: str, attempt: int) -> dict[str, Any]:
         """Run ``attempt`` of a request to its end here, unless someone else owns it."""
-        claim = self.store.claim(request_id, attempt, self.worker_id, self.settings.lease_ttl_s)
+        claim = self.store.claim(
+            request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
+        )
         if claim is not ClaimResult.OK:
             logger.info("request %s attempt %s not run here: %s", request_id, attempt, claim.value)
             return {"request_id": request_id, "attempt": attempt, "outcome": claim.value}

@@ -81,6 +81,7 @@ class Tracked:
     queued_since: float | None = None
     last_sent: float = 0.0
     no_worker_since: float | None = None
+    claimed_by_worker: float | None = None  # when a worker first started it (queue time)
 
 
 class Streamer:
@@ -182,12 +183,15 @@ class Streamer:
 
     def _usage_event(self, t: Tracked) -> OutputEvent:
         usage = dict(t.choices.usage)
+        if t.claimed_by_worker is None:  # finished before the watchdog saw the claim
+            raw = self.redis.hget(self.keys.request(t.record.request_id), "claimed")
+            t.claimed_by_worker = float(raw) if raw is not None else None  # type: ignore[arg-type]
         now = self.clock()
         rec = t.record
         usage["timings"] = {
             "queue_s": None
-            if t.first_token_at is None
-            else round(t.first_token_at - rec.created, 4),
+            if t.claimed_by_worker is None
+            else round(t.claimed_by_worker - rec.created, 4),
             "ttft_s": None
             if t.first_token_at is None
             else round(t.first_token_at - rec.created, 4),
@@ -255,14 +259,16 @@ class Streamer:
         rids = list(self.tracked)
         pipe = self.redis.pipeline(transaction=False)
         for rid in rids:
-            pipe.hmget(self.keys.request(rid), "state", "attempt")
+            pipe.hmget(self.keys.request(rid), "state", "attempt", "claimed")
             pipe.exists(self.keys.lease(rid))
         raw = pipe.execute()
         live_models: set[str] | None = None
         failures: list[OutputEntry] = []
         for i, rid in enumerate(rids):
             t = self.tracked[rid]
-            (state_raw, attempt_raw), lease = raw[2 * i], raw[2 * i + 1]
+            (state_raw, attempt_raw, claimed_raw), lease = raw[2 * i], raw[2 * i + 1]
+            if claimed_raw is not None and t.claimed_by_worker is None:
+                t.claimed_by_worker = float(claimed_raw)
             if state_raw is None:
                 failures.append(self._fail(t, "The request expired.", 504))
                 continue

@@ -69,7 +69,7 @@ def start_request(store: RequestStore, rid: str, n_tokens: int) -> WorkItem:
             deadline=now + 60,
         )
     )
-    assert store.claim(rid, 0, "w", 5.0) is ClaimResult.OK
+    assert store.claim(rid, 0, "w", 5.0, now) is ClaimResult.OK
     job = EngineJob(
         job_id=f"{rid}/0",
         prompt_ids=list(range(100, 100 + n_tokens)),

@@ -98,7 +98,7 @@ def test_flower_lists_worker_and_task(settings: Settings, tmp_path: Path) -> Non
                 "flower to list the worker",
                 interval=0.5,
             )
-            assert any(name.startswith("celery@") for name in workers)  # type: ignore[union-attr]
+            assert any(name.startswith("tokenrelay-") for name in workers)  # type: ignore[union-attr]
             task = _get(f"{base}/api/task/info/{task_id}", auth)
             assert task["name"] == "tokenrelay.generate"
     finally:
