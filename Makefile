@@ -23,9 +23,12 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed-cpu
 install-dev: $(VENV)/.installed-dev
 
+# The whole stack in the foreground (it prepares the bundled model on first use); Ctrl-C,
+# or SIGTERM to make, stops everything it started. Options: make run UP_ARGS="--engine echo".
+# `exec`: the signal make forwards must reach `tokenrelay up` itself, not a shell around it.
+UP_ARGS ?=
 run: install
-	$(BIN)/tokenrelay model prepare
-	$(BIN)/tokenrelay up
+	exec $(BIN)/tokenrelay up $(UP_ARGS)
 
 lint: install-dev
 	$(BIN)/ruff check .

@@ -34,6 +34,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def redis_server_args(port: int, data_dir: Path) -> list[str]:
+    """The command line of a private, loopback-only, non-persistent redis-server.
+
+    ``noeviction``: Celery messages and request records must never be evicted silently;
+    a full Redis should fail writes loudly instead. Shared with ``tokenrelay up``.
+    """
+    return [
+        redis_executable(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(data_dir),
+        "--maxmemory-policy",
+        "noeviction",
+        "--protected-mode",
+        "yes",
+    ]
+
+
 class RedisServer:
     """A redis-server child process on a free loopback port."""
 
@@ -48,23 +73,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [
-            redis_executable(),
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.data_dir),
-            "--maxmemory-policy",
-            "noeviction",
-            "--protected-mode",
-            "yes",
-        ]
+        args = redis_server_args(self.port, self.data_dir)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout

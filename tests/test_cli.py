@@ -115,6 +115,7 @@ def test_external_table_names_the_planned_components() -> None:
         "worker": "workers",
         "streamer": "workers.streamer",
         "web": "web",
+        "batcher": "workers.batcher",
         "up": "workers.up",
     }
 

@@ -1,0 +1,126 @@
+"""Run ``tokenrelay up`` (directly or through ``make run``) from a test, and check what it
+recorded in ``<run-dir>/up.json``: the children's PIDs, the URLs and its exit status.
+
+Clean-up goes only through PIDs: the process the test started, then (as a safety net
+when a test failed half-way) the PIDs ``up`` recorded for its children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.stack import REPO
+
+
+def up_env(**extra: str) -> dict[str, str]:
+    """This environment without TOKENRELAY_* (a developer's settings must not leak in)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie awaiting its reaper counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class UpRun:
+    """A supervisor process started by a test, with its output in a file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], run_dir: Path, out: Path) -> None:
+        self.run_dir = run_dir
+        self.out = out
+        with out.open("wb") as fh:
+            self.popen = subprocess.Popen(
+                args,
+                env=env,
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    def logs(self) -> str:
+        """The tail of every child's log: what a failing test should show."""
+        parts = [f"--- supervisor output ---\n{self.output()[-3000:]}"]
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-1500:]}")
+        return "\n".join(parts)
+
+    def state(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads((self.run_dir / "up.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return data
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Wait until ``up`` printed its URLs; fail with every log if it exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state()
+            if state.get("state") == "running" and "Press Ctrl-C" in self.output():
+                return state
+            if self.popen.poll() is not None:
+                raise AssertionError(f"up exited ({self.popen.returncode}):\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"up not ready after {timeout}s:\n{self.logs()}")
+            time.sleep(0.3)
+
+    def recorded_pids(self) -> dict[str, int]:
+        """The supervisor's own PID and its children's, as recorded in up.json."""
+        state = self.state()
+        pids = {name: int(child["pid"]) for name, child in state.get("children", {}).items()}
+        if "pid" in state:
+            pids["up"] = int(state["pid"])
+        return pids
+
+    def flower_auth(self) -> str:
+        match = re.search(r"Flower\s+http://([^@\s]+)@", self.output())
+        assert match, self.output()
+        return match.group(1)
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"up did not exit within {timeout}s:\n{self.logs()}") from exc
+
+    def cleanup(self) -> None:
+        """Stop whatever is left after a failed test, by the PIDs we know."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        for pid in self.recorded_pids().values():
+            if pid_alive(pid):  # children lead their own groups; `up` under make does not
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)

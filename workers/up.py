@@ -1,0 +1,640 @@
+"""``tokenrelay up``: the whole stack on one machine, with no Docker and no GPU.
+
+Starts a Redis (a private redis-server, unless ``TOKENRELAY_REDIS_URL``/``--redis-url``
+names one), one worker with the default engine and model, one streamer, the batch
+driver when the package has one, the web server and Flower; waits until the web tier
+says it is ready; prints the chat page, API and Flower URLs; then supervises.
+
+Supervision rules, and why:
+
+* Every child runs in its own session, so a Ctrl-C at the terminal reaches only this
+  supervisor, which stops the children in order (web first, so no new requests arrive;
+  Redis last, so the others shut down against a live broker).
+* Children are stopped by the PIDs started here (SIGTERM to the child, a grace period,
+  then SIGKILL to its process group, which it leads), never by name: other tokenrelay
+  processes on the machine are not ours to touch.
+* A child that exits on its own is reported (name, exit status, the tail of its log) and
+  brings the rest down with a non-zero exit status: a half-running stack that looks
+  healthy is worse than a clear failure.
+* Children also get SIGTERM if this supervisor is killed outright (Linux
+  ``PR_SET_PDEATHSIG``), so nothing is orphaned even by ``kill -9``.
+
+``<run-dir>/up.json`` records the children's PIDs, the URLs and, at the end, the exit
+status (tests and scripts read it); ``<run-dir>/logs/<name>.log`` holds each child's
+output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import redis
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from app.errors import TokenRelayError
+from app.prepare import BUNDLED_MODEL_NAME, is_complete, prepare_bundled_model
+from app.settings import Settings
+from broker.server import free_port, redis_server_args
+
+PROG = "tokenrelay up"
+STATE_FILE = "up.json"
+LOCK_FILE = "up.lock"
+DEFAULT_REDIS_PORT = 6379
+POLL_S = 0.2
+LOG_TAIL_LINES = 20
+
+# Stop phases, in order: the web tier first (no new requests), then what produces work,
+# then the streamer (it relays what the worker published last), Redis last.
+STOP_PHASES: tuple[tuple[str, ...], ...] = (
+    ("web",),
+    ("flower", "batcher", "worker"),
+    ("streamer",),
+    ("redis",),
+)
+
+
+class UpError(Exception):
+    """A start-up failure to report in one line (exit status 1)."""
+
+
+class ChildDied(UpError):
+    """A child exited while it was supposed to be running."""
+
+    def __init__(self, child: Child) -> None:
+        super().__init__(f"{child.name} exited")
+        self.child = child
+
+
+class Interrupted(Exception):
+    """A stop signal arrived while starting up."""
+
+
+# -- children -------------------------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec hook: the child gets SIGTERM when this supervisor dies (Linux only)."""
+
+    def hook() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+            if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+@dataclass
+class Child:
+    """A process started by ``up``: the leader of its own session and process group."""
+
+    name: str
+    args: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes]
+    stop_timeout: float
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exited(self) -> bool:
+        """Whether the child has exited, *without* reaping it.
+
+        While the exited child is an unreaped zombie its PID (= its process group id)
+        cannot be reused, so ``kill_group`` can safely sweep up what it left behind.
+        """
+        if self.popen.returncode is not None:
+            return True
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return self.popen.poll() is not None
+        return info is not None
+
+    def terminate(self) -> None:
+        """Ask the child to shut down its own way (gunicorn, Celery, Flower handle SIGTERM)."""
+        if self.popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's process group, then reap the child."""
+        if self.popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+
+    def describe_exit(self) -> str:
+        code = self.popen.returncode
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit status {code}"
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "    (no log)"
+        tail = text.splitlines()[-lines:] or ["(empty)"]
+        return "\n".join(f"    | {line}" for line in tail)
+
+
+def spawn(
+    name: str, args: list[str], env: dict[str, str], log_dir: Path, stop_timeout: float
+) -> Child:
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            args,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            # Safe here: the supervisor starts its children before it has any threads.
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+    return Child(name, args, log, popen, stop_timeout)
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def display_host(host: str) -> str:
+    """A host to put in a URL: a wildcard bind address is reached through loopback."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def runnable_main(module: str) -> bool:
+    """Whether ``module`` exists and runs something under ``python -m``.
+
+    Used for optional components (the batch driver): a plain library module would exit
+    at once and be reported as a crash.
+    """
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return False
+    try:
+        return "__main__" in Path(spec.origin).read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+def http_status(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """(status, body) of a GET; (0, reason) when nothing answers."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as resp:
+            return resp.status, resp.read(2000).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(2000).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, str(exc)
+
+
+def readiness_reason(body: str) -> str:
+    """The human reason inside a /ready answer (OpenAI error shape or plain text)."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        data = json.loads(body)
+        message = data.get("error", {}).get("message") or data.get("reason") or data.get("status")
+        if message:
+            return str(message)
+    return body.strip()[:200] or "no answer"
+
+
+def basic_auth_header(credentials: str) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(credentials.encode()).decode()}
+
+
+# -- the stack ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    run_dir: Path
+    redis_url: str | None
+    redis_port: int | None
+    ready_timeout: float
+    stop_timeout: float
+
+
+class Stack:
+    """The processes of one ``tokenrelay up``; starts, watches and stops them."""
+
+    def __init__(self, settings: Settings, options: Options, stop: threading.Event) -> None:
+        self.settings = settings
+        self.options = options
+        self.stop_requested = stop
+        self.force = threading.Event()
+        self.children: list[Child] = []
+        self.urls: dict[str, str] = {}
+        self.log_dir = options.run_dir / "logs"
+        self.flower_auth = settings.flower_basic_auth or f"admin:{secrets.token_urlsafe(12)}"
+        self.state = "starting"
+
+    # -- start ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start everything and wait for readiness; raises UpError / Interrupted."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._check_ports()
+        self.settings = self.settings.model_copy(update={"redis_url": self._redis()})
+        env = self._child_env()
+        py = sys.executable
+        loglevel = ["--loglevel", "INFO"]
+        self._spawn("worker", [py, "-m", "workers", *loglevel], env)
+        self._spawn("streamer", [py, "-m", "workers.streamer", *loglevel], env)
+        if runnable_main("workers.batcher"):
+            self._spawn("batcher", [py, "-m", "workers.batcher", *loglevel], env)
+        self._spawn("web", [py, "-m", "web"], env)
+        flower_env = {**env, "FLOWER_BASIC_AUTH": self.flower_auth}  # not on the command line
+        flower = [py, "-m", "celery", "--broker", self.settings.redis_url, "flower"]
+        flower += ["--address=127.0.0.1", f"--port={self.settings.flower_port}"]
+        self._spawn("flower", flower, flower_env)
+
+        web = f"http://{display_host(self.settings.host)}:{self.settings.port}"
+        user, _, password = self.flower_auth.partition(":")
+        flower_base = f"127.0.0.1:{self.settings.flower_port}"
+        self.urls = {
+            "chat": f"{web}/",
+            "api": f"{web}/v1",
+            "flower": f"http://{flower_base}/",
+            "redis": self.settings.redis_url,
+        }
+        self.write_state()
+        self._wait_ready(f"{web}/ready", f"http://{flower_base}/healthcheck")
+        self.state = "running"
+        self.write_state()
+        flower_with_auth = f"http://{user}:{password}@{flower_base}/"
+        say(
+            "ready\n"
+            f"  chat page  {self.urls['chat']}\n"
+            f"  API base   {self.urls['api']}   (OpenAI-compatible; model "
+            f"{self.settings.served_name!r}, engine {self.settings.engine})\n"
+            f"  Flower     {flower_with_auth}   (user {user!r}, password {password!r})\n"
+            f"  Redis      {self.settings.redis_url}\n"
+            f"  logs       {self.log_dir}/\n"
+            "Press Ctrl-C to stop."
+        )
+
+    def _check_ports(self) -> None:
+        s = self.settings
+        for what, host, port, var in (
+            ("web server", s.host, s.port, "--port / TOKENRELAY_PORT"),
+            ("Flower", "127.0.0.1", s.flower_port, "TOKENRELAY_FLOWER_PORT"),
+        ):
+            if not port_is_free(host, port):
+                raise UpError(f"port {port} for the {what} is in use; choose another with {var}")
+
+    def _redis(self) -> str:
+        """The Redis URL to use: the one given (checked), else a private redis-server."""
+        url = self.options.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")
+        if url:
+            try:
+                with contextlib.closing(redis.Redis.from_url(url, socket_timeout=3)) as client:
+                    client.ping()
+            except redis.RedisError as exc:
+                raise UpError(f"cannot reach Redis at {url}: {exc}") from exc
+            say(f"using Redis at {url}")
+            return url
+        port = self.options.redis_port
+        if port is None:
+            port = (
+                DEFAULT_REDIS_PORT if port_is_free("127.0.0.1", DEFAULT_REDIS_PORT) else free_port()
+            )
+        data_dir = self.options.run_dir / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+        self._spawn("redis", redis_server_args(port, data_dir), env)
+        url = f"redis://127.0.0.1:{port}/0"
+        client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
+
+        def answers() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        try:
+            self._wait_for(answers, 15, "redis-server to answer")
+        finally:
+            client.close()
+        return url
+
+    def _child_env(self) -> dict[str, str]:
+        """The environment of every child: ours, with the TOKENRELAY_* set replaced."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+        env.update(self.settings.to_env())
+        env["PYTHONUNBUFFERED"] = "1"  # logs reach the files as they happen
+        return env
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        if self.stop_requested.is_set():
+            raise Interrupted
+        child = spawn(name, args, env, self.log_dir, self.options.stop_timeout)
+        self.children.append(child)
+        self.write_state()
+
+    def _wait_ready(self, ready_url: str, flower_url: str) -> None:
+        reason = "no answer yet"
+        auth = basic_auth_header(self.flower_auth)
+
+        def web_ready() -> bool:
+            nonlocal reason
+            status, body = http_status(ready_url)
+            if status == 200:
+                return True
+            reason = readiness_reason(body) if status else "the web server is not answering yet"
+            return False
+
+        def flower_ready() -> bool:
+            status, _ = http_status(flower_url, auth)
+            return status == 200
+
+        say(f"starting (logs in {self.log_dir}/) ...")
+        try:
+            self._wait_for(web_ready, self.options.ready_timeout, "the web server to be ready")
+        except TimeoutError as exc:
+            raise UpError(f"{exc} (last answer: {reason})") from exc
+        self._wait_for(flower_ready, 30, "Flower to answer")
+
+    def _wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll ``cond`` while watching the children and the stop flag."""
+        deadline = time.monotonic() + timeout
+        while not cond():
+            dead = self.first_exited()
+            if dead is not None:
+                raise ChildDied(dead)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+            if self.stop_requested.wait(0.3):
+                raise Interrupted
+
+    # -- run --------------------------------------------------------------------------------
+    def first_exited(self) -> Child | None:
+        return next((c for c in self.children if c.exited()), None)
+
+    def watch(self) -> Child | None:
+        """Block until a stop signal (returns None) or a child exits (returns it)."""
+        while not self.stop_requested.wait(POLL_S):
+            dead = self.first_exited()
+            if dead is not None:
+                return dead
+        return None
+
+    # -- stop -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every child, phase by phase; SIGKILL what outlives its grace period."""
+        self.state = "stopping"
+        self.write_state()
+        by_name = {c.name: c for c in self.children}
+        phases = [[by_name[n] for n in phase if n in by_name] for phase in STOP_PHASES]
+        known = {n for phase in STOP_PHASES for n in phase}
+        phases.insert(0, [c for c in self.children if c.name not in known])
+        for phase in phases:
+            for child in phase:
+                child.terminate()
+            deadline = time.monotonic() + max((c.stop_timeout for c in phase), default=0)
+            while (
+                any(not c.exited() for c in phase)
+                and time.monotonic() < deadline
+                and not self.force.is_set()
+            ):
+                time.sleep(0.05)
+            for child in phase:
+                forced = not child.exited()
+                child.kill_group()  # also sweeps up anything the child left in its group
+                if forced:
+                    say(f"{child.name} (pid {child.pid}) did not stop in time: killed")
+        self.state = "stopped"
+
+    def write_state(self, exit_code: int | None = None) -> None:
+        """Record PIDs and URLs in up.json (atomically: readers never see half a file)."""
+        state: dict[str, Any] = {
+            "pid": os.getpid(),
+            "state": self.state,
+            "run_dir": str(self.options.run_dir.resolve()),
+            "children": {
+                c.name: {"pid": c.pid, "log": str(c.log), "args": c.args[:3]} for c in self.children
+            },
+            "urls": self.urls,
+            "exit_code": exit_code,
+        }
+        path = self.options.run_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def say(message: str) -> None:
+    print(f"{PROG}: {message}", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run the whole stack on this machine: Redis, a worker, a streamer, "
+        "the web server and Flower. Ctrl-C stops everything it started.",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["llamacpp", "exllamav2", "echo"],
+        help="engine of the worker (default: TOKENRELAY_ENGINE, llamacpp); "
+        "echo needs no model weights",
+    )
+    parser.add_argument("--model", help="model name under models_dir, or a path")
+    parser.add_argument("--port", type=int, help="web server port (default: TOKENRELAY_PORT)")
+    parser.add_argument("--flower-port", type=int, help="Flower port (TOKENRELAY_FLOWER_PORT)")
+    parser.add_argument(
+        "--redis-url", help="use this Redis instead of starting one (TOKENRELAY_REDIS_URL)"
+    )
+    parser.add_argument(
+        "--redis-port",
+        type=int,
+        help="port of the private redis-server (default: 6379 if free, else any free port)",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("run"),
+        help="logs, Redis data and up.json (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=15.0,
+        help="seconds each process gets to stop before it is killed",
+    )
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, with the command line's overrides validated."""
+    overrides = {
+        "engine": args.engine,
+        "model": args.model,
+        "port": args.port,
+        "flower_port": args.flower_port,
+    }
+    base = Settings()
+    values = {**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+    return Settings.model_validate(values)
+
+
+def ensure_model(settings: Settings) -> None:
+    """Prepare the bundled model if it is the one asked for and is missing; else check."""
+    path = settings.model_path()
+    if settings.model == BUNDLED_MODEL_NAME and not is_complete(path):
+        say(f"preparing the bundled model in {settings.models_dir} (once)")
+        prepare_bundled_model(settings.models_dir, progress=lambda m: say(f"  {m}"))
+    elif not path.is_dir():
+        raise UpError(
+            f"model {settings.model!r} not found (looked in {path}); set TOKENRELAY_MODEL "
+            "or TOKENRELAY_MODELS_DIR, or run `tokenrelay model prepare`"
+        )
+    if settings.engine == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
+        raise UpError(
+            "the llamacpp engine needs llama-cpp-python: pip install 'tokenrelay[cpu]' "
+            "(or try `tokenrelay up --engine echo`)"
+        )
+
+
+def acquire_run_dir(run_dir: Path) -> IO[str]:
+    """Lock the run directory: two ``up``s sharing logs and up.json would confuse both."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = (run_dir / LOCK_FILE).open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UpError(
+            f"another `tokenrelay up` is using {run_dir} (see {run_dir / STATE_FILE}); "
+            "stop it or pass --run-dir"
+        ) from None
+    return lock
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stop = threading.Event()
+    interrupts = 0
+    stack: Stack | None = None
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1 and stack is not None:  # a second Ctrl-C: don't wait
+                stack.force.set()
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+
+    try:
+        settings = load_settings(args)
+        lock = acquire_run_dir(args.run_dir)
+        ensure_model(settings)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        print(f"{PROG}: error: invalid setting {field}: {err['msg']}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:
+        print(f"{PROG}: error: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    except (UpError, TokenRelayError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+
+    options = Options(
+        run_dir=args.run_dir,
+        redis_url=args.redis_url,
+        redis_port=args.redis_port,
+        ready_timeout=args.ready_timeout,
+        stop_timeout=args.stop_timeout,
+    )
+    stack = Stack(settings, options, stop)
+    code = 0
+    with lock:
+        try:
+            stack.start()
+            dead = stack.watch()
+        except Interrupted:
+            dead = None
+        except ChildDied as exc:
+            dead = exc.child
+        except (UpError, TimeoutError) as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            dead, code = None, 1
+        if dead is not None:
+            dead.kill_group()  # sweeps up what it left in its group, then reaps it
+            print(
+                f"{PROG}: error: {dead.name} (pid {dead.pid}) exited unexpectedly "
+                f"({dead.describe_exit()}); last lines of {dead.log}:\n{dead.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            code = 1
+        say("stopping everything it started ...")
+        stack.stop()
+        stack.write_state(exit_code=code)
+        say("stopped" if code == 0 else f"stopped (exit status {code})")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
