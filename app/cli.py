@@ -5,7 +5,7 @@ Two kinds of subcommands:
 * built in, implemented here on top of ``app/`` alone: ``model prepare``,
   ``model list``, ``config docs``;
 * external, listed in ``EXTERNAL_COMMANDS``: the long-running processes (worker,
-  streamer, web, up) live in packages that ``app/`` must not import (they pull in
+  streamer, web, batcher, up) live in packages that ``app/`` must not import (they pull in
   Redis, Celery and Flask). ``tokenrelay worker ARGS`` replaces this process with
   ``python -m workers ARGS``, so signals, exit codes and ``--help`` are the
   component's own. Adding one is a line in the table plus a ``__main__`` module.
@@ -49,6 +49,9 @@ EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
         "workers.streamer", "run a streamer: token ids -> text deltas (python -m workers.streamer)"
     ),
     "web": ExternalCommand("web", "run the web server (python -m web)"),
+    "batcher": ExternalCommand(
+        "workers.batcher", "run a batch driver for /v1/batches (python -m workers.batcher)"
+    ),
     "up": ExternalCommand(
         "workers.up", "run the whole stack on this machine (python -m workers.up)"
     ),

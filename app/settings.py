@@ -122,6 +122,67 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413)."
     )
+    web_workers: int = Field(
+        default=2,
+        ge=1,
+        description="gunicorn worker processes of `tokenrelay web` (gthread workers).",
+    )
+    web_threads: int = Field(
+        default=192,
+        ge=1,
+        description="Threads per web worker; each open SSE stream or WebSocket holds one, so "
+        "web_workers x web_threads is the most concurrent streams (keep it above max_queue).",
+    )
+    sse_keepalive_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds without output after which an SSE stream gets a keep-alive "
+        "comment (also how soon a silent client's disconnect is noticed).",
+    )
+    ws_max_message_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Largest WebSocket message answered normally; a larger one gets an error "
+        "message and the socket stays open. Past max_body_bytes the socket is closed (1009).",
+    )
+    ws_ping_interval_s: float = Field(
+        default=25.0,
+        ge=0,
+        description="Seconds between WebSocket pings; a client that misses a pong is "
+        "disconnected and its requests cancelled. 0 disables pings.",
+    )
+
+    # Batches (the Files + Batches API and the batch driver)
+    batch_max_file_bytes: int = Field(
+        default=100 * 1024 * 1024,
+        ge=1024,
+        description="Largest file accepted by POST /v1/files (413 above it); files live in Redis.",
+    )
+    batch_max_requests: int = Field(
+        default=50_000, ge=1, description="Most request lines in one batch's input file."
+    )
+    batch_max_in_flight: int = Field(
+        default=64,
+        ge=1,
+        description="Lines of one batch generating at once (batches do not count against "
+        "max_queue; this bound keeps one batch from flooding the batch queue).",
+    )
+    batch_file_ttl_s: int = Field(
+        default=30 * 24 * 3600,
+        ge=60,
+        description="TTL of uploaded files and of batch output/error files in Redis.",
+    )
+    batch_ttl_s: int = Field(
+        default=30 * 24 * 3600,
+        ge=60,
+        description="TTL of a batch object, counted from its creation (keep it longer than "
+        "the 24h completion window).",
+    )
+    batch_lock_ttl_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A batch driver silent this long loses its batches to another driver.",
+    )
 
     # Flower
     flower_port: int = Field(default=5555, ge=1, le=65535, description="Flower's port.")

@@ -9,8 +9,17 @@
 {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
 {p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
 {p}streamers        zset   streamer ids scored by last heartbeat
+{p}batcher:{id}     string batch driver registration JSON, TTL = heartbeat timeout
+{p}batchers         zset   batch driver ids scored by last heartbeat
 {p}new              stream new requests handed to streamers (consumer group)
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
+{p}file:{fid}       hash   an uploaded or generated file: meta (JSON), content (bytes)
+{p}files            zset   file ids scored by creation time (listing)
+{p}batch:{bid}      hash   a batch: body (JSON), status, timestamps, counts, progress
+{p}batch:{bid}:res  hash   per line index: its result (output or error line)
+{p}batch:{bid}:lock string id of the driver running the batch; PX lock TTL
+{p}batches          zset   batch ids scored by creation time (listing)
+{p}batches:active   zset   batches not yet in a terminal state (the drivers' work list)
 """
 
 from __future__ import annotations
@@ -57,3 +66,27 @@ class Keys:
     @property
     def new_requests(self) -> str:
         return f"{self.prefix}new"
+
+    def file(self, fid: str) -> str:
+        return f"{self.prefix}file:{fid}"
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}files"
+
+    def batch(self, bid: str) -> str:
+        return f"{self.prefix}batch:{bid}"
+
+    def batch_results(self, bid: str) -> str:
+        return f"{self.prefix}batch:{bid}:res"
+
+    def batch_lock(self, bid: str) -> str:
+        return f"{self.prefix}batch:{bid}:lock"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}batches"
+
+    @property
+    def active_batches(self) -> str:
+        return f"{self.prefix}batches:active"

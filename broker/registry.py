@@ -1,4 +1,4 @@
-"""Process registration (workers, streamers) with a heartbeat TTL.
+"""Process registration (workers, streamers, batch drivers) with a heartbeat TTL.
 
 The web tier reads it to answer /ready and to route by model; a process that stops
 heart-beating disappears when its key expires (the zset entry is pruned by readers).
@@ -46,7 +46,23 @@ class StreamerInfo(BaseModel):
         return self.streamer_id
 
 
-InfoT = TypeVar("InfoT", WorkerInfo, StreamerInfo)
+class BatcherInfo(BaseModel):
+    """A batch driver (``workers.batcher``): which batches it drives right now."""
+
+    model_config = ConfigDict(frozen=True)
+
+    batcher_id: str
+    hostname: str
+    pid: int
+    started: float
+    batches: list[str] = []
+
+    @property
+    def member_id(self) -> str:
+        return self.batcher_id
+
+
+InfoT = TypeVar("InfoT", WorkerInfo, StreamerInfo, BatcherInfo)
 
 
 class Registry(Generic[InfoT]):
@@ -105,3 +121,7 @@ def streamer_registry(
     client: redis.Redis, keys: Keys, ttl_s: float = 10.0
 ) -> Registry[StreamerInfo]:
     return Registry(client, keys, "streamer", StreamerInfo, ttl_s=ttl_s)
+
+
+def batcher_registry(client: redis.Redis, keys: Keys, ttl_s: float = 10.0) -> Registry[BatcherInfo]:
+    return Registry(client, keys, "batcher", BatcherInfo, ttl_s=ttl_s)

@@ -1,5 +1,6 @@
-"""Real processes for integration tests: redis-server, Celery workers (later: streamers,
-web). Each is started on free loopback ports and stopped by the PID we started."""
+"""Real processes for integration and e2e tests: redis-server, Celery workers, streamers,
+the web server, and ``full_stack`` (all of them). Each is started on free loopback ports
+and stopped by the PID we started."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -146,6 +148,125 @@ def streamer_process(
                 return any(s.pid == proc.pid for s in registry.live())
 
             wait_for(registered, 60, "the streamer to register")
+        yield proc
+    finally:
+        proc.stop()
+
+
+# -- the web tier and the whole stack ------------------------------------------------------
+
+
+@contextmanager
+def web_process(
+    settings: Settings, log_dir: Path, *, name: str = "web", wait: bool = True
+) -> Iterator[Proc]:
+    """``tokenrelay web`` (gunicorn) as a real process on ``settings.host:settings.port``;
+    waits until ``/health`` answers. Each process gets its own metrics directory."""
+    import requests
+
+    tag = uuid.uuid4().hex[:4]
+    metrics_dir = log_dir / f"{name}-{tag}-metrics"
+    metrics_dir.mkdir(parents=True, exist_ok=True)
+    proc = Proc(
+        [sys.executable, "-m", "web"],
+        child_env(settings, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
+        log_dir / f"{name}-{tag}.log",
+    )
+    base_url = f"http://{settings.host}:{settings.port}"
+    try:
+        if wait:
+
+            def healthy() -> bool:
+                if not proc.alive():
+                    raise RuntimeError(f"web server exited early:\n{proc.output()}")
+                try:
+                    return requests.get(f"{base_url}/health", timeout=2).status_code == 200
+                except requests.ConnectionError:
+                    return False
+
+            wait_for(healthy, 60, "the web server to answer /health", interval=0.2)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@dataclass
+class Stack:
+    """A running stack: ``base_url`` of its web server and the settings all share."""
+
+    base_url: str
+    settings: Settings
+    log_dir: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.settings.redis_url)
+
+    def logs(self) -> str:
+        """The tail of every process's log (for a failing test's message)."""
+        return "\n".join(f"--- {n} ---\n{p.output()}" for n, p in self.procs.items())
+
+
+def web_settings(settings: Settings, **overrides: object) -> Settings:
+    """``settings`` on a fresh free port on loopback (for another web process)."""
+    from broker.server import free_port
+
+    values: dict[str, object] = {"host": "127.0.0.1", "port": free_port()}
+    values.update(overrides)
+    return settings.model_copy(update=values)
+
+
+@contextmanager
+def full_stack(
+    settings: Settings, log_dir: Path, *, engine: str = "echo", start_redis: bool = True
+) -> Iterator[Stack]:
+    """redis-server, a worker (``engine``), a streamer and the web server, each its own
+    process on free loopback ports; everything else comes from ``settings``.
+
+    ``start_redis=False`` uses ``settings.redis_url`` instead of a private redis-server.
+    Yields a ``Stack``; ``stack.settings`` is what the processes run with.
+    """
+    from broker.server import RedisServer
+
+    with ExitStack() as stack:
+        if start_redis:
+            server = stack.enter_context(RedisServer())
+            settings = settings.model_copy(update={"redis_url": server.url})
+        settings = web_settings(settings, engine=engine)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        procs = {
+            "worker": stack.enter_context(worker_process(settings, log_dir)),
+            "streamer": stack.enter_context(streamer_process(settings, log_dir)),
+            "web": stack.enter_context(web_process(settings, log_dir)),
+        }
+        yield Stack(f"http://{settings.host}:{settings.port}", settings, log_dir, procs)
+
+
+@contextmanager
+def batcher_process(
+    settings: Settings, log_dir: Path, *, name: str = "batcher", wait: bool = True
+) -> Iterator[Proc]:
+    """``tokenrelay batcher`` (the batch driver) as a real process; waits until it has
+    registered."""
+    from broker.registry import batcher_registry
+
+    proc = Proc(
+        [sys.executable, "-m", "workers.batcher", "--loglevel", "INFO"],
+        child_env(settings),
+        log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log",
+    )
+    try:
+        if wait:
+            registry = batcher_registry(
+                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+            )
+
+            def registered() -> bool:
+                if not proc.alive():
+                    raise RuntimeError(f"batcher exited early:\n{proc.output()}")
+                return any(b.pid == proc.pid for b in registry.live())
+
+            wait_for(registered, 60, "the batch driver to register")
         yield proc
     finally:
         proc.stop()

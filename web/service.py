@@ -1,7 +1,8 @@
 """The web tier's one door to the rest of the system (through ``broker/`` only).
 
 ``GenerationService`` turns a validated OpenAI request into a ``RequestRecord``
-(template, tokenize, context check, stop conditions), admits it against the shared
+(template, tokenize, context check, stop conditions: ``broker.records.RecordBuilder``,
+which the batch driver shares), admits it against the shared
 in-flight limit, submits it, and reads its output stream from a cursor. Routes for
 HTTP/SSE, WebSocket and batches all use it, so they cannot disagree on what a request
 means. One instance per web process, built from settings (no module-level globals).
@@ -18,19 +19,14 @@ import redis
 from celery import Celery
 
 from app.chat_template import PromptBuilder
-from app.errors import ContextLengthExceeded, InvalidRequest, NotFound, QueueFull
+from app.errors import QueueFull
 from app.messages import OutputEvent
 from app.model_card import ModelCard, load_model_card
-from app.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    to_sampling_params,
-    to_stop_conditions,
-)
+from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from broker.records import QueueName, RequestRecord
+from broker.records import QueueName, RecordBuilder, RequestRecord
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import RequestStore
 from broker.streams import OutputStreams, is_terminal
@@ -73,79 +69,30 @@ class GenerationService:
         self.celery = celery_app or create_celery(settings)
         self.clock = clock
         self.new_id = new_id
+        # Lambdas, not the callables themselves: tests may replace service.clock/new_id.
+        self.builder = RecordBuilder(
+            self.card,
+            self.prompts,
+            model_name=self.model_name,
+            request_timeout_s=settings.request_timeout_s,
+            clock=lambda: self.clock(),
+            new_id=lambda: self.new_id(),
+        )
 
-    # -- models -----------------------------------------------------------------------------
+    # -- models and records (built by broker.records.RecordBuilder, shared with batches) -----
     def check_model(self, model: str | None) -> None:
         """Only the served model exists here (a missing model field means ours)."""
-        if model is not None and model != self.model_name:
-            raise NotFound(
-                f"The model '{model}' does not exist.", param="model", code="model_not_found"
-            )
+        self.builder.check_model(model)
 
-    # -- building records -------------------------------------------------------------------
     def chat_record(
         self, req: ChatCompletionRequest, *, queue: QueueName = "interactive"
     ) -> RequestRecord:
-        self.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        prompt = self.prompts.encode_chat(messages)
-        last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
-        echo = (
-            [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
-        )
-        return self._record(req, [prompt], echo_ids=echo, queue=queue)
+        return self.builder.chat(req, queue=queue)
 
     def completion_record(
         self, req: CompletionRequest, *, queue: QueueName = "interactive"
     ) -> RequestRecord:
-        self.check_model(req.model)
-        prompts = [p if isinstance(p, list) else self.prompts.encode(p) for p in req.prompts]
-        vocab = self.card.vocab_size
-        for ids in prompts:
-            if vocab is not None and any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
-        return self._record(req, prompts, echo_ids=None, queue=queue)
-
-    def _record(
-        self,
-        req: ChatCompletionRequest | CompletionRequest,
-        prompts: list[list[int]],
-        *,
-        echo_ids: list[list[int]] | None,
-        queue: QueueName,
-    ) -> RequestRecord:
-        ctx = self.card.context_length
-        longest = max(len(p) for p in prompts)
-        if longest >= ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, your "
-                f"prompt has {longest} tokens. Please reduce the length of the prompt.",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            )
-        asked = req.max_new_tokens
-        if asked is not None and longest + asked > ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, you "
-                f"requested {longest + asked} tokens ({longest} in the prompt, {asked} for "
-                f"the completion). Please reduce the length of the prompt or completion.",
-                param="max_tokens",
-            )
-        stop = to_stop_conditions(
-            req, eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
-        )
-        now = self.clock()
-        return RequestRecord(
-            request_id=self.new_id(),
-            model=self.model_name,
-            prompts=prompts,
-            n=req.n,
-            sampling=to_sampling_params(req),
-            stop=stop,
-            echo_ids=echo_ids,
-            created=now,
-            deadline=now + self.settings.request_timeout_s,
-            queue=queue,
-        )
+        return self.builder.completion(req, queue=queue)
 
     # -- running ----------------------------------------------------------------------------
     def submit(self, record: RequestRecord) -> Submitted:

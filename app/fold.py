@@ -1,0 +1,163 @@
+"""Fold one request's output events into the body a non-streaming request returns.
+
+A pure state machine: ``feed`` the events of ``tr:out:{rid}`` in order; once ``done``,
+``response()`` is the ``ChatCompletionResponse`` / ``CompletionResponse`` the OpenAI
+endpoint answers with, or ``failure`` says why there is none (a request-level error
+event, with its HTTP status). The batch driver builds each output line's ``body`` with
+it, and the HTTP routes may use the same fold so a batch line and a plain request
+return the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind
+from app.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
+
+FoldKind = Literal["chat", "completion"]
+
+
+@dataclass(frozen=True, slots=True)
+class FoldFailure:
+    """The request ended with an error event: no response body exists."""
+
+    message: str
+    status: int
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+def usage_from_event(usage: dict[str, Any] | None) -> Usage:
+    """The client-facing usage: the streamer's internal fields (timings, its id) dropped."""
+    u = usage or {}
+    details = u.get("prompt_tokens_details")
+    return Usage(
+        prompt_tokens=int(u.get("prompt_tokens", 0)),
+        completion_tokens=int(u.get("completion_tokens", 0)),
+        total_tokens=int(u.get("total_tokens", 0)),
+        prompt_tokens_details=(
+            PromptTokensDetails(cached_tokens=int(details.get("cached_tokens", 0)))
+            if isinstance(details, dict)
+            else None
+        ),
+    )
+
+
+class ResponseFold:
+    """Accumulates a request's events into its non-streaming response."""
+
+    def __init__(
+        self,
+        kind: FoldKind,
+        *,
+        num_choices: int,
+        model: str,
+        response_id: str,
+        created: int,
+        logprobs: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.model = model
+        self.response_id = response_id
+        self.created = created
+        self.want_logprobs = logprobs
+        self.choices = [_Choice() for _ in range(num_choices)]
+        self.usage: Usage | None = None
+        self.failure: FoldFailure | None = None
+
+    @property
+    def done(self) -> bool:
+        """A terminal event (usage, or a request-level error) or a choice's error has
+        been fed: nothing that follows can change the outcome."""
+        return self.usage is not None or self.failure is not None
+
+    @property
+    def aborted(self) -> bool:
+        """Some choice ended because the request was cancelled."""
+        return any(c.finish_reason is FinishReason.CANCELLED for c in self.choices)
+
+    def feed(self, ev: OutputEvent) -> None:
+        if ev.kind is OutputKind.USAGE:
+            self.usage = usage_from_event(ev.usage)
+            return
+        if ev.kind is OutputKind.ERROR:
+            if ev.choice is None:
+                self.failure = FoldFailure(ev.error or "The request failed.", ev.code or 500)
+            return
+        if ev.choice is None or not 0 <= ev.choice < len(self.choices):
+            return
+        c = self.choices[ev.choice]
+        if ev.kind is OutputKind.DELTA:
+            if ev.text:
+                c.text.append(ev.text)
+            if ev.logprobs:
+                c.logprobs.extend(ev.logprobs)
+        elif ev.kind is OutputKind.FINAL:
+            c.finish_reason = ev.finish_reason
+            c.stop_reason = ev.stop_reason
+            if ev.finish_reason is FinishReason.ERROR and self.failure is None:
+                # As the HTTP endpoint does: one failed choice fails the whole request.
+                self.failure = FoldFailure(ev.error or "The request failed.", ev.code or 500)
+
+    def response(self) -> ChatCompletionResponse | CompletionResponse:
+        """The response body; call once ``done`` and without ``failure``."""
+        usage = self.usage or Usage()
+        if self.kind == "chat":
+            return ChatCompletionResponse(
+                id=self.response_id,
+                created=self.created,
+                model=self.model,
+                choices=[
+                    ChatCompletionChoice(
+                        index=i,
+                        message=ChatResponseMessage(content="".join(c.text)),
+                        logprobs=(
+                            ChatChoiceLogprobs.from_entries(c.logprobs)
+                            if self.want_logprobs
+                            else None
+                        ),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                    for i, c in enumerate(self.choices)
+                ],
+                usage=usage,
+            )
+        return CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(c.text),
+                    logprobs=(
+                        CompletionLogprobs.from_entries(c.logprobs, 0)
+                        if self.want_logprobs
+                        else None
+                    ),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(self.choices)
+            ],
+            usage=usage,
+        )

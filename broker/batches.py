@@ -1,0 +1,455 @@
+"""Files and batches on Redis, typed, with TTLs; the batch lock and per-line progress.
+
+Files (``Keys.file``): a hash with ``meta`` (``FileObject`` JSON) and ``content`` (the
+bytes), expiring ``batch_file_ttl_s`` after upload; ``Keys.files`` indexes them by time.
+
+Batches (``Keys.batch``): a hash whose ``body`` holds what never changes (endpoint,
+input file, window, metadata, created/expires times) and whose other fields change as
+the batch runs: ``status`` and one timestamp per status, ``total``/``completed``/
+``failed``, ``submitted`` (lines before this index have been handed to workers),
+``output_file_id``/``error_file_id`` and ``errors``. It expires ``batch_ttl_s`` after
+creation. ``Keys.batches`` indexes batches for listing; ``Keys.active_batches`` lists
+those not yet terminal, which is where drivers look for work.
+
+Every status change is one Lua script (check the current status, and for a driver the
+lock, then write), so a client's cancel and a driver's progress never overwrite each
+other. A driver holds ``Keys.batch_lock`` (its id, with a TTL it refreshes); every write
+it makes is fenced by that lock, so a driver presumed dead cannot write once another has
+taken the batch over. Each line's result is written once (HSETNX into
+``Keys.batch_results``) together with its counter, so a takeover that folds a line again
+can neither count it twice nor lose it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+import redis
+from pydantic import BaseModel, ConfigDict
+
+from app.batches import (
+    BatchErrors,
+    BatchObject,
+    BatchOutputLine,
+    BatchStatus,
+    FileObject,
+    ListPage,
+    RequestCounts,
+    new_file_id,
+)
+from broker.keys import Keys
+from broker.records import RequestRecord
+from broker.requests import RequestStore
+
+# KEYS: batch, active, lock, results
+# ARGV: driver ('' = not fenced), to_status, timestamp field, now, terminal ('' or the
+#       batch id, to take off the work list), n_from, from_status * n_from, then
+#       field, value pairs to set
+# -> 1 done, 0 not in an allowed status, -1 lock not held, -2 no such batch
+TRANSITION = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[1] then return -1 end
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -2 end
+local n = tonumber(ARGV[6])
+local allowed = false
+for i = 1, n do
+  if status == ARGV[6 + i] then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[3], ARGV[4])
+for j = 7 + n, #ARGV - 1, 2 do
+  redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1])
+end
+if ARGV[5] ~= '' then
+  redis.call('ZREM', KEYS[2], ARGV[5])
+  redis.call('DEL', KEYS[3], KEYS[4])
+end
+return 1
+"""
+
+# KEYS: lock, batch, results        ARGV: driver, line index, counter ('' = none), line JSON
+# -> 1 recorded, 0 already recorded (a takeover folded it again), -1 lock not held
+RECORD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('HSETNX', KEYS[3], ARGV[2], ARGV[4]) == 0 then return 0 end
+if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[3], 1) end
+local ttl = redis.call('PTTL', KEYS[2])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[3], ttl) end
+return 1
+"""
+
+# KEYS: lock                        ARGV: driver, ttl_ms   -> 1 still ours, 0 lost
+REFRESH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: lock                        ARGV: driver
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+_TIMESTAMP_FIELD = {
+    BatchStatus.VALIDATING: "created_at",
+    BatchStatus.IN_PROGRESS: "in_progress_at",
+    BatchStatus.FINALIZING: "finalizing_at",
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.FAILED: "failed_at",
+    BatchStatus.EXPIRED: "expired_at",
+    BatchStatus.CANCELLING: "cancelling_at",
+    BatchStatus.CANCELLED: "cancelled_at",
+}
+_INT_FIELDS = (*(f for f in _TIMESTAMP_FIELD.values() if f != "created_at"),)
+
+
+class Transition(int, Enum):
+    """The outcome of ``BatchStore.transition``."""
+
+    DONE = 1
+    WRONG_STATUS = 0  # the batch is not in one of the allowed statuses
+    NOT_LOCKED = -1  # a driver's write, but the lock is not (or no longer) its own
+    MISSING = -2  # no such batch (or it expired)
+
+
+class BatchBody(BaseModel):
+    """The immutable part of a batch (the ``body`` field of its hash)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str] | None = None
+
+
+class FileStore:
+    """Uploaded files and generated output/error files."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
+        self.redis = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+
+    def create(
+        self,
+        *,
+        filename: str,
+        purpose: str,
+        content: bytes,
+        now: float,
+        file_id: str | None = None,
+    ) -> FileObject:
+        """Store a file; ``file_id`` is given for output files so a retried write (a
+        driver's takeover) replaces the same file instead of leaving a second one."""
+        created = int(now)
+        obj = FileObject(
+            id=file_id or new_file_id(),
+            bytes=len(content),
+            created_at=created,
+            filename=filename,
+            purpose=purpose,
+            expires_at=created + self.ttl_s,
+        )
+        key = self.keys.file(obj.id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping={"meta": obj.model_dump_json(), "content": content})
+        pipe.expire(key, self.ttl_s)
+        pipe.zadd(self.keys.files, {obj.id: now})
+        pipe.execute()
+        return obj
+
+    def get(self, fid: str) -> FileObject | None:
+        raw = self.redis.hget(self.keys.file(fid), "meta")
+        return None if raw is None else FileObject.model_validate_json(raw)
+
+    def content(self, fid: str) -> bytes | None:
+        raw: Any = self.redis.hget(self.keys.file(fid), "content")
+        return None if raw is None else bytes(raw)
+
+    def delete(self, fid: str) -> bool:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.file(fid))
+        pipe.zrem(self.keys.files, fid)
+        return bool(pipe.execute()[0])
+
+    def page(
+        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None
+    ) -> ListPage[FileObject]:
+        """Newest first; ``after`` is the last id of the previous page."""
+
+        def parse(raw: Any) -> FileObject | None:
+            obj = FileObject.model_validate_json(raw)
+            return obj if purpose is None or obj.purpose == purpose else None
+
+        found, more = _page(
+            self.redis,
+            self.keys.files,
+            after,
+            limit,
+            lambda ids: [self.redis.hget(self.keys.file(i), "meta") for i in ids],
+            parse,
+        )
+        return _list_page(found, more)
+
+
+class BatchStore:
+    """Batch objects, their status machine, per-line results and the drivers' locks."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
+        self.redis = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._transition = client.register_script(TRANSITION)
+        self._record = client.register_script(RECORD)
+        self._refresh = client.register_script(REFRESH)
+        self._release = client.register_script(RELEASE)
+
+    # -- clients (web) --------------------------------------------------------------------
+    def create(self, body: BatchBody, now: float) -> BatchObject:
+        """A new batch in ``validating``, put on the drivers' work list."""
+        key = self.keys.batch(body.id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            key,
+            mapping={
+                "body": body.model_dump_json(),
+                "status": BatchStatus.VALIDATING.value,
+                "total": 0,
+                "completed": 0,
+                "failed": 0,
+                "submitted": 0,
+            },
+        )
+        pipe.expire(key, self.ttl_s)
+        pipe.zadd(self.keys.batches, {body.id: now})
+        pipe.zadd(self.keys.active_batches, {body.id: now})
+        pipe.execute()
+        batch = self.get(body.id)
+        assert batch is not None
+        return batch
+
+    def get(self, bid: str) -> BatchObject | None:
+        return _batch_from_hash(self.redis.hgetall(self.keys.batch(bid)))
+
+    def page(self, *, after: str | None = None, limit: int = 20) -> ListPage[BatchObject]:
+        """Newest first; ``after`` is the last id of the previous page."""
+        found, more = _page(
+            self.redis,
+            self.keys.batches,
+            after,
+            limit,
+            lambda ids: _hgetall_many(self.redis, [self.keys.batch(i) for i in ids]),
+            _batch_from_hash,
+        )
+        return _list_page(found, more)
+
+    def request_cancel(self, bid: str, now: float) -> Transition:
+        """A client's cancel: ``cancelling`` now; the driver finishes it (``cancelled``)."""
+        return self.transition(
+            bid,
+            BatchStatus.CANCELLING,
+            now,
+            allowed_from=(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
+        )
+
+    # -- status machine ---------------------------------------------------------------------
+    def transition(
+        self,
+        bid: str,
+        to: BatchStatus,
+        now: float,
+        *,
+        allowed_from: Iterable[BatchStatus],
+        driver: str = "",
+        fields: dict[str, str | int] | None = None,
+    ) -> Transition:
+        """Move ``bid`` to ``to`` (stamping its timestamp) if its status allows it.
+
+        With ``driver`` the write happens only while that driver holds the batch's lock.
+        A terminal status takes the batch off the work list and drops its lock and
+        per-line results (the output/error files hold them by then).
+        """
+        allowed = [s.value for s in allowed_from]
+        args: list[Any] = [
+            driver,
+            to.value,
+            _TIMESTAMP_FIELD[to],
+            int(now),
+            bid if to.terminal else "",
+            len(allowed),
+            *allowed,
+        ]
+        for name, value in (fields or {}).items():
+            args += [name, value]
+        keys = [
+            self.keys.batch(bid),
+            self.keys.active_batches,
+            self.keys.batch_lock(bid),
+            self.keys.batch_results(bid),
+        ]
+        return Transition(int(self._transition(keys=keys, args=args)))
+
+    # -- drivers ----------------------------------------------------------------------------
+    def active(self) -> list[str]:
+        """Batches not yet terminal, oldest first (so old batches are driven first)."""
+        return [_s(x) for x in self.redis.zrange(self.keys.active_batches, 0, -1)]
+
+    def forget(self, bid: str) -> None:
+        """Drop a batch that expired from Redis from the work list."""
+        self.redis.zrem(self.keys.active_batches, bid)
+
+    def acquire(self, bid: str, driver: str, ttl_s: float) -> bool:
+        return bool(self.redis.set(self.keys.batch_lock(bid), driver, nx=True, px=_ms(ttl_s)))
+
+    def refresh(self, bid: str, driver: str, ttl_s: float) -> bool:
+        """Extend our lock; False when it is no longer ours (stop driving the batch)."""
+        return bool(self._refresh(keys=[self.keys.batch_lock(bid)], args=[driver, _ms(ttl_s)]))
+
+    def release(self, bid: str, driver: str) -> None:
+        self._release(keys=[self.keys.batch_lock(bid)], args=[driver])
+
+    def progress(self, bid: str) -> tuple[BatchStatus, int] | None:
+        """(status, submitted): how far the batch got (None: it expired)."""
+        raw = self.redis.hmget(self.keys.batch(bid), "status", "submitted")
+        if raw[0] is None:
+            return None
+        return BatchStatus(_s(raw[0])), int(raw[1] or 0)
+
+    def submit_line(
+        self,
+        bid: str,
+        driver: str,
+        index: int,
+        record: RequestRecord,
+        requests: RequestStore,
+    ) -> bool:
+        """Write line ``index``'s request record and move ``submitted`` past it, in one
+        transaction fenced by our lock (WATCH): a driver that lost the batch, or a
+        record that already exists, writes nothing. The caller then sends the task."""
+        lock = self.keys.batch_lock(bid)
+        with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(lock, self.keys.request(record.request_id))  # type: ignore[no-untyped-call]
+                if _s(pipe.get(lock)) != driver or pipe.exists(
+                    self.keys.request(record.request_id)
+                ):
+                    return False
+                pipe.multi()
+                requests.queue_create(pipe, record)
+                pipe.hset(self.keys.batch(bid), "submitted", index + 1)
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
+
+    def record(self, bid: str, driver: str, index: int, line: BatchOutputLine, counter: str) -> int:
+        """Store line ``index``'s result once; ``counter`` is "completed", "failed" or ""
+        (lines a cancel or expiry left unrun are listed but not counted)."""
+        return int(
+            self._record(
+                keys=[
+                    self.keys.batch_lock(bid),
+                    self.keys.batch(bid),
+                    self.keys.batch_results(bid),
+                ],
+                args=[driver, index, counter, line.to_line()],
+            )
+        )
+
+    def recorded(self, bid: str) -> set[int]:
+        """Indices of the lines whose result is stored."""
+        return {int(x) for x in self.redis.hkeys(self.keys.batch_results(bid))}
+
+    def results(self, bid: str) -> list[tuple[int, BatchOutputLine]]:
+        """Every stored result, in line order."""
+        raw: Any = self.redis.hgetall(self.keys.batch_results(bid))
+        out = [(int(k), BatchOutputLine.model_validate_json(v)) for k, v in raw.items()]
+        out.sort(key=lambda item: item[0])
+        return out
+
+
+def _batch_from_hash(raw: Any) -> BatchObject | None:
+    if not raw or b"body" not in raw:
+        return None
+    f = {_s(k): _s(v) for k, v in raw.items()}
+    body = BatchBody.model_validate_json(f["body"])
+    errors = f.get("errors")
+    return BatchObject(
+        **body.model_dump(),
+        status=BatchStatus(f["status"]),
+        request_counts=RequestCounts(
+            total=int(f.get("total", 0)),
+            completed=int(f.get("completed", 0)),
+            failed=int(f.get("failed", 0)),
+        ),
+        errors=BatchErrors.model_validate_json(errors) if errors else None,
+        output_file_id=f.get("output_file_id") or None,
+        error_file_id=f.get("error_file_id") or None,
+        **{name: int(f[name]) for name in _INT_FIELDS if f.get(name)},
+    )
+
+
+def _hgetall_many(client: redis.Redis, keys: list[str]) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hgetall(key)
+    return list(pipe.execute())
+
+
+def _page(
+    client: redis.Redis,
+    index: str,
+    after: str | None,
+    limit: int,
+    load: Any,
+    parse: Any,
+) -> tuple[list[Any], bool]:
+    """Up to ``limit`` live objects of a time-scored index, newest first, after the id
+    ``after``; ids whose object expired are dropped from the index on the way."""
+    start = 0
+    if after is not None:
+        rank = client.zrevrank(index, after)
+        if rank is None:
+            return [], False
+        start = int(rank) + 1  # type: ignore[arg-type]
+    found: list[Any] = []
+    while len(found) <= limit:
+        ids = [_s(x) for x in client.zrevrange(index, start, start + limit)]
+        if not ids:
+            return found, False
+        gone = []
+        for oid, raw in zip(ids, load(ids), strict=True):
+            if raw is None or raw == {}:
+                gone.append(oid)
+                continue
+            obj = parse(raw)
+            if obj is not None:
+                found.append(obj)
+        if gone:
+            client.zrem(index, *gone)
+        start += len(ids) - len(gone)
+    return found[:limit], True
+
+
+def _list_page(found: list[Any], more: bool) -> ListPage[Any]:
+    return ListPage(
+        data=found,
+        first_id=found[0].id if found else None,
+        last_id=found[-1].id if found else None,
+        has_more=more,
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

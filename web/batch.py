@@ -1,0 +1,239 @@
+"""The OpenAI Files + Batches API: ``/v1/files`` and ``/v1/batches``.
+
+The web tier only stores: files and batch objects go to Redis (``broker.batches``) and a
+new batch lands on the drivers' work list in ``validating``. Validation, running the
+lines and writing the output/error files is the batch driver's job
+(``workers.batcher``), so a batch keeps running while web processes restart, and any
+number of web processes can answer for it. A cancel only marks the batch
+``cancelling``; the driver stops it.
+
+Errors are ``app.errors`` exceptions, answered in OpenAI's shape by ``web.errors``; API
+keys are checked for every ``/v1/`` route by ``web.openai_routes``' app-wide hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app, jsonify, request
+from pydantic import ValidationError
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from app.batches import (
+    CANCELLABLE,
+    COMPLETION_WINDOWS,
+    BatchCreateRequest,
+    BatchStatus,
+    check_batch_request,
+    new_batch_id,
+)
+from app.errors import InvalidRequest, NotFound, PayloadTooLarge
+from app.protocol import validation_error_to_invalid_request
+from app.settings import Settings
+from broker.batches import BatchBody, BatchStore, FileStore, Transition
+from broker.keys import Keys
+from web.app import service_of, settings_of
+from web.bodies import json_body
+
+blueprint = Blueprint("batch", __name__)
+
+# Room for the multipart framing around the file itself.
+MULTIPART_OVERHEAD = 64 * 1024
+MAX_LIST_LIMIT = 100
+UPLOAD_PURPOSES = ("batch",)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchApi:
+    """The stores this blueprint uses, built once per app from its service's Redis."""
+
+    settings: Settings
+    files: FileStore
+    batches: BatchStore
+
+
+@blueprint.record_once
+def _on_register(state: Any) -> None:
+    app: Flask = state.app
+    settings = settings_of(app)
+    service = service_of(app)
+    keys = Keys(settings.key_prefix)
+    app.extensions["tokenrelay.batches"] = BatchApi(
+        settings,
+        FileStore(service.redis, keys, ttl_s=settings.batch_file_ttl_s),
+        BatchStore(service.redis, keys, ttl_s=settings.batch_ttl_s),
+    )
+
+
+def _api() -> BatchApi:
+    api: BatchApi = current_app.extensions["tokenrelay.batches"]
+    return api
+
+
+def _now() -> float:
+    return service_of(current_app).clock()
+
+
+def _limit(default: int, most: int) -> int:
+    raw = request.args.get("limit")
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= most:
+        raise InvalidRequest(f"'limit' must be between 1 and {most}.", param="limit")
+    return value
+
+
+# -- files -----------------------------------------------------------------------------
+
+
+@blueprint.post("/v1/files")
+def upload_file() -> Response:
+    api = _api()
+    most = api.settings.batch_max_file_bytes
+    # The app-wide body limit is for JSON requests; files have their own (a setting).
+    request.max_content_length = most + MULTIPART_OVERHEAD
+    too_large = PayloadTooLarge(
+        f"The file is too large: files may be at most {most} bytes.", param="file"
+    )
+    try:
+        upload = request.files.get("file")
+        purpose = request.form.get("purpose")
+    except RequestEntityTooLarge as exc:
+        raise too_large from exc
+    if upload is None:
+        raise InvalidRequest(
+            "Missing required parameter: 'file' (send multipart/form-data).", param="file"
+        )
+    if purpose not in UPLOAD_PURPOSES:
+        raise InvalidRequest(
+            f"Invalid value for 'purpose': {purpose!r}; only 'batch' is supported.",
+            param="purpose",
+        )
+    content = upload.stream.read(most + 1)
+    if len(content) > most:
+        raise too_large
+    obj = api.files.create(
+        filename=upload.filename or "upload.jsonl",
+        purpose=purpose,
+        content=content,
+        now=_now(),
+    )
+    return jsonify(obj.to_dict())
+
+
+@blueprint.get("/v1/files")
+def list_files() -> Response:
+    page = _api().files.page(
+        after=request.args.get("after"),
+        limit=_limit(default=MAX_LIST_LIMIT, most=10_000),
+        purpose=request.args.get("purpose"),
+    )
+    return jsonify(page.to_dict())
+
+
+def _file_not_found(file_id: str) -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param="id")
+
+
+@blueprint.get("/v1/files/<file_id>")
+def get_file(file_id: str) -> Response:
+    obj = _api().files.get(file_id)
+    if obj is None:
+        raise _file_not_found(file_id)
+    return jsonify(obj.to_dict())
+
+
+@blueprint.get("/v1/files/<file_id>/content")
+def file_content(file_id: str) -> Response:
+    api = _api()
+    obj = api.files.get(file_id)
+    content = api.files.content(file_id)
+    if obj is None or content is None:
+        raise _file_not_found(file_id)
+    response = Response(content, mimetype="application/octet-stream")
+    response.headers["Content-Disposition"] = f'attachment; filename="{obj.filename}"'
+    return response
+
+
+@blueprint.delete("/v1/files/<file_id>")
+def delete_file(file_id: str) -> Response:
+    if not _api().files.delete(file_id):
+        raise _file_not_found(file_id)
+    return jsonify({"id": file_id, "object": "file", "deleted": True})
+
+
+# -- batches ---------------------------------------------------------------------------
+
+
+@blueprint.post("/v1/batches")
+def create_batch() -> Response:
+    api = _api()
+    try:
+        req = BatchCreateRequest.model_validate(json_body(request))
+    except ValidationError as exc:
+        raise validation_error_to_invalid_request(exc) from exc
+    metadata = check_batch_request(req)
+    source = api.files.get(req.input_file_id)
+    if source is None:
+        raise NotFound(f"No such File object: {req.input_file_id}", param="input_file_id")
+    if source.purpose != "batch":
+        raise InvalidRequest(
+            f"The file {req.input_file_id} has purpose {source.purpose!r}, not 'batch'.",
+            param="input_file_id",
+        )
+    now = _now()
+    body = BatchBody(
+        id=new_batch_id(),
+        endpoint=req.endpoint,
+        input_file_id=req.input_file_id,
+        completion_window=req.completion_window,
+        created_at=int(now),
+        expires_at=int(now) + COMPLETION_WINDOWS[req.completion_window],
+        metadata=metadata,
+    )
+    return jsonify(api.batches.create(body, now).to_dict())
+
+
+@blueprint.get("/v1/batches")
+def list_batches() -> Response:
+    page = _api().batches.page(
+        after=request.args.get("after"), limit=_limit(default=20, most=MAX_LIST_LIMIT)
+    )
+    return jsonify(page.to_dict())
+
+
+def _batch_not_found(batch_id: str) -> NotFound:
+    return NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+
+
+@blueprint.get("/v1/batches/<batch_id>")
+def get_batch(batch_id: str) -> Response:
+    batch = _api().batches.get(batch_id)
+    if batch is None:
+        raise _batch_not_found(batch_id)
+    return jsonify(batch.to_dict())
+
+
+@blueprint.post("/v1/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str) -> Response:
+    """Mark the batch ``cancelling``; its driver cancels the running lines, writes
+    what finished to the output/error files and ends it ``cancelled``."""
+    api = _api()
+    outcome = api.batches.request_cancel(batch_id, _now())
+    batch = api.batches.get(batch_id)
+    if outcome is Transition.MISSING or batch is None:
+        raise _batch_not_found(batch_id)
+    if outcome is not Transition.DONE and batch.status not in (
+        *CANCELLABLE,
+        BatchStatus.CANCELLING,
+        BatchStatus.CANCELLED,
+    ):
+        raise InvalidRequest(
+            f"Cannot cancel a batch with status '{batch.status.value}'.", param="batch_id"
+        )
+    return jsonify(batch.to_dict())

@@ -1,0 +1,591 @@
+"""``tokenrelay batcher``: runs batches (the OpenAI Batches API) through the generation path.
+
+The web tier only stores files and batch objects (``broker.batches``); this process does
+the work. One loop per process (several may run, on any host):
+
+1. every half second: refresh the lock of each batch it drives (a batch whose lock was
+   lost belongs to another driver now: drop it without touching its requests), notice
+   cancels and expired completion windows, heartbeat, and take any batch on the work
+   list whose lock is free (new batches, or those of a driver that died);
+2. a newly taken batch is planned: every line of its input file is validated and built
+   into a request record up front (``app.batches.plan_batch`` + the web tier's own
+   ``RecordBuilder``); bad lines are recorded as failed; a file that is unusable as a
+   whole fails the batch; otherwise it moves to ``in_progress``;
+3. lines are submitted in order on the ``batch`` Celery queue (interactive requests go
+   first), at most ``batch_max_in_flight`` of a batch at once. Line ``i`` of batch ``b``
+   is request ``b-i``; its record and the batch's ``submitted`` counter are written in
+   one transaction fenced by the lock;
+4. ONE blocking XREAD over the output streams of every running line; each line's events
+   are folded (``app.fold.ResponseFold``) into the body the non-streaming endpoint would
+   return, and its result is recorded exactly once (Lua: HSETNX + counter);
+5. when every line has a result (or a cancel/expiry has wound the batch down), the output
+   and error files are written and the batch ends: completed, cancelled or expired.
+
+Recovery: everything is in Redis. A driver that takes a batch over plans it again (the
+same lines give the same records), skips lines with a result, follows lines below
+``submitted`` by reading their output streams from ``0-0`` (nothing is resubmitted, so
+nothing generates twice), and submits the rest. Because results are write-once and
+every write is fenced by the lock, a takeover neither loses nor duplicates a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+
+from app.batches import (
+    CHAT_ENDPOINT,
+    NOT_RUN_MESSAGES,
+    BatchError,
+    BatchErrors,
+    BatchOutputLine,
+    BatchStatus,
+    PlannedLine,
+    RejectedLine,
+    failed_line,
+    not_run_line,
+    plan_batch,
+    rejected_line,
+    success_line,
+)
+from app.chat_template import PromptBuilder
+from app.errors import NotImplementedFeature
+from app.fold import ResponseFold
+from app.model_card import load_model_card
+from app.protocol import parse_chat_request, parse_completion_request
+from app.settings import Settings
+from broker.batches import BatchBody, BatchStore, FileStore, Transition
+from broker.celery_app import create_celery, send_generate
+from broker.keys import Keys
+from broker.records import RecordBuilder, RequestRecord
+from broker.registry import BatcherInfo, batcher_registry
+from broker.requests import RequestStore
+from broker.streams import decode_events
+
+logger = logging.getLogger(__name__)
+
+MAINTAIN_S = 0.5
+HEARTBEAT_S = 2.0
+READ_BLOCK_MS = 100
+# After a cancel or expiry, in-flight lines get this long to end (a cancelled request
+# ends within an engine step; one still waiting in the Celery queue never reports).
+WIND_DOWN_S = 10.0
+
+Plan = list[PlannedLine[RequestRecord] | RejectedLine]
+
+
+def line_request_id(batch_id: str, index: int) -> str:
+    """Line ``index``'s request id: deterministic, so a takeover finds what was sent."""
+    return f"{batch_id}-{index}"
+
+
+def result_file_id(batch_id: str, kind: str) -> str:
+    """Output/error file ids derived from the batch, so writing them twice is harmless."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
+
+
+@dataclass(slots=True)
+class LineRun:
+    """A line whose request was submitted: its output stream is being folded."""
+
+    index: int
+    custom_id: str
+    request_id: str
+    fold: ResponseFold
+    cursor: str = "0-0"
+
+
+@dataclass
+class DrivenBatch:
+    """A batch this driver holds the lock of."""
+
+    body: BatchBody
+    custom_ids: dict[int, str] = field(default_factory=dict)  # valid lines
+    pending: deque[PlannedLine[RequestRecord]] = field(default_factory=deque)
+    running: dict[str, LineRun] = field(default_factory=dict)  # by request id
+    ending: str | None = None  # "batch_cancelled" / "batch_expired" while winding down
+    wind_down_since: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return self.body.id
+
+
+class LockLost(Exception):
+    """Another driver holds the batch now: stop driving it, touch nothing of it."""
+
+
+class BatchDriver:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        builder: RecordBuilder,
+        celery_app: Celery,
+        *,
+        driver_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.redis = client
+        self.builder = builder
+        self.celery = celery_app
+        self.clock = clock
+        self.driver_id = driver_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        keys = Keys(settings.key_prefix)
+        self.keys = keys
+        self.batches = BatchStore(client, keys, ttl_s=settings.batch_ttl_s)
+        self.files = FileStore(client, keys, ttl_s=settings.batch_file_ttl_s)
+        self.requests = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
+        self.registry = batcher_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
+        self.driven: dict[str, DrivenBatch] = {}
+        self.stopping = threading.Event()
+        self.started = clock()
+        self._last_maintain = -MAINTAIN_S
+        self._last_heartbeat = -HEARTBEAT_S
+        self._last_refresh = 0.0
+
+    # -- main loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.iterate()
+            except redis.RedisError:
+                logger.exception("redis error in the batch driver loop; retrying")
+                self.stopping.wait(0.5)
+        with contextlib.suppress(redis.RedisError):
+            for bid in list(self.driven):
+                self.batches.release(bid, self.driver_id)  # let another take over at once
+            self.registry.unregister(self.driver_id)
+
+    def iterate(self) -> None:
+        # Intervals run on the monotonic clock; ``clock`` is the batches' time (created,
+        # expires, timestamps), which tests move.
+        now = time.monotonic()
+        if now - self._last_maintain >= MAINTAIN_S:
+            self._last_maintain = now
+            self.maintain()
+        for b in list(self.driven.values()):
+            self._guarded(b, self._submit)
+        self.read(block_ms=READ_BLOCK_MS)
+
+    def _guarded(self, b: DrivenBatch, step: Callable[[DrivenBatch], None]) -> None:
+        """Run one step for one batch; a lost lock or a bug drops only that batch."""
+        try:
+            step(b)
+        except LockLost:
+            logger.warning("lost the lock of batch %s; another driver has it", b.id)
+            self.driven.pop(b.id, None)
+        except redis.RedisError:
+            raise
+        except Exception:
+            logger.exception("batch %s: unexpected error; releasing it", b.id)
+            self.driven.pop(b.id, None)
+            self.batches.release(b.id, self.driver_id)
+
+    # -- locks, cancels, expiry, new batches -----------------------------------------------
+    def maintain(self) -> None:
+        now = time.monotonic()
+        ttl = self.settings.batch_lock_ttl_s
+        for b in list(self.driven.values()):
+            if not self.batches.refresh(b.id, self.driver_id, ttl):
+                logger.warning("lost the lock of batch %s; another driver has it", b.id)
+                self.driven.pop(b.id, None)
+                continue
+            self._guarded(b, self._check)
+        for bid in self.batches.active():
+            if bid not in self.driven and self.batches.acquire(bid, self.driver_id, ttl):
+                self._adopt(bid)
+        if now - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = now
+            self.registry.heartbeat(
+                BatcherInfo(
+                    batcher_id=self.driver_id,
+                    hostname=socket.gethostname(),
+                    pid=os.getpid(),
+                    started=self.started,
+                    batches=sorted(self.driven),
+                )
+            )
+
+    def _check(self, b: DrivenBatch) -> None:
+        progress = self.batches.progress(b.id)
+        if progress is None:  # the batch itself expired from Redis
+            self.driven.pop(b.id, None)
+            self.batches.forget(b.id)
+            return
+        status, _submitted = progress
+        now = self.clock()
+        if b.ending is None:
+            if status is BatchStatus.CANCELLING:
+                self._wind_down(b, "batch_cancelled")
+            elif now >= b.body.expires_at:
+                self._wind_down(b, "batch_expired")
+            elif not b.pending and not b.running:
+                self._finalize(b)
+        waited = time.monotonic() - b.wind_down_since
+        if b.ending is not None and (not b.running or waited > WIND_DOWN_S):
+            self._finalize(b)
+
+    def _wind_down(self, b: DrivenBatch, ending: str) -> None:
+        """Stop submitting and cancel what runs; lines that still finish are kept."""
+        logger.info("batch %s: %s; cancelling %d running lines", b.id, ending, len(b.running))
+        b.ending = ending
+        b.wind_down_since = time.monotonic()
+        b.pending.clear()
+        for rid in b.running:
+            self.requests.cancel(rid)
+
+    # -- taking a batch ----------------------------------------------------------------------
+    def _adopt(self, bid: str) -> None:
+        batch = self.batches.get(bid)
+        if batch is None or batch.status.terminal:
+            self.batches.forget(bid)
+            self.batches.release(bid, self.driver_id)
+            return
+        body = BatchBody(
+            id=batch.id,
+            endpoint=batch.endpoint,
+            input_file_id=batch.input_file_id,
+            completion_window=batch.completion_window,
+            created_at=batch.created_at,
+            expires_at=batch.expires_at or batch.created_at,
+            metadata=batch.metadata,
+        )
+        b = DrivenBatch(body)
+        self.driven[bid] = b
+        logger.info("driving batch %s (status %s)", bid, batch.status.value)
+        self._guarded(b, lambda b: self._plan(b, batch.status))
+
+    def _plan(self, b: DrivenBatch, status: BatchStatus) -> None:
+        now = self.clock()
+        content = self.files.content(b.body.input_file_id)
+        if content is None:
+            self._fail(b, "missing_file", "The input file no longer exists.")
+            return
+        plan = plan_batch(
+            content,
+            endpoint=b.body.endpoint,
+            build=self._builder(b.body.endpoint),
+            max_line_bytes=self.settings.max_body_bytes,
+            max_requests=self.settings.batch_max_requests,
+        )
+        if plan.errors:
+            self._fail(b, errors=BatchErrors(data=plan.errors[:100]))
+            return
+        for line in plan.lines:
+            if isinstance(line, RejectedLine):
+                rid = line_request_id(b.id, line.index)
+                self._record(b, line.index, rejected_line(line.custom_id, line.error, rid))
+        if status is BatchStatus.VALIDATING:
+            done = self.batches.transition(
+                b.id,
+                BatchStatus.IN_PROGRESS,
+                now,
+                allowed_from=(BatchStatus.VALIDATING,),
+                driver=self.driver_id,
+                fields={"total": plan.total},
+            )
+            if done is Transition.NOT_LOCKED:
+                raise LockLost
+        progress = self.batches.progress(b.id)
+        if progress is None:
+            raise LockLost
+        status, submitted = progress
+        recorded = self.batches.recorded(b.id)
+        following = []
+        for line in plan.lines:
+            if isinstance(line, RejectedLine):
+                continue
+            b.custom_ids[line.index] = line.custom_id
+            if line.index in recorded:
+                continue
+            if line.index < submitted:
+                following.append(line)
+            else:
+                b.pending.append(line)
+        self._follow(b, following)
+        if status is BatchStatus.CANCELLING:
+            self._wind_down(b, "batch_cancelled")
+        elif status is BatchStatus.FINALIZING:
+            ending: Any = self.redis.hget(self.keys.batch(b.id), "ending")
+            b.ending = ending.decode() if ending else None
+            b.pending.clear()
+            self._finalize(b)
+
+    def _builder(self, endpoint: str) -> Callable[[dict[str, Any]], RequestRecord]:
+        s = self.settings
+
+        def build(body: dict[str, Any]) -> RequestRecord:
+            self._keep_locks()  # planning a big file takes longer than a lock lives
+            limits = {"max_stop_sequences": s.max_stop_sequences, "max_n": s.max_n}
+            if endpoint == CHAT_ENDPOINT:
+                chat = parse_chat_request(body, **limits)
+                if chat.uses_deprecated_functions:
+                    raise NotImplementedFeature(
+                        "The 'functions' and 'function_call' parameters are deprecated and "
+                        "not supported; use 'tools'.",
+                        param="functions",
+                    )
+                return self.builder.chat(chat, queue="batch")
+            return self.builder.completion(parse_completion_request(body, **limits), queue="batch")
+
+        return build
+
+    def _keep_locks(self) -> None:
+        """Refresh every lock now and then during long work (a lock found lost here is
+        dropped by the next ``maintain``)."""
+        now = time.monotonic()
+        if now - self._last_refresh < MAINTAIN_S:
+            return
+        self._last_refresh = now
+        for bid in list(self.driven):
+            self.batches.refresh(bid, self.driver_id, self.settings.batch_lock_ttl_s)
+
+    def _follow(self, b: DrivenBatch, lines: list[PlannedLine[RequestRecord]]) -> None:
+        """Resume lines a previous driver submitted: read their output from ``0-0``."""
+        if not lines:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for line in lines:
+            rid = line_request_id(b.id, line.index)
+            pipe.exists(self.keys.request(rid), self.keys.output(rid))
+        for line, exists in zip(lines, pipe.execute(), strict=True):
+            rid = line_request_id(b.id, line.index)
+            if not exists:  # record and output both expired: it can only fail now
+                msg = "The request expired before its result was collected."
+                self._record(b, line.index, failed_line(line.custom_id, rid, msg, 504))
+                continue
+            b.running[rid] = self._line_run(b, line.index, line.custom_id, line.request, rid)
+        logger.info("batch %s: following %d lines already submitted", b.id, len(b.running))
+
+    def _line_run(
+        self, b: DrivenBatch, index: int, custom_id: str, record: RequestRecord, rid: str
+    ) -> LineRun:
+        chat = b.body.endpoint == CHAT_ENDPOINT
+        fold = ResponseFold(
+            "chat" if chat else "completion",
+            num_choices=record.num_choices,
+            model=record.model,
+            response_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            created=int(self.clock()),
+            logprobs=record.sampling.logprobs is not None,
+        )
+        return LineRun(index, custom_id, rid, fold)
+
+    # -- running lines ---------------------------------------------------------------------
+    def _submit(self, b: DrivenBatch) -> None:
+        if b.ending is not None:
+            return
+        most = self.settings.batch_max_in_flight
+        while b.pending and len(b.running) < most:
+            line = b.pending[0]
+            now = self.clock()
+            rid = line_request_id(b.id, line.index)
+            record = line.request.model_copy(
+                update={
+                    "request_id": rid,
+                    "created": now,
+                    "deadline": now + self.settings.request_timeout_s,
+                }
+            )
+            if not self.batches.submit_line(
+                b.id, self.driver_id, line.index, record, self.requests
+            ):
+                if not self.batches.refresh(b.id, self.driver_id, self.settings.batch_lock_ttl_s):
+                    raise LockLost
+                if not self.redis.exists(self.keys.request(rid)):
+                    return  # a concurrent write touched a watched key: retry next loop
+                # Already written (by us before a hiccup): follow it, do not resend.
+            else:
+                send_generate(self.celery, rid, 0, queue=record.queue, model=record.model)
+            b.pending.popleft()
+            b.running[rid] = self._line_run(b, line.index, line.custom_id, record, rid)
+
+    def read(self, block_ms: int) -> None:
+        """One blocking read over every running line's output stream; fold; record."""
+        streams: dict[Any, Any] = {}
+        owners: dict[str, tuple[DrivenBatch, LineRun]] = {}
+        for b in self.driven.values():
+            for run in b.running.values():
+                key = self.keys.output(run.request_id)
+                streams[key] = run.cursor
+                owners[key] = (b, run)
+        if not streams:
+            self.stopping.wait(block_ms / 1000)
+            return
+        res: Any = self.redis.xread(streams, count=256, block=block_ms)
+        for key_raw, entries in res or []:
+            key = key_raw.decode() if isinstance(key_raw, bytes) else key_raw
+            b, run = owners[key]
+            for eid, fields in entries:
+                run.cursor = eid.decode() if isinstance(eid, bytes) else eid
+                for ev in decode_events(fields[b"e"]):
+                    run.fold.feed(ev)
+                if run.fold.done:
+                    break
+            if run.fold.done and b.id in self.driven:
+                self._guarded(b, functools.partial(self._complete, run=run))
+
+    def _complete(self, b: DrivenBatch, run: LineRun) -> None:
+        fold = run.fold
+        if fold.failure is not None:
+            line = failed_line(
+                run.custom_id, run.request_id, fold.failure.message, fold.failure.status
+            )
+        elif fold.aborted and b.ending is not None:
+            line = not_run_line(run.custom_id, b.ending, NOT_RUN_MESSAGES[b.ending])
+        elif fold.aborted:
+            line = failed_line(run.custom_id, run.request_id, "The request was cancelled.", 500)
+        else:
+            line = success_line(run.custom_id, run.request_id, fold.response().to_dict())
+        self._record(b, run.index, line)
+        b.running.pop(run.request_id, None)
+
+    def _record(self, b: DrivenBatch, index: int, line: BatchOutputLine) -> None:
+        if line.ok:
+            counter = "completed"
+        elif line.response is None:
+            counter = ""  # not run: listed in the error file, counted in neither
+        else:
+            counter = "failed"
+        if self.batches.record(b.id, self.driver_id, index, line, counter) < 0:
+            raise LockLost
+
+    # -- ending ------------------------------------------------------------------------------
+    def _fail(
+        self,
+        b: DrivenBatch,
+        code: str = "",
+        message: str = "",
+        *,
+        errors: BatchErrors | None = None,
+    ) -> None:
+        errors = errors or BatchErrors(data=[BatchError(code=code, message=message)])
+        logger.info("batch %s failed validation: %s", b.id, errors.data[0].message)
+        done = self.batches.transition(
+            b.id,
+            BatchStatus.FAILED,
+            self.clock(),
+            allowed_from=(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING),
+            driver=self.driver_id,
+            fields={"errors": errors.model_dump_json()},
+        )
+        self.driven.pop(b.id, None)
+        if done is Transition.NOT_LOCKED:
+            raise LockLost
+
+    def _finalize(self, b: DrivenBatch) -> None:
+        """Write the output and error files and end the batch."""
+        now = self.clock()
+        if b.ending != "batch_cancelled":
+            done = self.batches.transition(
+                b.id,
+                BatchStatus.FINALIZING,
+                now,
+                allowed_from=(BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),
+                driver=self.driver_id,
+                fields={"ending": b.ending or ""},
+            )
+            if done is Transition.NOT_LOCKED:
+                raise LockLost
+            if done is not Transition.DONE:
+                # A client's cancel came in just now: end the batch as cancelled.
+                if b.ending is None:
+                    self._wind_down(b, "batch_cancelled")
+                else:
+                    b.ending = "batch_cancelled"
+                return
+        if b.ending is not None:
+            recorded = self.batches.recorded(b.id)
+            for index, custom_id in b.custom_ids.items():
+                if index not in recorded:
+                    self._record(
+                        b, index, not_run_line(custom_id, b.ending, NOT_RUN_MESSAGES[b.ending])
+                    )
+        output: list[str] = []
+        errors: list[str] = []
+        for _index, line in self.batches.results(b.id):
+            (output if line.ok else errors).append(line.to_line() + "\n")
+        fields: dict[str, str | int] = {}
+        for kind, lines in (("output", output), ("error", errors)):
+            if lines:
+                f = self.files.create(
+                    filename=f"{b.id}_{kind}.jsonl",
+                    purpose="batch_output",
+                    content="".join(lines).encode(),
+                    now=now,
+                    file_id=result_file_id(b.id, kind),
+                )
+                fields[f"{kind}_file_id"] = f.id
+        final, previous = {
+            None: (BatchStatus.COMPLETED, BatchStatus.FINALIZING),
+            "batch_expired": (BatchStatus.EXPIRED, BatchStatus.FINALIZING),
+            "batch_cancelled": (BatchStatus.CANCELLED, BatchStatus.CANCELLING),
+        }[b.ending]
+        done = self.batches.transition(
+            b.id, final, now, allowed_from=(previous,), driver=self.driver_id, fields=fields
+        )
+        if done is Transition.NOT_LOCKED:
+            raise LockLost
+        logger.info(
+            "batch %s %s: %d output lines, %d error lines",
+            b.id,
+            final.value,
+            len(output),
+            len(errors),
+        )
+        self.driven.pop(b.id, None)
+
+
+def build_driver(settings: Settings) -> BatchDriver:
+    card = load_model_card(settings.model_path())
+    builder = RecordBuilder(
+        card,
+        PromptBuilder.from_card(card),
+        model_name=settings.served_name,
+        request_timeout_s=settings.request_timeout_s,
+        clock=time.time,
+    )
+    client = redis.Redis.from_url(settings.redis_url)
+    return BatchDriver(settings, client, builder, create_celery(settings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenrelay batcher", description=__doc__.split("\n")[0])
+    parser.add_argument("--loglevel", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s batcher %(message)s"
+    )
+    driver = build_driver(Settings())
+
+    def _stop(_sig: int, _frame: object) -> None:
+        driver.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    logger.info("batch driver %s started", driver.driver_id)
+    driver.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
