@@ -1,0 +1,73 @@
+"""e2e fixtures: a whole stack of real processes (``tests.stack.full_stack``) shared by
+the session: redis-server, a Celery worker with the echo engine, a streamer, and
+``tokenrelay web`` (gunicorn, two worker processes so metrics aggregation is real).
+
+Tests that need other settings start their own stack, or another web process on this
+stack's Redis (``tests.stack.web_process`` with ``web_settings(stack.settings, ...)``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from app.settings import Settings
+from broker.keys import Keys
+from broker.requests import RequestStore
+from tests.stack import Stack, full_stack, isolated_settings
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from app.prepare import prepare_bundled_model
+
+    root = tmp_path_factory.mktemp("models")
+    prepare_bundled_model(root, progress=lambda _msg: None)
+    return root
+
+
+@pytest.fixture(scope="session")
+def model_dir(models_dir: Path) -> Path:
+    return models_dir / "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = isolated_settings(
+        "redis://unused", models_dir, web_workers=2, web_threads=32, sse_keepalive_s=1.0
+    )
+    with full_stack(settings, tmp_path_factory.mktemp("e2e-logs")) as running:
+        yield running
+
+
+SLOW_RATE = 20.0  # echo tokens per second on the slow stack
+
+
+@pytest.fixture(scope="session")
+def slow_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose echo engine makes 20 tokens/s and whose web admits one request:
+    for disconnects, admission and anything that must stay in flight for a while."""
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        echo_tokens_per_second=SLOW_RATE,
+        max_queue=1,
+        web_workers=1,
+        web_threads=8,
+        sse_keepalive_s=0.5,
+    )
+    with full_stack(settings, tmp_path_factory.mktemp("slow-logs")) as running:
+        yield running
+
+
+def in_flight(settings: Settings) -> int:
+    """Requests holding an admission slot right now."""
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        return RequestStore(client, Keys(settings.key_prefix)).in_flight(time.time())
+    finally:
+        client.close()

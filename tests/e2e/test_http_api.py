@@ -1,0 +1,186 @@
+"""The HTTP API on the wire (``requests``, no SDK): SSE framing byte for byte, the stop
+cases over SSE and JSON, metrics across gunicorn workers, and disconnects."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+
+from app.model_card import load_model_card, load_tokenizer
+from broker.keys import Keys
+from broker.requests import RequestStore
+from tests.e2e.conftest import in_flight
+from tests.e2e.stop_cases import CASES, chat_body, expected
+from tests.stack import Stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+
+
+def read_sse(resp: requests.Response) -> list[Any]:
+    """The payloads of an SSE response, asserting OpenAI's framing on the raw bytes."""
+    raw = resp.content.decode("utf-8")
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    payloads: list[Any] = []
+    for block in raw.split("\n\n")[:-1]:
+        if block.startswith(":"):  # a keep-alive comment
+            continue
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: ") :]
+        payloads.append(data if data == "[DONE]" else json.loads(data))
+    assert payloads.pop() == "[DONE]"
+    assert "[DONE]" not in payloads
+    return payloads
+
+
+def fold_chat_chunks(chunks: list[dict[str, Any]]) -> dict[int, tuple[str, str, Any]]:
+    """Per choice: (text, finish_reason, stop_reason) from streamed chat chunks."""
+    text: dict[int, str] = {}
+    ends: dict[int, tuple[str, Any]] = {}
+    for chunk in chunks:
+        assert "error" not in chunk, chunk
+        for c in chunk["choices"]:
+            text[c["index"]] = text.get(c["index"], "") + c["delta"].get("content", "")
+            if c["finish_reason"] is not None:
+                assert c["index"] not in ends
+                ends[c["index"]] = (c["finish_reason"], c["stop_reason"])
+    return {i: (text[i], *ends[i]) for i in text}
+
+
+def test_sse_framing_and_headers(stack: Stack) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    resp = requests.post(stack.base_url + CHAT, json=body, timeout=30)
+    assert resp.status_code == 200
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert resp.headers["Cache-Control"] == "no-cache"
+    assert re.fullmatch(r"[0-9a-f]{32}", resp.headers["x-request-id"])
+    chunks = read_sse(resp)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["id"] == "chatcmpl-" + resp.headers["x-request-id"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert set(chunks[-1]["usage"]) <= {
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "prompt_tokens_details",
+    }
+    assert fold_chat_chunks(chunks[:-1]) == {0: ("Hi there", "stop", None)}
+    echoed = requests.post(
+        stack.base_url + CHAT, json=body, headers={"X-Request-Id": "mine-42"}, timeout=30
+    )
+    assert echoed.headers["x-request-id"] == "mine-42"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_stop_cases_same_text_over_sse_and_json(stack: Stack, model_dir: Path, case: str) -> None:
+    model = stack.settings.served_name
+    tokenizer = load_tokenizer(load_model_card(model_dir))
+    body = chat_body(case, model, tokenizer)
+    want = expected(case, model_dir, model)
+    want_choices = {
+        i: (want.texts[i], want.finish_reasons[i], want.stop_reasons[i]) for i in want.texts
+    }
+
+    plain = requests.post(stack.base_url + CHAT, json=body, timeout=30)
+    assert plain.status_code == 200, plain.text
+    data = plain.json()
+    got_plain = {
+        c["index"]: (c["message"]["content"], c["finish_reason"], c["stop_reason"])
+        for c in data["choices"]
+    }
+    streamed = requests.post(stack.base_url + CHAT, json={**body, "stream": True}, timeout=30)
+    got_sse = fold_chat_chunks(read_sse(streamed))
+
+    assert got_plain == want_choices
+    assert got_sse == want_choices
+    assert data["usage"]["completion_tokens"] == want.completion_tokens
+
+
+def metric_value(base_url: str, name: str, labels: str) -> float:
+    text = requests.get(base_url + "/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_metrics_count_every_worker(stack: Stack) -> None:
+    labels = 'endpoint="/v1/models",error_type="",status="200"'
+    before = metric_value(stack.base_url, "tokenrelay_requests_total", labels)
+    for _ in range(8):  # one connection each, so both gunicorn workers answer some
+        assert requests.get(stack.base_url + "/v1/models", timeout=10).status_code == 200
+    after = metric_value(stack.base_url, "tokenrelay_requests_total", labels)
+    assert after - before == 8
+    text = requests.get(stack.base_url + "/metrics", timeout=10).text
+    for name in (
+        "tokenrelay_time_to_first_token_seconds_bucket",
+        "tokenrelay_e2e_request_latency_seconds_count",
+        "tokenrelay_queue_time_seconds_count",
+        "tokenrelay_inter_token_latency_seconds_count",
+        "tokenrelay_requests_in_flight",
+        "tokenrelay_prompt_tokens_total",
+        "tokenrelay_completion_tokens_total",
+    ):
+        assert name in text, name
+
+
+def test_ready_and_http_errors_on_the_wire(stack: Stack) -> None:
+    assert requests.get(stack.base_url + "/ready", timeout=10).json() == {"status": "ready"}
+    cases = [
+        (requests.get(stack.base_url + "/v1/nowhere", timeout=10), 404),
+        (requests.get(stack.base_url + CHAT, timeout=10), 405),
+        (requests.post(stack.base_url + CHAT, data="x", timeout=10), 415),
+        (
+            requests.post(
+                stack.base_url + CHAT,
+                data=b"{not json",
+                headers={"Content-Type": "application/json"},
+                timeout=10,
+            ),
+            400,
+        ),
+    ]
+    for resp, status in cases:
+        assert resp.status_code == status
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert "Traceback" not in resp.text and "werkzeug" not in resp.text.lower()
+
+
+def test_disconnect_stops_the_worker_within_a_second(slow_stack: Stack) -> None:
+    settings = slow_stack.settings
+    body = {"messages": [{"role": "user", "content": "word " * 200}], "stream": True}
+    resp = requests.post(slow_stack.base_url + CHAT, json=body, stream=True, timeout=30)
+    assert resp.status_code == 200
+    rid = resp.headers["x-request-id"]
+    lines = resp.iter_lines()
+    while b'"content":"word' not in next(lines):
+        pass
+    resp.close()  # the client goes away mid-stream
+
+    store = RequestStore(redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix))
+
+    def published() -> int:
+        return sum(len(p.token_ids) for p in store.progress(rid, 1))
+
+    time.sleep(1.0)
+    after_one_second = published()
+    time.sleep(1.0)
+    assert published() == after_one_second, "the worker still generates 1 s after"
+    assert after_one_second < 100  # of 200: it stopped long before the end
+    wait_for(lambda: in_flight(settings) == 0, 5, "the admission slot to be released")
+    disconnects = metric_value(
+        slow_stack.base_url,
+        "tokenrelay_client_disconnects_total",
+        'endpoint="/v1/chat/completions"',
+    )
+    assert disconnects >= 1

@@ -1,0 +1,132 @@
+"""Fixtures for the web tier's unit tests: the real Flask app with a real
+``GenerationService`` on a real redis-server, and no worker or streamer.
+
+Instead of a streamer, a test writes a request's output events itself
+(``ScriptedOutput``) through ``broker.streams.OutputStreams`` — the same entries a
+streamer writes — so every framing rule is tested on the real read path. Request ids
+are chosen by the test (the service's ``new_id``), so it can write a request's output
+before sending the request: the web tier reads output streams from ``0-0``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from flask import Flask
+from flask.testing import FlaskClient
+
+from app.messages import FinishReason, OutputEvent, OutputKind
+from app.settings import Settings
+from broker.keys import Keys
+from broker.requests import RequestStore
+from broker.streams import OutputEntry, OutputStreams
+from tests.integration.conftest import models_dir, redis_server  # noqa: F401
+from tests.stack import isolated_settings
+from web.app import create_app
+from web.service import GenerationService
+
+
+class RequestIds:
+    """The service's ``new_id``: hands out ids the test knows in advance."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.issued: list[str] = []
+
+    def peek(self) -> str:
+        """The id the next request will get."""
+        return f"{self._prefix}-{len(self.issued)}"
+
+    def __call__(self) -> str:
+        rid = self.peek()
+        next(self._counter)
+        self.issued.append(rid)
+        return rid
+
+
+class ScriptedOutput:
+    """Writes output events for a request, as a streamer would."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.keys = Keys(settings.key_prefix)
+        self.streams = OutputStreams(self.redis, self.keys)
+        self.store = RequestStore(self.redis, self.keys)
+
+    def write(self, rid: str, *events: OutputEvent) -> None:
+        self.streams.write([OutputEntry(rid, list(events), "0-0", first=True)])
+
+    def cancelled(self, rid: str) -> bool:
+        return self.store.is_cancelled(rid)
+
+    def in_flight(self) -> list[str]:
+        return [m.decode() for m in self.redis.zrange(self.keys.inflight, 0, -1)]
+
+
+def delta(choice: int, text: str, **kw: object) -> OutputEvent:
+    return OutputEvent(OutputKind.DELTA, choice, text, **kw)  # type: ignore[arg-type]
+
+
+def final(
+    choice: int, reason: FinishReason = FinishReason.STOP, stop: int | str | None = None
+) -> OutputEvent:
+    return OutputEvent(OutputKind.FINAL, choice, finish_reason=reason, stop_reason=stop)
+
+
+def usage(prompt: int = 5, completion: int = 2) -> OutputEvent:
+    return OutputEvent(
+        OutputKind.USAGE,
+        usage={
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "timings": {"queue_s": 0.01, "ttft_s": 0.01, "decode_s": 0.1, "e2e_s": 0.2},
+            "streamer": "s1",
+        },
+    )
+
+
+def error(message: str, code: int, choice: int | None = None) -> OutputEvent:
+    if choice is not None:
+        return OutputEvent(
+            OutputKind.FINAL, choice, finish_reason=FinishReason.ERROR, error=message, code=code
+        )
+    return OutputEvent(OutputKind.ERROR, error=message, code=code)
+
+
+@pytest.fixture
+def settings(redis_server, models_dir) -> Settings:  # type: ignore[no-untyped-def]  # noqa: F811
+    return isolated_settings(redis_server.url, models_dir, sse_keepalive_s=0.2)
+
+
+@pytest.fixture
+def ids() -> RequestIds:
+    return RequestIds()
+
+
+@pytest.fixture
+def service(settings: Settings, ids: RequestIds) -> GenerationService:
+    return GenerationService(settings, new_id=ids)
+
+
+@pytest.fixture
+def app(settings: Settings, service: GenerationService) -> Flask:
+    flask_app = create_app(settings, service=service)
+    flask_app.testing = True
+    return flask_app
+
+
+@pytest.fixture
+def client(app: Flask) -> Iterator[FlaskClient]:
+    with app.test_client() as c:
+        yield c
+
+
+@pytest.fixture
+def scripted(settings: Settings) -> ScriptedOutput:
+    return ScriptedOutput(settings)

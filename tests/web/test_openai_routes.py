@@ -1,0 +1,503 @@
+"""The OpenAI routes with Flask's test client, a real GenerationService on a real
+redis-server, and output streams written by the test (no worker, no streamer)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+
+from app.messages import FinishReason, LogprobEntry
+from app.settings import Settings
+from broker.keys import Keys
+from broker.records import RequestRecord
+from broker.requests import RequestStore
+from tests.web.conftest import RequestIds, ScriptedOutput, delta, error, final, usage
+from web.app import create_app
+from web.bodies import loads_repaired
+from web.service import GenerationService
+
+pytestmark = pytest.mark.integration
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(content: str = "hi", **kw: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], **kw}
+
+
+def sse_payloads(body: str) -> list[Any]:
+    """The data payloads of an SSE body, checking the framing on the way."""
+    assert body.endswith("data: [DONE]\n\n")
+    out: list[Any] = []
+    for block in body.split("\n\n")[:-1]:
+        if block.startswith(":"):
+            continue
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
+    return out[:-1]
+
+
+def error_of(resp: Any) -> dict[str, Any]:
+    body = resp.get_json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    err: dict[str, Any] = body["error"]
+    return err
+
+
+@pytest.fixture
+def make_client(
+    settings: Settings, ids: RequestIds
+) -> Callable[..., tuple[FlaskClient, GenerationService]]:
+    """A client for an app with some settings changed."""
+
+    def make(**overrides: Any) -> tuple[FlaskClient, GenerationService]:
+        s = settings.model_copy(update=overrides)
+        svc = GenerationService(s, new_id=ids)
+        flask_app = create_app(s, service=svc)
+        flask_app.testing = True
+        return flask_app.test_client(), svc
+
+    return make
+
+
+# -- success paths --------------------------------------------------------------------------
+
+
+def test_non_streaming_chat_folds_the_output(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "Hel"), delta(0, "lo"), final(0, stop="\n"), usage(5, 2))
+    resp = client.post(CHAT, json=chat())
+    assert resp.status_code == 200
+    assert resp.headers["x-request-id"] == rid
+    body = resp.get_json()
+    assert body["id"] == f"chatcmpl-{rid}" and body["object"] == "chat.completion"
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello"},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "stop_reason": "\n",
+        }
+    ]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert scripted.in_flight() == []  # the admission slot was given back
+
+
+def test_stream_framing_roles_deltas_finals_usage_done(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(
+        rid,
+        delta(1, "b"),
+        delta(0, "a"),
+        final(0, stop="x"),
+        delta(1, "c"),
+        final(1, FinishReason.LENGTH),
+        usage(3, 4),
+    )
+    resp = client.post(CHAT, json=chat(n=2, stream=True, stream_options={"include_usage": True}))
+    assert resp.status_code == 200
+    assert resp.mimetype == "text/event-stream"
+    assert resp.headers["x-request-id"] == rid
+    chunks = sse_payloads(resp.get_data(as_text=True))
+    resp.close()
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{rid}"}
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    roles = [c["choices"][0] for c in chunks[:2]]
+    assert roles == [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
+        for i in range(2)
+    ]
+    middle = [c["choices"][0] for c in chunks[2:-1]]
+    got = [(ch["index"], ch["delta"], ch["finish_reason"], ch["stop_reason"]) for ch in middle]
+    assert got == [
+        (1, {"content": "b"}, None, None),
+        (0, {"content": "a"}, None, None),
+        (0, {}, "stop", "x"),
+        (1, {"content": "c"}, None, None),
+        (1, {}, "length", None),
+    ]
+    assert chunks[-1]["choices"] == []
+    # The streamer's internal keys never reach a client.
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert "usage" not in chunks[0]
+    assert scripted.in_flight() == []
+
+
+def test_stream_without_include_usage_sends_no_usage_chunk(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    scripted.write(ids.peek(), delta(0, "a"), final(0), usage())
+    resp = client.post(CHAT, json=chat(stream=True))
+    chunks = sse_payloads(resp.get_data(as_text=True))
+    resp.close()
+    assert all(c["choices"] for c in chunks)
+
+
+def _entry(token_id: int, text: str) -> LogprobEntry:
+    return LogprobEntry(token_id, text, -0.5, list(text.encode()), [(text, -0.5), ("z", -2.0)])
+
+
+def test_completions_stream_list_of_prompts_and_logprobs(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(
+        rid,
+        delta(0, "ab", logprobs=[_entry(1, "a"), _entry(2, "b")]),
+        delta(0, "c", logprobs=[_entry(3, "c")]),
+        final(0),
+        delta(1, "x", logprobs=[_entry(4, "x")]),
+        final(1),
+        usage(),
+    )
+    resp = client.post(
+        "/v1/completions", json={"prompt": ["one", "two"], "logprobs": 1, "stream": True}
+    )
+    chunks = sse_payloads(resp.get_data(as_text=True))
+    resp.close()
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    first, second = chunks[0]["choices"][0], chunks[1]["choices"][0]
+    assert first["text"] == "ab" and first["logprobs"]["tokens"] == ["a", "b"]
+    assert first["logprobs"]["text_offset"] == [0, 1]
+    assert second["logprobs"]["text_offset"] == [2]  # continues where the last chunk ended
+    assert first["logprobs"]["top_logprobs"][0] == {"a": -0.5, "z": -2.0}
+    assert [c["choices"][0]["index"] for c in chunks] == [0, 0, 0, 1, 1]
+
+
+def test_chat_logprobs_streamed_and_folded(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    events = (delta(0, "a", logprobs=[_entry(1, "a")]), final(0), usage())
+    scripted.write(ids.peek(), *events)
+    body = client.post(CHAT, json=chat(logprobs=True, top_logprobs=1)).get_json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == "a" and content[0]["logprob"] == -0.5
+    assert content[0]["top_logprobs"][1] == {"token": "z", "logprob": -2.0, "bytes": [122]}
+    scripted.write(ids.peek(), *events)
+    resp = client.post(CHAT, json=chat(logprobs=True, top_logprobs=1, stream=True))
+    chunks = sse_payloads(resp.get_data(as_text=True))
+    resp.close()
+    assert chunks[1]["choices"][0]["logprobs"]["content"] == content
+
+
+def test_keep_alive_comments_while_waiting(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    timer = threading.Timer(0.7, scripted.write, (rid, delta(0, "late"), final(0), usage()))
+    timer.start()
+    resp = client.post(CHAT, json=chat(stream=True))
+    body = resp.get_data(as_text=True)
+    resp.close()
+    timer.join()
+    assert ": keep-alive\n\n" in body
+    assert (
+        "".join(c["choices"][0]["delta"].get("content", "") for c in sse_payloads(body)) == "late"
+    )
+
+
+def test_client_request_id_is_echoed(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    scripted.write(ids.peek(), delta(0, "a"), final(0), usage())
+    resp = client.post(CHAT, json=chat(), headers={"X-Request-Id": "client-123"})
+    assert resp.headers["x-request-id"] == "client-123"
+    bad = client.get("/health", headers={"X-Request-Id": "bad id\twith spaces"})
+    assert bad.headers["x-request-id"] != "bad id\twith spaces"
+    assert client.get("/nope").headers["x-request-id"]
+
+
+# -- errors from the pipeline -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("event", "status", "kind"),
+    [
+        (error("prompt too long for the cache", 400, choice=0), 400, "invalid_request_error"),
+        (error("No live worker serves the model.", 503), 503, "service_unavailable_error"),
+        (error("The request passed its deadline.", 504), 504, "timeout_error"),
+    ],
+)
+def test_error_before_any_output_is_the_http_status(
+    client: FlaskClient,
+    ids: RequestIds,
+    scripted: ScriptedOutput,
+    event: Any,
+    status: int,
+    kind: str,
+    stream: bool,
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, event, error(event.error, event.code), usage())
+    resp = client.post(CHAT, json=chat(stream=stream))
+    assert resp.status_code == status
+    err = error_of(resp)
+    assert err["message"] == event.error and err["type"] == kind
+    assert resp.headers["x-request-id"] == rid
+    assert scripted.in_flight() == []
+
+
+def test_error_after_output_is_an_sse_event_and_the_stream_ends(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "partial"), error("lost", 503, choice=0), error("lost", 503))
+    resp = client.post(CHAT, json=chat(stream=True))
+    assert resp.status_code == 200
+    chunks = sse_payloads(resp.get_data(as_text=True))
+    resp.close()
+    assert chunks[-1] == {
+        "error": {
+            "message": "lost",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert chunks[1]["choices"][0]["delta"] == {"content": "partial"}
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert 'tokenrelay_stream_errors_total{endpoint="/v1/chat/completions",' in metrics
+
+
+def test_one_failed_choice_fails_a_non_streamed_request(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(
+        rid, delta(0, "fine"), final(0), delta(1, "x"), error("engine failed", 500, choice=1)
+    )
+    resp = client.post(CHAT, json=chat(n=2))
+    assert resp.status_code == 500
+    assert error_of(resp)["message"] == "engine failed"
+    assert scripted.cancelled(rid)  # the other choices must not run on for nothing
+
+
+def test_disconnect_cancels_and_frees_the_slot(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "first"))  # ... and nothing more: still generating
+    resp = client.post(CHAT, json=chat(stream=True), buffered=False)
+    stream = iter(resp.response)
+    assert b"assistant" in next(stream)
+    assert b"first" in next(stream)
+    assert rid in scripted.in_flight() and not scripted.cancelled(rid)
+    resp.close()  # what the WSGI server does when the client's socket is gone
+    assert scripted.cancelled(rid)
+    assert scripted.in_flight() == []
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert 'tokenrelay_client_disconnects_total{endpoint="/v1/chat/completions"} 1.0' in metrics
+    assert 'tokenrelay_requests_in_flight{endpoint="/v1/chat/completions"} 0.0' in metrics
+
+
+# -- request errors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(temperature=3), "temperature"),
+        (chat(bogus_field=1), "bogus_field"),
+        (chat(n=99), "n"),
+        (chat(stop=[f"s{i}" for i in range(40)]), "stop"),
+        ({"messages": []}, "messages"),
+        ({"model": "x"}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        ([1, 2], None),
+    ],
+)
+def test_validation_errors_name_the_parameter(
+    client: FlaskClient, body: Any, param: str | None
+) -> None:
+    resp = client.post(CHAT, json=body)
+    assert resp.status_code == 400
+    err = error_of(resp)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_bad_json_is_400_without_the_parsers_message(client: FlaskClient) -> None:
+    resp = client.post(CHAT, data=b'{"messages": [', content_type="application/json")
+    assert resp.status_code == 400
+    assert "not valid JSON" in error_of(resp)["message"]
+    assert "Expecting" not in resp.get_data(as_text=True)
+
+
+def test_raw_control_characters_and_bad_utf8_are_repaired(
+    client: FlaskClient,
+    ids: RequestIds,
+    scripted: ScriptedOutput,
+    settings: Settings,
+    service: GenerationService,
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "ok"), final(0), usage())
+    raw = b'{"messages": [{"role": "user", "content": "tab\there\nline \xff\xfe end"}]}'
+    resp = client.post(CHAT, data=raw, content_type="application/json")
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    store = RequestStore(scripted.redis, Keys(settings.key_prefix))
+    loaded = store.load(rid)
+    assert loaded is not None
+    record: RequestRecord = loaded[0]
+    assert record.echo_ids is not None
+    echoed = service.tokenizer.decode(record.echo_ids[0])
+    assert echoed == "tab\there\nline \ufffd\ufffd end"
+
+
+def test_lone_surrogates_are_replaced() -> None:
+    assert loads_repaired(b'{"a": "x\\ud800y"}') == {"a": "x\ufffdy"}
+    assert loads_repaired('{"a": "\\ud83d\\ude00"}') == {"a": "😀"}
+
+
+def test_unknown_model_is_404(client: FlaskClient) -> None:
+    resp = client.post(CHAT, json=chat(model="no-such-model"))
+    assert resp.status_code == 404
+    err = error_of(resp)
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+
+
+def test_context_overflow_is_400_with_the_numbers(client: FlaskClient) -> None:
+    resp = client.post(CHAT, json=chat(max_tokens=100_000))
+    assert resp.status_code == 400
+    err = error_of(resp)
+    assert err["code"] == "context_length_exceeded" and "8192" in err["message"]
+
+
+def test_http_level_errors(client: FlaskClient) -> None:
+    assert client.get("/v1/nothing").status_code == 404
+    assert error_of(client.get("/v1/nothing"))["type"] == "not_found_error"
+    resp = client.get(CHAT)
+    assert resp.status_code == 405 and error_of(resp)["code"] == "method_not_allowed"
+    resp = client.post(CHAT, data="hello", content_type="text/plain")
+    assert resp.status_code == 415 and error_of(resp)["code"] == "unsupported_media_type"
+    resp = client.post(CHAT, data=json.dumps(chat()))  # no content type at all
+    assert resp.status_code == 415
+
+
+def test_body_too_large_is_413(make_client: Callable[..., Any]) -> None:
+    client, _svc = make_client(max_body_bytes=2048)
+    resp = client.post(CHAT, json=chat("x" * 5000))
+    assert resp.status_code == 413
+    assert error_of(resp)["code"] == "payload_too_large"
+
+
+def test_deprecated_functions_are_501(client: FlaskClient) -> None:
+    resp = client.post(CHAT, json=chat(functions=[{"name": "f", "parameters": {}}]))
+    assert resp.status_code == 501
+    assert error_of(resp)["param"] == "functions"
+
+
+def test_api_keys(make_client: Callable[..., Any], ids: RequestIds) -> None:
+    client, _svc = make_client(api_keys=["k1", "k2"])
+    resp = client.get("/v1/models")
+    assert resp.status_code == 401 and error_of(resp)["type"] == "authentication_error"
+    assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+    assert client.post(CHAT, json=chat()).status_code == 401
+    assert client.get("/health").status_code == 200  # probes and metrics stay open
+    assert client.get("/metrics").status_code == 200
+
+
+def test_queue_full_is_429_with_retry_after(
+    make_client: Callable[..., Any], scripted: ScriptedOutput
+) -> None:
+    client, svc = make_client(max_queue=1)
+    assert svc.store.admit("someone-else", time.time() + 60, 1, time.time())
+    try:
+        resp = client.post(CHAT, json=chat())
+        assert resp.status_code == 429
+        assert resp.headers["Retry-After"] == "1"
+        assert error_of(resp)["type"] == "rate_limit_error"
+    finally:
+        svc.store.release("someone-else")
+
+
+# -- nothing leaks ----------------------------------------------------------------------------
+
+
+def _boom(*_a: Any, **_k: Any) -> Any:
+    raise RuntimeError("/secret/path/to/module.py: something broke")
+
+
+def test_a_bug_is_a_generic_500(
+    client: FlaskClient, service: GenerationService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service, "chat_record", _boom)
+    resp = client.post(CHAT, json=chat())
+    assert resp.status_code == 500
+    text = resp.get_data(as_text=True)
+    assert "/secret" not in text and "RuntimeError" not in text and "Traceback" not in text
+    assert error_of(resp)["type"] == "internal_error"
+
+
+def test_a_bug_mid_stream_is_a_generic_error_event(
+    client: FlaskClient,
+    ids: RequestIds,
+    scripted: ScriptedOutput,
+    service: GenerationService,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "a"))
+    real_events = service.events
+
+    def first_then_boom(*args: Any, **kw: Any) -> Any:
+        it = real_events(*args, **kw)
+        yield next(it)
+        _boom()
+
+    monkeypatch.setattr(service, "events", first_then_boom)
+    resp = client.post(CHAT, json=chat(stream=True))
+    text = resp.get_data(as_text=True)
+    resp.close()
+    assert resp.status_code == 200
+    assert "/secret" not in text and "RuntimeError" not in text
+    assert sse_payloads(text)[-1]["error"]["type"] == "internal_error"
+    assert scripted.cancelled(rid)
+
+
+# -- models and health ------------------------------------------------------------------------
+
+
+def test_models(make_client: Callable[..., Any]) -> None:
+    client, _svc = make_client(served_model_name="org/model-x")
+    listing = client.get("/v1/models").get_json()
+    assert listing["object"] == "list"
+    (model,) = listing["data"]
+    assert model["id"] == "org/model-x" and model["object"] == "model"
+    assert model["max_model_len"] == 8192
+    one = client.get("/v1/models/org/model-x")
+    assert one.status_code == 200 and one.get_json() == model
+    missing = client.get("/v1/models/org/other")
+    assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
+
+
+def test_health_and_ready(client: FlaskClient, app: Flask) -> None:
+    assert client.get("/health").get_json() == {"status": "ok"}
+    resp = client.get("/ready")
+    assert resp.status_code == 503
+    assert "No live worker" in error_of(resp)["message"]

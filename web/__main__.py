@@ -1,0 +1,125 @@
+"""``tokenrelay web``: gunicorn serving ``web.app.create_app`` with gthread workers.
+
+Why gthread: every open SSE stream or WebSocket holds one thread for its whole life
+(it blocks in Redis ``XREAD`` between events, which releases the GIL), and gthread
+gives each worker process a fixed pool of real threads with no monkey-patching of
+redis-py, Celery or the tokenizer, which gevent would need. The capacity is
+``web_workers x web_threads`` concurrent streams (default 2 x 192 = 384, above the
+default admission limit ``max_queue`` = 256, so admission answers 429 before the
+thread pools fill up). Connections beyond a worker's free threads wait in its queue.
+Long streams do not trip gunicorn's ``timeout``: gthread workers heartbeat from their
+main loop, not from request threads.
+
+Metrics: several worker processes need prometheus-client's multiprocess mode, which is
+chosen when prometheus-client is first imported. This module therefore sets
+``PROMETHEUS_MULTIPROC_DIR`` (a fresh temporary directory unless the operator set one;
+an operator's directory is emptied at start) before any worker imports the app, and
+tells prometheus-client when a worker exits so its live gauges disappear.
+
+The app is built in each worker after the fork (no ``preload_app``): Redis connection
+pools and Celery producers must not be shared across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def prepare_multiprocess_dir() -> str:
+    """Point prometheus-client at an empty directory shared by all workers."""
+    existing = os.environ.get(MULTIPROC_ENV)
+    if existing:
+        path = Path(existing)
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*.db"):  # samples of a previous run would be summed in
+            stale.unlink()
+        return str(path)
+    path_str = tempfile.mkdtemp(prefix="tokenrelay-metrics-")
+    os.environ[MULTIPROC_ENV] = path_str
+    atexit.register(shutil.rmtree, path_str, ignore_errors=True)
+    return path_str
+
+
+def _child_exit(_server: Any, worker: Any) -> None:
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
+
+
+def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, Any]:
+    """gunicorn's settings for ``settings`` (a ``app.settings.Settings``)."""
+    threads = settings.web_threads
+    return {
+        "bind": f"{settings.host}:{settings.port}",
+        "workers": settings.web_workers,
+        "worker_class": "gthread",
+        "threads": threads,
+        # Idle keep-alive connections also count here; leave room above the threads.
+        "worker_connections": max(1000, threads * 4),
+        "timeout": 60,
+        "graceful_timeout": 30,
+        "keepalive": 5,
+        "accesslog": "-" if access_log else None,
+        "errorlog": "-",
+        "child_exit": _child_exit,
+        "proc_name": "tokenrelay-web",
+        # gunicorn >= 24 opens a control socket at a fixed path per user, which several
+        # servers on one machine (tests, one per model) would fight over.
+        "control_socket_disable": True,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenrelay web", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", help="address to bind (default: TOKENRELAY_HOST)")
+    parser.add_argument("--port", type=int, help="port to bind (default: TOKENRELAY_PORT)")
+    parser.add_argument("--workers", type=int, help="worker processes (TOKENRELAY_WEB_WORKERS)")
+    parser.add_argument("--threads", type=int, help="threads per worker (TOKENRELAY_WEB_THREADS)")
+    parser.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    args = parser.parse_args(argv)
+
+    prepare_multiprocess_dir()  # before anything imports prometheus_client
+
+    from gunicorn.app.base import BaseApplication
+
+    from app.settings import Settings
+
+    overrides: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("host", args.host),
+            ("port", args.port),
+            ("web_workers", args.workers),
+            ("web_threads", args.threads),
+        )
+        if value is not None
+    }
+    settings = Settings(**overrides)
+    options = gunicorn_options(settings, access_log=args.access_log)
+
+    class WebServer(BaseApplication):  # type: ignore[misc]
+        def load_config(self) -> None:
+            for key, value in options.items():
+                if key in self.cfg.settings:  # older gunicorns lack some settings
+                    self.cfg.set(key, value)
+
+        def load(self) -> Any:
+            from web.app import create_app
+
+            return create_app(settings)
+
+    WebServer().run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Every error the web tier answers, in OpenAI's shape, and nothing else.
+
+``register(app)`` installs Flask error handlers so that whatever goes wrong in a route —
+a ``TokenRelayError`` raised on purpose, a werkzeug ``HTTPException`` (unknown route,
+wrong method, body too large) or a bug — becomes ``{"error": {"message", "type",
+"param", "code"}}`` with the right status. Only our own public messages reach a client:
+werkzeug's descriptions and any other exception's text are replaced (a bug is logged
+here with its traceback and answered with ``app.errors.error_body``'s generic 500).
+
+``PipelineError`` carries an error that the pipeline reported on a request's output
+stream (a worker rejecting the prompt, the streamers' watchdog giving up): its status
+is the event's ``code`` and its message is the event's, which the streamer guarantees
+is safe to show.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from flask import Flask, Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from app.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    QueueFull,
+    TokenRelayError,
+    UnsupportedMediaType,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+_PIPELINE_TYPES = {
+    400: "invalid_request_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class PipelineError(TokenRelayError):
+    """An error event from a request's output stream, with the status it asked for."""
+
+    public = True
+
+    def __init__(self, message: str, status: int | None) -> None:
+        super().__init__(message or "The request failed.")
+        # The streamer only emits 400/500/503/504; anything else is treated as ours (500).
+        self.status = status if status in (400, 500, 503, 504) else 500
+        self.type = _PIPELINE_TYPES.get(self.status, "internal_error")
+
+
+class MethodNotAllowed(TokenRelayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+    public = True
+
+
+class HTTPError(TokenRelayError):
+    """Any other werkzeug status, answered with a fixed message of ours."""
+
+    public = True
+
+    def __init__(self, status: int) -> None:
+        server_side = status >= 500
+        super().__init__(
+            "The server had an error while processing your request."
+            if server_side
+            else "The request could not be processed."
+        )
+        self.status = status
+        self.type = "internal_error" if server_side else "invalid_request_error"
+
+
+def error_response(exc: BaseException) -> Response:
+    """The JSON response for ``exc`` (status, OpenAI body, Retry-After for a 429).
+
+    Also notes the error type on ``g`` for the request metrics.
+    """
+    status, body = error_body(exc)
+    response = jsonify(body)
+    response.status_code = status
+    if isinstance(exc, QueueFull):
+        response.headers["Retry-After"] = str(exc.retry_after)
+    g.error_type = body["error"]["type"]
+    return response
+
+
+def translate_http_exception(exc: HTTPException) -> TokenRelayError:
+    """Our own error for a werkzeug one, so no library description reaches a client."""
+    status = exc.code or 500
+    if status == 404:
+        return NotFound(f"Unknown route: {request.method} {request.path}", code="unknown_route")
+    if status == 405:
+        return MethodNotAllowed(f"Method {request.method} is not allowed for {request.path}.")
+    if status == 413:
+        limit = request.max_content_length
+        return PayloadTooLarge(
+            "The request body is too large"
+            + (f" (at most {limit} bytes are accepted)." if limit else ".")
+        )
+    if status == 415:
+        return UnsupportedMediaType("The request body must be JSON (application/json).")
+    if status == 400:
+        return InvalidRequest("The request could not be parsed.")
+    return HTTPError(status)
+
+
+def register(app: Flask) -> None:
+    """Install the error handlers on ``app``."""
+
+    @app.errorhandler(TokenRelayError)
+    def _tokenrelay_error(exc: TokenRelayError) -> Response:
+        if not exc.public:
+            logger.error("internal error: %s", exc, exc_info=exc)
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Any:
+        if exc.code is not None and exc.code < 400:  # redirects are not errors
+            return exc
+        return error_response(translate_http_exception(exc))
+
+    @app.errorhandler(Exception)
+    def _bug(exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(exc)
