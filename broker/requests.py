@@ -6,12 +6,12 @@ web tier creates requests, workers claim and publish, streamers read and resume.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import orjson
 import redis
 from celery import Celery
 from redis.client import Pipeline
@@ -204,12 +204,12 @@ class RequestStore:
         return None if res < 0 else res
 
 
-def encode_deltas(deltas: Sequence[TokenDelta]) -> str:
-    return json.dumps([d.encode() for d in deltas], separators=(",", ":"))
+def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:
+    return orjson.dumps([d.encode() for d in deltas])
 
 
 def decode_deltas(raw: str | bytes) -> list[TokenDelta]:
-    return [TokenDelta.decode(x) for x in json.loads(raw)]
+    return [TokenDelta.decode(x) for x in orjson.loads(raw)]
 
 
 def _s(v: Any) -> str:

@@ -18,12 +18,12 @@ time belong to a dead streamer and are claimed by a live one (XAUTOCLAIM).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis
 
 from app.messages import OutputEvent, OutputKind
@@ -38,12 +38,12 @@ def is_terminal(event: OutputEvent) -> bool:
     )
 
 
-def encode_events(events: Sequence[OutputEvent]) -> str:
-    return json.dumps([e.encode() for e in events], separators=(",", ":"), ensure_ascii=False)
+def encode_events(events: Sequence[OutputEvent]) -> bytes:
+    return orjson.dumps([e.encode() for e in events])
 
 
 def decode_events(raw: str | bytes) -> list[OutputEvent]:
-    return [OutputEvent.decode(x) for x in json.loads(raw)]
+    return [OutputEvent.decode(x) for x in orjson.loads(raw)]
 
 
 @dataclass(slots=True)
