@@ -11,15 +11,18 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from app.messages import SamplingParams, StopConditions
 from app.settings import Settings
 from broker.keys import Keys
-from broker.registry import streamer_registry, worker_registry
+from broker.records import RequestRecord
+from broker.registry import batcher_registry, streamer_registry, worker_registry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +52,29 @@ def isolated_settings(redis_url: str, models_dir: Path, **overrides: object) -> 
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
+
+
+def make_record(
+    settings: Settings,
+    prompts: list[list[int]],
+    *,
+    n: int = 1,
+    max_tokens: int = 64,
+    deadline_s: float = 60,
+    **stop: Any,
+) -> RequestRecord:
+    """A greedy request record as the web tier would write it (EOS = 2, SmolLM2's)."""
+    now = time.time()
+    return RequestRecord(
+        request_id=uuid.uuid4().hex,
+        model=settings.served_name,
+        prompts=prompts,
+        n=n,
+        sampling=SamplingParams(temperature=0.0),
+        stop=StopConditions(max_tokens=max_tokens, eos_token_ids=(2,), **stop),
+        created=now,
+        deadline=now + deadline_s,
+    )
 
 
 class Proc:
@@ -100,57 +126,60 @@ def child_env(settings: Settings, **extra: str) -> dict[str, str]:
 
 
 @contextmanager
+def registered_process(
+    settings: Settings,
+    log_dir: Path,
+    *,
+    module: str,
+    kind: str,
+    name: str,
+    wait: bool = True,
+) -> Iterator[Proc]:
+    """``python -m <module>`` as a real process; waits until it has registered in the
+    ``kind`` registry (worker, streamer, batcher) under its own PID."""
+    registries: dict[str, Callable[..., Any]] = {
+        "worker": worker_registry,
+        "streamer": streamer_registry,
+        "batcher": batcher_registry,
+    }
+    proc = Proc(
+        [sys.executable, "-m", module, "--loglevel", "INFO"],
+        child_env(settings),
+        log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log",
+    )
+    try:
+        if wait:
+            registry = registries[kind](
+                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+            )
+
+            def registered() -> bool:
+                if not proc.alive():
+                    raise RuntimeError(f"{name} exited early:\n{proc.output()}")
+                return any(m.pid == proc.pid for m in registry.live())
+
+            wait_for(registered, 60, f"the {kind} to register")
+        yield proc
+    finally:
+        proc.stop()
+
+
 def worker_process(
     settings: Settings, log_dir: Path, *, name: str = "worker", wait: bool = True
-) -> Iterator[Proc]:
+) -> AbstractContextManager[Proc]:
     """``tokenrelay worker`` as a real process; waits until it has registered."""
-    proc = Proc(
-        [sys.executable, "-m", "workers", "--loglevel", "INFO"],
-        child_env(settings),
-        log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log",
+    return registered_process(
+        settings, log_dir, module="workers", kind="worker", name=name, wait=wait
     )
-    try:
-        if wait:
-            registry = worker_registry(
-                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
-            )
-
-            def registered() -> bool:
-                if not proc.alive():
-                    raise RuntimeError(f"worker exited early:\n{proc.output()}")
-                return any(w.pid == proc.pid for w in registry.live())
-
-            wait_for(registered, 60, "the worker to register")
-        yield proc
-    finally:
-        proc.stop()
 
 
-@contextmanager
 def streamer_process(
     settings: Settings, log_dir: Path, *, name: str = "streamer", wait: bool = True
-) -> Iterator[Proc]:
+) -> AbstractContextManager[Proc]:
     """``tokenrelay streamer`` as a real process; waits until it has registered."""
-    proc = Proc(
-        [sys.executable, "-m", "workers.streamer", "--loglevel", "INFO"],
-        child_env(settings),
-        log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log",
+    return registered_process(
+        settings, log_dir, module="workers.streamer", kind="streamer", name=name, wait=wait
     )
-    try:
-        if wait:
-            registry = streamer_registry(
-                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
-            )
-
-            def registered() -> bool:
-                if not proc.alive():
-                    raise RuntimeError(f"streamer exited early:\n{proc.output()}")
-                return any(s.pid == proc.pid for s in registry.live())
-
-            wait_for(registered, 60, "the streamer to register")
-        yield proc
-    finally:
-        proc.stop()
 
 
 # -- the web tier and the whole stack ------------------------------------------------------
@@ -242,31 +271,11 @@ def full_stack(
         yield Stack(f"http://{settings.host}:{settings.port}", settings, log_dir, procs)
 
 
-@contextmanager
 def batcher_process(
     settings: Settings, log_dir: Path, *, name: str = "batcher", wait: bool = True
-) -> Iterator[Proc]:
+) -> AbstractContextManager[Proc]:
     """``tokenrelay batcher`` (the batch driver) as a real process; waits until it has
     registered."""
-    from broker.registry import batcher_registry
-
-    proc = Proc(
-        [sys.executable, "-m", "workers.batcher", "--loglevel", "INFO"],
-        child_env(settings),
-        log_dir / f"{name}-{uuid.uuid4().hex[:4]}.log",
+    return registered_process(
+        settings, log_dir, module="workers.batcher", kind="batcher", name=name, wait=wait
     )
-    try:
-        if wait:
-            registry = batcher_registry(
-                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
-            )
-
-            def registered() -> bool:
-                if not proc.alive():
-                    raise RuntimeError(f"batcher exited early:\n{proc.output()}")
-                return any(b.pid == proc.pid for b in registry.live())
-
-            wait_for(registered, 60, "the batch driver to register")
-        yield proc
-    finally:
-        proc.stop()

@@ -30,13 +30,11 @@ every write is fenced by the lock, a takeover neither loses nor duplicates a lin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import hashlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -78,6 +76,7 @@ from broker.records import RecordBuilder, RequestRecord
 from broker.registry import BatcherInfo, batcher_registry
 from broker.requests import RequestStore
 from broker.streams import decode_events
+from workers.service_main import run_service
 
 logger = logging.getLogger(__name__)
 
@@ -569,22 +568,7 @@ def build_driver(settings: Settings) -> BatchDriver:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenrelay batcher", description=__doc__.split("\n")[0])
-    parser.add_argument("--loglevel", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s batcher %(message)s"
-    )
-    driver = build_driver(Settings())
-
-    def _stop(_sig: int, _frame: object) -> None:
-        driver.stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    logger.info("batch driver %s started", driver.driver_id)
-    driver.run()
-    return 0
+    return run_service("batcher", __doc__.split("\n")[0], build_driver, argv)
 
 
 if __name__ == "__main__":

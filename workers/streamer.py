@@ -17,11 +17,9 @@ One loop per process (several processes may run):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -45,6 +43,7 @@ from broker.records import RequestRecord, RequestState
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStore, decode_deltas
 from broker.streams import OutputEntry, OutputStreams, RequestHandoff
+from workers.service_main import run_service
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +116,7 @@ class Streamer:
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
+        logger.info("streamer %s serving", self.consumer)
         self.handoff.ensure_group()
         self._handoff_cursor = self.handoff.last_id()
         self._watchdog(force=True)
@@ -363,22 +363,7 @@ def build_streamer(settings: Settings) -> Streamer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenrelay streamer", description=__doc__.split("\n")[0])
-    parser.add_argument("--loglevel", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.loglevel.upper(), format="%(asctime)s %(levelname)s streamer %(message)s"
-    )
-    streamer = build_streamer(Settings())
-
-    def _stop(_sig: int, _frame: object) -> None:
-        streamer.stopping.set()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    logger.info("streamer %s started", streamer.consumer)
-    streamer.run()
-    return 0
+    return run_service("streamer", __doc__.split("\n")[0], build_streamer, argv)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +20,6 @@ from app.messages import (
     FinishReason,
     OutputEvent,
     OutputKind,
-    SamplingParams,
-    StopConditions,
 )
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
@@ -32,7 +29,7 @@ from broker.records import RequestRecord
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from broker.streams import GROUP, OutputStreams
-from tests.stack import isolated_settings, streamer_process, wait_for, worker_process
+from tests.stack import isolated_settings, make_record, streamer_process, wait_for, worker_process
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
 from workers.streamer import request_decoder
@@ -92,28 +89,6 @@ def reference(tokenizer: Tokenizer, record: RequestRecord) -> Result:
     result = collect(iter(events))
     result.usage = decoders.usage
     return result
-
-
-def make_record(
-    settings: Settings,
-    prompts: list[list[int]],
-    *,
-    n: int = 1,
-    max_tokens: int = 64,
-    deadline_s: float = 60,
-    **stop: Any,
-) -> RequestRecord:
-    now = time.time()
-    return RequestRecord(
-        request_id=uuid.uuid4().hex,
-        model=settings.served_name,
-        prompts=prompts,
-        n=n,
-        sampling=SamplingParams(temperature=0.0),
-        stop=StopConditions(max_tokens=max_tokens, eos_token_ids=(EOS,), **stop),
-        created=now,
-        deadline=now + deadline_s,
-    )
 
 
 @pytest.fixture(scope="module")

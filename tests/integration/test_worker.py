@@ -2,45 +2,21 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 import redis
 
-from app.messages import EngineFinish, SamplingParams, StopConditions
+from app.messages import EngineFinish
 from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery, queue_name, send_generate
 from broker.keys import Keys
 from broker.records import RequestRecord, RequestState
 from broker.requests import RequestStore
 from broker.server import RedisServer
-from tests.stack import isolated_settings, wait_for, worker_process
+from tests.stack import isolated_settings, make_record, wait_for, worker_process
 
 pytestmark = pytest.mark.integration
-
-
-def make_record(
-    settings: Settings,
-    prompts: list[list[int]],
-    *,
-    n: int = 1,
-    max_tokens: int = 16,
-    deadline_s: float = 60,
-    **stop: object,
-) -> RequestRecord:
-    now = time.time()
-    return RequestRecord(
-        request_id=uuid.uuid4().hex,
-        model=settings.served_name,
-        prompts=prompts,
-        n=n,
-        sampling=SamplingParams(temperature=0.0),
-        stop=StopConditions(max_tokens=max_tokens, eos_token_ids=(2,), **stop),  # type: ignore[arg-type]
-        created=now,
-        deadline=now + deadline_s,
-    )
 
 
 def submit(settings: Settings, store: RequestStore, record: RequestRecord) -> None:
