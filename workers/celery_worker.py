@@ -7,6 +7,8 @@ engine once per worker process in ``worker_init`` (the model loads before any ta
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 from celery import Celery
@@ -31,7 +33,17 @@ def build_app(settings: Settings) -> Celery:
         return runtime.generate(request_id, attempt)
 
     def _start(**_: Any) -> None:
-        runtime = WorkerRuntime.from_settings(settings)
+        try:
+            runtime = WorkerRuntime.from_settings(settings)
+        except Exception as exc:
+            # Celery would log a signal-handler error and keep consuming tasks it cannot
+            # run; a worker without its engine must stop, loudly, so supervisors see it.
+            logger.critical("cannot start the %s engine: %s", settings.engine, exc, exc_info=True)
+            sys.stderr.write(
+                f"tokenrelay worker: cannot start the {settings.engine} engine: {exc}\n"
+            )
+            sys.stderr.flush()
+            os._exit(3)
         runtime.start()
         state["runtime"] = runtime
 

@@ -117,3 +117,26 @@ def test_rejected_job_is_a_400_error_on_the_stream(
         (delta,) = store.read_tokens(rec.request_id)[-1][2]
         assert delta.finish is EngineFinish.ERROR and delta.error_code == 400
         assert "exceeds the context" in (delta.error or "")
+
+
+def test_worker_without_its_engine_exits_with_a_clear_message(
+    redis_server: RedisServer, models_dir: Path, tmp_path: Path
+) -> None:
+    """The bundled GGUF has no safetensors for exllamav2: the worker must stop, not
+    consume tasks it cannot run."""
+    import subprocess
+    import sys
+
+    from tests.stack import child_env
+
+    settings = isolated_settings(redis_server.url, models_dir, engine="exllamav2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers"],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3
+    assert "cannot start the exllamav2 engine" in proc.stderr
+    assert "no safetensors weights" in proc.stderr
