@@ -8,8 +8,8 @@
   request's output stream (one XREAD over all of them). Reports delivered tokens/s, CPU
   µs per delivered token for each process (from /proc: stable under noise), and the
   latency the relay adds over the engine: for every output entry, the time the client
-  received it minus the time the worker published the last token in it (token entry ids
-  are Redis server timestamps), so TTFT/ITL "added" exclude the engine's own step.
+  received it minus the time the worker published the last token in it (carried on the
+  entries, to the microsecond), so TTFT/ITL "added" exclude the engine's own step.
 """
 
 from __future__ import annotations
@@ -120,7 +120,12 @@ def run(
                             key = key_raw.decode()
                             for eid, fields in entries:
                                 cursors[key] = eid
-                                src_ms = int(fields[b"s"].split(b"-")[0]) / 1000
+                                # The worker's publish time (µs), else the entry id (ms).
+                                src_ms = (
+                                    float(fields[b"p"])
+                                    if b"p" in fields
+                                    else int(fields[b"s"].split(b"-")[0]) / 1000
+                                )
                                 for ev in decode_events(fields[b"e"]):
                                     if ev.kind is OutputKind.DELTA:
                                         if key not in seen_first:

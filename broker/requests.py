@@ -6,6 +6,7 @@ web tier creates requests, workers claim and publish, streamers read and resume.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -183,7 +184,9 @@ class RequestStore:
         Also refreshes each request's lease and reports cancels and lost leases.
         """
         keys: list[str] = []
-        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s]
+        # The publish time travels with each entry so the relay's added latency can be
+        # measured to the microsecond (entry ids only carry milliseconds).
+        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, repr(time.time())]
         k = self.keys
         for it in items:
             rid = it.request_id

@@ -37,7 +37,7 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 """
 
 # KEYS: per request i (4 each): lease, tokens, req, cancel
-# ARGV: lease_ttl_ms, stream_ttl_s, then per request (4 each):
+# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
 #       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done)
 # -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested
 PUBLISH = """
@@ -46,13 +46,13 @@ local n = #KEYS / 4
 for i = 0, n - 1 do
   local k = i * 4
   local lease, tok, req, cancel = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local a = 3 + k
+  local a = 4 + k
   if redis.call('GET', lease) ~= ARGV[a] then
     out[i + 1] = 1
   else
     local flags = tonumber(ARGV[a + 3])
     if ARGV[a + 2] ~= '' then
-      redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 'd', ARGV[a + 2])
+      redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2])
     end
     if flags % 2 == 1 then redis.call('EXPIRE', tok, ARGV[2]) end
     if flags >= 2 then

@@ -52,6 +52,7 @@ class OutputEntry:
     events: list[OutputEvent]
     source: str  # token-stream cursor these events were decoded up to
     first: bool = False
+    published: bytes | None = None  # worker publish time of the source entry (latency)
 
 
 class OutputStreams:
@@ -69,7 +70,10 @@ class OutputStreams:
         pipe = self.redis.pipeline(transaction=False)
         for e in entries:
             key = self.keys.output(e.request_id)
-            pipe.xadd(key, {"e": encode_events(e.events), "s": e.source})
+            fields: dict[Any, Any] = {"e": encode_events(e.events), "s": e.source}
+            if e.published is not None:
+                fields["p"] = e.published
+            pipe.xadd(key, fields)
             if e.first:
                 pipe.expire(key, self.ttl_s)
         pipe.execute()

@@ -164,7 +164,13 @@ class Streamer:
                 ended.append(t)
             if events:
                 outputs.append(
-                    OutputEntry(t.record.request_id, events, t.cursor, first=not t.wrote_output)
+                    OutputEntry(
+                        t.record.request_id,
+                        events,
+                        t.cursor,
+                        first=not t.wrote_output,
+                        published=entries[-1][1].get(b"t"),
+                    )
                 )
                 t.wrote_output = True
         self.outputs.write(outputs)
