@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind
-from app.protocol import (
+from app.response_models import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionResponse,

@@ -2,7 +2,7 @@
 
 {p}req:{rid}        hash   request record: body (JSON), state, attempt, worker
 {p}lease:{rid}      string "worker:attempt" of the worker generating it; PX lease TTL
-{p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt d=JSON
+{p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt t=time d=JSON
 {p}out:{rid}        stream output events (streamer -> web), field e=JSON
 {p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
 {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout

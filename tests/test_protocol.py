@@ -13,11 +13,19 @@ from pydantic import ValidationError
 from app.errors import InvalidRequest, error_body
 from app.messages import FinishReason, LogprobEntry, SamplingParams, StopConditions
 from app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+    to_sampling_params,
+    to_stop_conditions,
+    validation_error_to_invalid_request,
+)
+from app.response_models import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobToken,
@@ -25,7 +33,6 @@ from app.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     ErrorBody,
     ErrorResponse,
@@ -34,11 +41,6 @@ from app.protocol import (
     PromptTokensDetails,
     TopLogprob,
     Usage,
-    parse_chat_request,
-    parse_completion_request,
-    to_sampling_params,
-    to_stop_conditions,
-    validation_error_to_invalid_request,
 )
 
 MESSAGES = [{"role": "user", "content": "Hello"}]

@@ -39,10 +39,12 @@ from app.messages import OutputEvent, OutputKind
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelList,
-    ModelObject,
     parse_chat_request,
     parse_completion_request,
+)
+from app.response_models import (
+    ModelList,
+    ModelObject,
 )
 from broker.records import RequestRecord
 from web import auth, sse

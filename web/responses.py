@@ -21,7 +21,7 @@ from typing import Any
 
 from app.fold import usage_from_event
 from app.messages import FinishReason, OutputEvent, OutputKind
-from app.protocol import (
+from app.response_models import (
     ChatChoiceLogprobs,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,

@@ -45,7 +45,13 @@ from app.errors import (
 )
 from app.fold import usage_from_event
 from app.messages import OutputEvent, OutputKind
-from app.protocol import ChatChoiceLogprobs, ChatCompletionRequest, parse_chat_request
+from app.protocol import (
+    ChatCompletionRequest,
+    parse_chat_request,
+)
+from app.response_models import (
+    ChatChoiceLogprobs,
+)
 from app.settings import Settings
 from broker.streams import is_terminal
 from web.app import service_of, settings_of

@@ -1,0 +1,227 @@
+"""OpenAI response bodies as tokenrelay sends them (chat, completions, chunks, models).
+
+Build the models below and send ``resp.to_dict()`` (or ``resp.to_json()``); they dump
+exactly what OpenAI clients expect: ``finish_reason``, ``logprobs`` and ``stop_reason``
+are always present (``null`` when unset), while a chunk's ``usage``, a delta's
+``role``/``content`` and ``prompt_tokens_details`` appear only when set. Requests and
+their validation live in ``app.protocol``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from app.messages import FinishReason, LogprobEntry
+
+
+def new_chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Response(BaseModel):
+    """A response body. Fields in ``_omit_if_none`` are left out while they are None."""
+
+    model_config = ConfigDict(extra="forbid")
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready body (``model_dump(mode="json")``)."""
+        return self.model_dump(mode="json")
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class Usage(_Response):
+    _omit_if_none = frozenset({"prompt_tokens_details"})
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatLogprobToken] | None = None
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[LogprobEntry]) -> ChatChoiceLogprobs:
+        """Chat ``logprobs`` from the streamer's entries."""
+        return cls(
+            content=[
+                ChatLogprobToken(
+                    token=e.text,
+                    logprob=e.logprob,
+                    bytes=list(e.bytes),
+                    top_logprobs=[
+                        TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in e.top
+                    ],
+                )
+                for e in entries
+            ]
+        )
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str = Field(default_factory=new_chat_completion_id)
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    _omit_if_none = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(_Response):
+    index: int
+    delta: ChatDelta = Field(default_factory=ChatDelta)
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
+
+    _omit_if_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[LogprobEntry], offset: int) -> CompletionLogprobs:
+        """Legacy ``logprobs`` from the streamer's entries; ``offset`` is the length of
+        the choice's text before the first entry."""
+        out = cls()
+        for e in entries:
+            out.tokens.append(e.text)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append(dict(e.top))
+            out.text_offset.append(offset)
+            offset += len(e.text)
+        return out
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str = Field(default_factory=new_completion_id)
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Response):
+    """One SSE event of a streamed text completion (OpenAI keeps the same ``object``)."""
+
+    _omit_if_none = frozenset({"usage"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class ModelObject(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tokenrelay"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelObject] = Field(default_factory=list)
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """``{"error": {...}}``; ``app.errors.error_body`` builds the same dict from an
+    exception."""
+
+    error: ErrorBody
