@@ -10,7 +10,7 @@ import time
 from typing import Any, Generic, TypeVar
 
 import redis
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from broker.keys import Keys
 
@@ -26,6 +26,12 @@ class WorkerInfo(BaseModel):
     pid: int
     started: float
     active_jobs: int = 0
+    batch_size: int = Field(default=0, description="Choices running at the last step.")
+    steps_total: int = Field(default=0, description="Engine steps since start.")
+    tokens_total: int = Field(default=0, description="Token ids produced since start.")
+    engine_stats: dict[str, float] = Field(
+        default_factory=dict, description="Engine gauges, e.g. cache_usage (0..1)."
+    )
 
     @property
     def member_id(self) -> str:

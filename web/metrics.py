@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
+import redis
 from flask import Flask, Response, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,7 +32,13 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from broker.celery_app import worker_queues
+
+if TYPE_CHECKING:
+    from web.service import GenerationService
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -49,12 +56,88 @@ def multiprocess_dir() -> str | None:
     return os.environ.get(MULTIPROC_ENV) or os.environ.get(MULTIPROC_ENV.lower())
 
 
+class ClusterCollector:
+    """Worker-side gauges, read from Redis when ``/metrics`` is scraped.
+
+    Workers heart-beat their batch size, token count and engine gauges into the registry
+    (``broker.registry``); Celery's queues are Redis lists. Reading both at scrape time
+    lets one scrape of any web process show the whole cluster, with no port to open on
+    GPU hosts. A Redis error yields no samples rather than a failed scrape.
+    """
+
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    def describe(self) -> list[Any]:
+        return []  # collected lazily: nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        svc = self.service
+        try:
+            workers = svc.workers.live()
+            streamers = svc.streamers.live()
+            queues = worker_queues(svc.model_name)
+            pipe = svc.redis.pipeline(transaction=False)
+            for q in queues:
+                pipe.llen(q)
+            depths = pipe.execute()
+        except redis.RedisError:
+            return
+        labels = ["worker", "model", "engine"]
+        batch = GaugeMetricFamily(
+            "tokenrelay_worker_batch_size",
+            "Choices running in a worker's last step.",
+            labels=labels,
+        )
+        active = GaugeMetricFamily(
+            "tokenrelay_worker_active_requests", "Requests a worker is generating.", labels=labels
+        )
+        capacity = GaugeMetricFamily(
+            "tokenrelay_worker_capacity", "Concurrent requests a worker accepts.", labels=labels
+        )
+        tokens = CounterMetricFamily(
+            "tokenrelay_worker_tokens",
+            "Token ids a worker produced since it started (rate() gives tokens/s).",
+            labels=labels,
+        )
+        steps = CounterMetricFamily(
+            "tokenrelay_worker_steps", "Engine steps a worker ran since it started.", labels=labels
+        )
+        cache = GaugeMetricFamily(
+            "tokenrelay_worker_cache_usage",
+            "Fraction of the engine's KV cache in use (engines that report it).",
+            labels=labels,
+        )
+        for w in workers:
+            lv = [w.worker_id, w.model, w.engine]
+            batch.add_metric(lv, w.batch_size)
+            active.add_metric(lv, w.active_jobs)
+            capacity.add_metric(lv, w.capacity)
+            tokens.add_metric(lv, w.tokens_total)
+            steps.add_metric(lv, w.steps_total)
+            if "cache_usage" in w.engine_stats:
+                cache.add_metric(lv, w.engine_stats["cache_usage"])
+        depth = GaugeMetricFamily(
+            "tokenrelay_queue_depth",
+            "Generation tasks waiting in a Celery queue.",
+            labels=["queue"],
+        )
+        for q, n in zip(queues, depths, strict=True):
+            depth.add_metric([q], float(n))
+        live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
+        live.add_metric([], len(streamers))
+        yield from (batch, active, capacity, tokens, steps, cache, depth, live)
+
+
 class WebMetrics:
     """The web tier's metrics, registered in a registry of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: ClusterCollector | None = None) -> None:
+        self.cluster = cluster
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if cluster is not None:
+            r.register(cluster)
         self.requests = Counter(
             "tokenrelay_requests",
             "HTTP requests answered, by endpoint, status and error type ('' when none).",
@@ -126,6 +209,8 @@ class WebMetrics:
         if multiprocess_dir():
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            if self.cluster is not None:
+                registry.register(self.cluster)
             return generate_latest(registry)
         return generate_latest(self.registry)
 
@@ -192,7 +277,8 @@ def metrics_of(app: Flask) -> WebMetrics:
 
 def register(app: Flask) -> None:
     """Create the app's metrics, count every response, and serve ``/metrics``."""
-    metrics = WebMetrics()
+    service = app.extensions.get("tokenrelay.service")
+    metrics = WebMetrics(ClusterCollector(service) if service is not None else None)
     app.extensions["tokenrelay.metrics"] = metrics
 
     @app.after_request

@@ -96,6 +96,9 @@ class EngineThread(threading.Thread):
         self._stopping = threading.Event()
         self.steps = 0
         self.max_batch = 0
+        self.tokens_total = 0  # token ids produced (monitoring: rate() gives tokens/s)
+        self.batch_size = 0  # choices running at the last step
+        self.engine_stats: dict[str, float] = {}
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -136,9 +139,13 @@ class EngineThread(threading.Thread):
             if act is None:
                 continue  # fenced or abandoned: its tokens are no longer ours
             self._record(act, s.delta)
-        self.max_batch = max(
-            self.max_batch, sum(len(a.open_choices) for a in self._active.values())
-        )
+        self.batch_size = sum(len(a.open_choices) for a in self._active.values())
+        self.max_batch = max(self.max_batch, self.batch_size)
+        if steps:
+            try:
+                self.engine_stats = self.engine.stats()
+            except Exception:
+                logger.exception("engine stats failed")
         self._check_deadlines()
         self._publish()
 
@@ -208,6 +215,7 @@ class EngineThread(threading.Thread):
             )
         act.unpublished.append(delta)
         act.tokens[delta.choice] = act.tokens.get(delta.choice, 0) + len(delta.token_ids)
+        self.tokens_total += len(delta.token_ids)
         if delta.finish is not None:
             act.open_choices.discard(delta.choice)
             act.finishes[delta.choice] = delta.finish.value

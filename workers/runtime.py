@@ -91,6 +91,10 @@ class WorkerRuntime:
             pid=os.getpid(),
             started=self.started,
             active_jobs=self.thread.active_requests,
+            batch_size=self.thread.batch_size,
+            steps_total=self.thread.steps,
+            tokens_total=self.thread.tokens_total,
+            engine_stats=dict(self.thread.engine_stats),
         )
 
     def _beat(self) -> None:

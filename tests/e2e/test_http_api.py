@@ -184,3 +184,29 @@ def test_disconnect_stops_the_worker_within_a_second(slow_stack: Stack) -> None:
         'endpoint="/v1/chat/completions"',
     )
     assert disconnects >= 1
+
+
+def test_metrics_show_the_workers_and_queues(stack: Stack) -> None:
+    """Worker gauges come from the workers' heartbeats in Redis, read at scrape time."""
+    body = {
+        "model": stack.settings.served_name,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "count these tokens please"}],
+    }
+    assert requests.post(stack.base_url + CHAT, json=body, timeout=30).status_code == 200
+
+    def produced() -> float:
+        text = requests.get(stack.base_url + "/metrics", timeout=10).text
+        match = re.search(r"^tokenrelay_worker_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    wait_for(lambda: produced() > 0, 15, "the worker's heartbeat to report tokens")
+    text = requests.get(stack.base_url + "/metrics", timeout=10).text
+    for name in (
+        "tokenrelay_worker_batch_size",
+        "tokenrelay_worker_capacity",
+        "tokenrelay_worker_steps_total",
+        "tokenrelay_queue_depth",
+        "tokenrelay_streamers_live 1.0",
+    ):
+        assert name in text, name

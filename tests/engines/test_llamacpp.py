@@ -258,3 +258,16 @@ def test_from_card_uses_settings(bundled_model_dir: Path, card: ModelCard) -> No
         assert len(c.tokens) == 3
     finally:
         engine.close()
+
+
+def test_stats_report_cache_usage_while_running(engine: LlamaCppEngine) -> None:
+    """The worker heartbeat exports this as tokenrelay_worker_cache_usage."""
+    from tests.engines.test_contract import job
+
+    assert engine.stats() == {"cache_usage": 0.0}
+    engine.submit(job("stats", 4))
+    engine.step()
+    assert 0.0 < engine.stats()["cache_usage"] < 1.0
+    while engine.has_work():
+        engine.step()
+    assert engine.stats() == {"cache_usage": 0.0}

@@ -101,5 +101,11 @@ class Engine(abc.ABC):
     def capacity(self) -> int:
         """How many sequences (choices) it batches at once at most."""
 
+    def stats(self) -> dict[str, float]:
+        """Engine-specific gauges for monitoring, e.g. ``cache_usage`` (0..1).
+
+        Called from the engine thread only (like everything else here)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's resources."""

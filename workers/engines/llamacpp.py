@@ -261,6 +261,10 @@ class LlamaCppEngine(Engine):
             break
         return out
 
+    def stats(self) -> dict[str, float]:
+        """KV cache cells in use, as a fraction of the shared context."""
+        return {"cache_usage": self._kv_used / self.n_ctx if self.n_ctx else 0.0}
+
     def close(self) -> None:
         if self._closed:
             return
