@@ -25,6 +25,7 @@ from app.model_card import ModelCard, load_model_card
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.settings import Settings
 from broker.celery_app import create_celery
+from broker.connection import redis_client
 from broker.keys import Keys
 from broker.records import QueueName, RecordBuilder, RequestRecord
 from broker.registry import streamer_registry, worker_registry
@@ -60,7 +61,12 @@ class GenerationService:
         self.prompts = PromptBuilder.from_card(self.card)
         self.tokenizer = self.prompts.tokenizer
         self.model_name = settings.served_name
-        self.redis = client or redis.Redis.from_url(settings.redis_url)
+        # One connection per open stream (each blocks in XREAD), for SSE threads and
+        # WebSocket readers alike, plus a few for everything else.
+        self.redis = client or redis_client(
+            settings.redis_url,
+            max_connections=settings.web_threads + settings.max_queue + 16,
+        )
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)

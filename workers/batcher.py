@@ -71,6 +71,7 @@ from app.protocol import parse_chat_request, parse_completion_request
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
 from broker.celery_app import create_celery, send_generate
+from broker.connection import redis_client
 from broker.keys import Keys
 from broker.records import RecordBuilder, RequestRecord
 from broker.registry import BatcherInfo, batcher_registry
@@ -563,7 +564,7 @@ def build_driver(settings: Settings) -> BatchDriver:
         request_timeout_s=settings.request_timeout_s,
         clock=time.time,
     )
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings.redis_url, max_connections=16)
     return BatchDriver(settings, client, builder, create_celery(settings))
 
 

@@ -18,6 +18,7 @@ import redis
 
 from app.model_card import ModelCard, load_model_card
 from app.settings import Settings
+from broker.connection import redis_client
 from broker.keys import Keys
 from broker.records import RequestRecord
 from broker.registry import WorkerInfo, worker_registry
@@ -58,7 +59,8 @@ class WorkerRuntime:
     def from_settings(cls, settings: Settings) -> WorkerRuntime:
         card = load_model_card(settings.model_path())
         engine = load_engine(settings, card)
-        client = redis.Redis.from_url(settings.redis_url)
+        # Task threads (claims, loads), the engine thread and the heartbeat.
+        client = redis_client(settings.redis_url, max_connections=settings.worker_slots + 16)
         return cls(settings, card, engine, client)
 
     def start(self) -> None:

@@ -38,6 +38,7 @@ from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
+from broker.connection import redis_client
 from broker.keys import Keys
 from broker.records import RequestRecord, RequestState
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
@@ -364,7 +365,7 @@ def _s(v: Any) -> str:
 def build_streamer(settings: Settings) -> Streamer:
     card = load_model_card(settings.model_path())
     tokenizer = load_tokenizer(card)
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings.redis_url, max_connections=16)
     return Streamer(settings, client, tokenizer, create_celery(settings))
 
 
