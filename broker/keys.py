@@ -13,6 +13,7 @@
 {p}batchers         zset   batch driver ids scored by last heartbeat
 {p}new              stream new requests handed to streamers (consumer group)
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
+{p}hub:{id}         stream wake-ups of one web process's output reader (MAXLEN 16, TTL)
 {p}file:{fid}       hash   an uploaded or generated file: meta (JSON), content (bytes)
 {p}files            zset   file ids scored by creation time (listing)
 {p}batch:{bid}      hash   a batch: body (JSON), status, timestamps, counts, progress
@@ -58,6 +59,10 @@ class Keys:
 
     def members(self, kind: str) -> str:
         return f"{self.prefix}{kind}s"
+
+    def hub_wake(self, hub_id: str) -> str:
+        """Wake-up stream of one web process's output hub."""
+        return f"{self.prefix}hub:{hub_id}"
 
     @property
     def inflight(self) -> str:

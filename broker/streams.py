@@ -18,7 +18,11 @@ time belong to a dead streamer and are claimed by a live one (XAUTOCLAIM).
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +34,8 @@ from app.messages import OutputEvent, OutputKind
 from broker.keys import Keys
 
 GROUP = "streamers"
+
+logger = logging.getLogger(__name__)
 
 
 def is_terminal(event: OutputEvent) -> bool:
@@ -174,3 +180,94 @@ class RequestHandoff:
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass(slots=True, eq=False)
+class Subscription:
+    """One reader's view of one output stream, fed by an ``OutputHub``."""
+
+    request_id: str
+    key: str
+    cursor: str
+    entries: queue.SimpleQueue[tuple[str, list[OutputEvent]]]
+
+
+class OutputHub:
+    """One reader thread per process for every output stream its clients follow.
+
+    A web process may hold hundreds of open streams. Reading each with its own blocking
+    XREAD costs a Redis connection per stream and a round trip per token per stream;
+    the hub reads them all with one blocking XREAD and hands each entry to its
+    subscriber's queue. A subscription wakes the hub through a small stream of its own
+    (a plain XREAD key), so a new request waits for no timeout.
+    """
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, block_ms: int = 1000, ttl_s: int = 3600
+    ) -> None:
+        self.redis = client
+        self.keys = keys
+        self.block_ms = block_ms
+        self.ttl_s = ttl_s
+        self.wake_key = keys.hub_wake(uuid.uuid4().hex)
+        self._wake_cursor = "0-0"
+        self._subs: dict[str, Subscription] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.stopping = threading.Event()
+
+    def subscribe(self, rid: str, cursor: str = "0-0") -> Subscription:
+        """Follow ``rid`` from ``cursor``; entries arrive on ``sub.entries`` in order."""
+        sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue())
+        with self._lock:
+            if sub.key in self._subs:
+                raise ValueError(f"request {rid} is already followed in this process")
+            self._subs[sub.key] = sub
+            if self._thread is None:  # started lazily: after gunicorn forked us
+                self._thread = threading.Thread(target=self._run, name="output-hub", daemon=True)
+                self._thread.start()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(self.wake_key, {"r": rid}, maxlen=16, approximate=True)
+        pipe.expire(self.wake_key, self.ttl_s)
+        pipe.execute()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            if self._subs.get(sub.key) is sub:
+                del self._subs[sub.key]
+
+    @property
+    def followed(self) -> int:
+        return len(self._subs)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._read_once()
+            except redis.RedisError:
+                logger.warning("output hub: redis error; retrying", exc_info=True)
+                time.sleep(0.5)
+            except Exception:  # pragma: no cover - never let the reader die
+                logger.exception("output hub: unexpected error")
+                time.sleep(0.5)
+
+    def _read_once(self) -> None:
+        with self._lock:
+            streams: dict[Any, Any] = {key: sub.cursor for key, sub in self._subs.items()}
+        streams[self.wake_key] = self._wake_cursor
+        res: Any = self.redis.xread(streams, count=256, block=self.block_ms)
+        for key_raw, entries in res or []:
+            key = _s(key_raw)
+            if not entries:
+                continue
+            if key == self.wake_key:
+                self._wake_cursor = _s(entries[-1][0])
+                continue
+            with self._lock:
+                sub = self._subs.get(key)
+            if sub is None:
+                continue  # unsubscribed meanwhile
+            for eid, fields in entries:
+                sub.cursor = _s(eid)
+                sub.entries.put((sub.cursor, decode_events(fields[b"e"])))

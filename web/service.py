@@ -10,6 +10,7 @@ means. One instance per web process, built from settings (no module-level global
 
 from __future__ import annotations
 
+import queue
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from broker.keys import Keys
 from broker.records import QueueName, RecordBuilder, RequestRecord
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import RequestStore
-from broker.streams import OutputStreams, is_terminal
+from broker.streams import OutputHub, OutputStreams, is_terminal
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +62,16 @@ class GenerationService:
         self.prompts = PromptBuilder.from_card(self.card)
         self.tokenizer = self.prompts.tokenizer
         self.model_name = settings.served_name
-        # One connection per open stream (each blocks in XREAD), for SSE threads and
-        # WebSocket readers alike, plus a few for everything else.
+        # Streams are read by one hub thread; the other connections serve request
+        # threads (submit, cancel, ready), at most one each at a time.
         self.redis = client or redis_client(
-            settings.redis_url,
-            max_connections=settings.web_threads + settings.max_queue + 16,
+            settings.redis_url, max_connections=settings.web_threads + 16
         )
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)
+        # Every open stream of this process is read by one hub thread, one XREAD for all.
+        self.hub = OutputHub(self.redis, keys, ttl_s=settings.stream_ttl_s)
         self.workers = worker_registry(self.redis, keys)
         self.streamers = streamer_registry(self.redis, keys)
         self.celery = celery_app or create_celery(settings)
@@ -118,17 +120,20 @@ class GenerationService:
     ) -> Iterator[tuple[str, OutputEvent] | None]:
         """The output stream from ``cursor``: (entry id, event) pairs until the terminal
         event; ``None`` whenever ``block_ms`` passes without output (for keep-alives)."""
-        while True:
-            entries = self.outputs.read(rid, cursor, block_ms=block_ms)
-            if not entries:
-                yield None
-                continue
-            for eid, events in entries:
-                cursor = eid
+        sub = self.hub.subscribe(rid, cursor)
+        try:
+            while True:
+                try:
+                    eid, events = sub.entries.get(timeout=block_ms / 1000)
+                except queue.Empty:
+                    yield None
+                    continue
                 for ev in events:
                     yield eid, ev
                     if is_terminal(ev):
                         return
+        finally:
+            self.hub.unsubscribe(sub)
 
     def finish(self, rid: str) -> None:
         """The client has everything (or is gone): free the admission slot."""

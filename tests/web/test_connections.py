@@ -1,28 +1,70 @@
-"""One web process holds one Redis connection per open stream: more than redis-py's
-default pool of 100 must work (found by benchmarks/sse_clients.py with 200 clients)."""
+"""Open streams of a web process are read by one hub thread (broker.streams.OutputHub):
+many concurrent streams need neither a Redis connection nor a round trip each. (With a
+connection per stream, the 101st concurrent stream failed on redis-py's default pool:
+found by benchmarks/sse_clients.py with 200 clients.)"""
 
 from __future__ import annotations
 
 import threading
 
+from app.messages import FinishReason, OutputEvent, OutputKind
+from broker.streams import OutputEntry
 from web.service import GenerationService
 
 
-def test_more_open_streams_than_the_default_pool(service: GenerationService) -> None:
+def test_many_open_streams_share_one_reader(service: GenerationService) -> None:
     streams = 150
-    results: list[int] = []
+    firsts: list[object] = []
     lock = threading.Lock()
+    started = threading.Barrier(streams + 1)
+    release = threading.Event()
 
     def reader(i: int) -> None:
-        # Each parks a connection in a blocking XREAD, as an open SSE response does.
-        got = service.outputs.read(f"nobody-{i}", block_ms=1500)
+        events = service.events(f"nobody-{i}", block_ms=300)
+        first = next(events)  # nothing written: a keep-alive tick
+        started.wait()
+        release.wait(10)
+        events.close()
         with lock:
-            results.append(len(got))
+            firsts.append(first)
 
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(streams)]
     for t in threads:
         t.start()
+    started.wait(30)
+    assert service.hub.followed == streams
+    release.set()
     for t in threads:
         t.join(30)
-    assert results == [0] * streams
-    assert service.redis.connection_pool.max_connections >= streams
+    assert firsts == [None] * streams
+    assert service.hub.followed == 0
+
+
+def test_each_subscriber_gets_its_own_entries_in_order(service: GenerationService) -> None:
+    rids = [f"req-{i}" for i in range(3)]
+    readers = {rid: service.events(rid, block_ms=2000) for rid in rids}
+    for n in range(5):
+        service.outputs.write(
+            [
+                OutputEntry(rid, [OutputEvent(OutputKind.DELTA, 0, f"{rid}:{n} ")], f"1-{n}")
+                for rid in rids
+            ]
+        )
+    service.outputs.write(
+        [
+            OutputEntry(
+                rid,
+                [
+                    OutputEvent(OutputKind.FINAL, 0, finish_reason=FinishReason.STOP),
+                    OutputEvent(OutputKind.USAGE, usage={}),
+                ],
+                "1-9",
+            )
+            for rid in rids
+        ]
+    )
+    for rid, events in readers.items():
+        got = [item[1] for item in events if item is not None]
+        assert "".join(e.text for e in got) == "".join(f"{rid}:{n} " for n in range(5))
+        assert got[-1].kind is OutputKind.USAGE
+    assert service.hub.followed == 0
