@@ -243,10 +243,14 @@ class OutputHub:
 
     def _run(self) -> None:
         while not self.stopping.is_set():
+            with self._lock:
+                if not self._subs:  # nothing to follow: exit; subscribe starts a new one
+                    self._thread = None
+                    return
             try:
                 self._read_once()
-            except redis.RedisError:
-                logger.warning("output hub: redis error; retrying", exc_info=True)
+            except redis.RedisError as exc:
+                logger.warning("output hub: redis error (%s); retrying", exc)
                 time.sleep(0.5)
             except Exception:  # pragma: no cover - never let the reader die
                 logger.exception("output hub: unexpected error")
