@@ -1,0 +1,1 @@
+"""Fault suites: real processes (redis-server included) killed and restarted mid-stream."""
