@@ -32,7 +32,7 @@ from app.messages import OutputKind, SamplingParams, StopConditions
 from app.prepare import prepare_bundled_model
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from broker.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from broker.streams import decode_events, is_terminal

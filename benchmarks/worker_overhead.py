@@ -29,7 +29,7 @@ from app.prepare import prepare_bundled_model
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.requests import RequestStore, decode_deltas
 from broker.server import RedisServer
 from tests.stack import isolated_settings, worker_process

@@ -40,7 +40,7 @@ from app.batches import (
     new_file_id,
 )
 from broker.keys import Keys
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.requests import RequestStore
 
 # KEYS: batch, active, lock, results

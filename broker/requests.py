@@ -21,7 +21,7 @@ from app.messages import EngineFinish, TokenDelta
 from broker import scripts
 from broker.celery_app import send_generate
 from broker.keys import Keys
-from broker.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState
 
 
 class ClaimResult(str, Enum):

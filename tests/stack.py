@@ -21,7 +21,7 @@ import redis
 from app.messages import SamplingParams, StopConditions
 from app.settings import Settings
 from broker.keys import Keys
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.registry import batcher_registry, streamer_registry, worker_registry
 
 REPO = Path(__file__).resolve().parent.parent

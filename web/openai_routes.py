@@ -46,7 +46,7 @@ from app.response_models import (
     ModelList,
     ModelObject,
 )
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from web import auth, sse
 from web.app import service_of, settings_of
 from web.bodies import json_body

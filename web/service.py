@@ -28,7 +28,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.connection import redis_client
 from broker.keys import Keys
-from broker.records import QueueName, RecordBuilder, RequestRecord
+from app.records import QueueName, RecordBuilder, RequestRecord
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import RequestStore
 from broker.streams import OutputHub, OutputStreams, is_terminal

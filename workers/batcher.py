@@ -73,7 +73,7 @@ from broker.batches import BatchBody, BatchStore, FileStore, Transition
 from broker.celery_app import create_celery, send_generate
 from broker.connection import redis_client
 from broker.keys import Keys
-from broker.records import RecordBuilder, RequestRecord
+from app.records import RecordBuilder, RequestRecord
 from broker.registry import BatcherInfo, batcher_registry
 from broker.requests import RequestStore
 from broker.streams import decode_events

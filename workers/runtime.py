@@ -20,7 +20,7 @@ from app.model_card import ModelCard, load_model_card
 from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore, lease_value
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem

@@ -40,7 +40,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.connection import redis_client
 from broker.keys import Keys
-from broker.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStore, decode_deltas
 from broker.streams import OutputEntry, OutputStreams, RequestHandoff

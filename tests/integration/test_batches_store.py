@@ -19,7 +19,7 @@ from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from broker.records import RecordBuilder, RequestRecord
+from app.records import RecordBuilder, RequestRecord
 from broker.requests import RequestStore
 from tests.stack import streamer_process, wait_for, worker_process
 from workers.batcher import BatchDriver

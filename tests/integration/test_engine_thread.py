@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from app.messages import EngineFinish, StopConditions
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.requests import ClaimResult, RequestStore, lease_value
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep

@@ -25,7 +25,7 @@ from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from broker.streams import GROUP, OutputStreams

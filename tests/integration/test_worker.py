@@ -11,7 +11,7 @@ from app.messages import EngineFinish
 from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery, queue_name, send_generate
 from broker.keys import Keys
-from broker.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from tests.stack import isolated_settings, make_record, wait_for, worker_process

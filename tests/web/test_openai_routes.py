@@ -16,7 +16,7 @@ from flask.testing import FlaskClient
 from app.messages import FinishReason, LogprobEntry
 from app.settings import Settings
 from broker.keys import Keys
-from broker.records import RequestRecord
+from app.records import RequestRecord
 from broker.requests import RequestStore
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, error, final, usage
 from web.app import create_app

@@ -1,15 +1,14 @@
 """The request record: what the web tier writes and workers and streamers read.
 
-Stored as a Redis hash (``Keys.request``): ``body`` is the JSON of ``RequestRecord``
-(immutable once written); ``state``, ``attempt`` and ``worker`` change as the request
-moves queued -> running -> done, and only through the Lua scripts in ``broker.requests``.
+Stored as a Redis hash (``broker.keys.Keys.request``): ``body`` is the JSON of
+``RequestRecord`` (immutable once written); ``state``, ``attempt`` and ``worker`` change
+as the request moves queued -> running -> done, and only through the Lua scripts in
+``broker.requests``.
 
 ``RecordBuilder`` turns a validated OpenAI request into a record (chat template,
-tokenize, context check, stop conditions). It does no I/O and lives here rather than in
-``web/`` because two processes build records: the web tier for interactive requests and
-the batch driver (``workers.batcher``) for batch lines, and ``workers/`` may not import
-``web/``. One builder means a batch line and an HTTP request cannot disagree on what a
-request means.
+tokenize, context check, stop conditions). It is pure, and two processes use it through
+``app.intake.Intake``: the web tier for interactive requests and the batch driver for
+batch lines, so a batch line and an HTTP request cannot disagree on what a request means.
 """
 
 from __future__ import annotations
@@ -31,6 +30,11 @@ from app.protocol import (
     to_sampling_params,
     to_stop_conditions,
 )
+
+
+# How long past a request's deadline a reader waits for the streamers' own deadline error
+# before giving up itself: the "no hang" guarantee's last line, the same for every reader.
+DEADLINE_GRACE_S = 30.0
 
 
 class RequestState(str, Enum):
@@ -65,6 +69,11 @@ class RequestRecord(BaseModel):
     deadline: float = Field(description="Unix time after which it is abandoned with an error.")
     queue: QueueName = "interactive"
     skip_special_tokens: bool = True
+
+    @property
+    def give_up_at(self) -> float:
+        """Unix time after which a reader stops waiting for output (deadline + grace)."""
+        return self.deadline + DEADLINE_GRACE_S
 
     @property
     def num_choices(self) -> int:
