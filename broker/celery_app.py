@@ -10,6 +10,7 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from app.settings import Settings
+from broker.sentinel import celery_connection
 
 GENERATE_TASK = "tokenrelay.generate"
 
@@ -26,7 +27,9 @@ def worker_queues(model: str) -> list[str]:
 
 def create_celery(settings: Settings, model: str | None = None) -> Celery:
     model = model or settings.served_name
-    app = Celery("tokenrelay", broker=settings.redis_url, backend=settings.redis_url)
+    # redis:// as it is; redis+sentinel:// in kombu's Sentinel form (broker.sentinel)
+    redis_conn = celery_connection(settings.redis_url)
+    app = Celery("tokenrelay", broker=redis_conn.broker_url, backend=redis_conn.backend_url)
     app.conf.update(
         task_queues=[Queue(q) for q in worker_queues(model)],  # type: ignore[no-untyped-call]
         task_default_queue=queue_name("interactive", model),
@@ -49,7 +52,9 @@ def create_celery(settings: Settings, model: str | None = None) -> Celery:
             "visibility_timeout": int(settings.request_timeout_s) + 600,
             "queue_order_strategy": "priority",
             "unacked_restore_interval": 30,
+            **redis_conn.broker_transport_options,
         },
+        result_backend_transport_options=redis_conn.backend_transport_options,
         worker_hijack_root_logger=False,
     )
     return app

@@ -27,15 +27,15 @@ REGISTRIES = {
 
 
 def registered_here(kind: str) -> bool:
-    import redis
-
     from app.settings import Settings
     from broker import registry
+    from broker.connection import redis_client
     from broker.keys import Keys
 
     settings = Settings()
     factory = getattr(registry, REGISTRIES[kind])
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=3)
+    # redis_client: the same URL forms as the processes, redis+sentinel:// included
+    client = redis_client(settings.redis_url, max_connections=2, socket_timeout=3)
     try:
         live = factory(client, Keys(settings.key_prefix)).live()
     finally:

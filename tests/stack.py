@@ -19,9 +19,10 @@ from typing import Any
 import redis
 
 from app.messages import SamplingParams, StopConditions
-from app.settings import Settings
-from broker.keys import Keys
 from app.records import RequestRecord
+from app.settings import Settings
+from broker.connection import redis_client
+from broker.keys import Keys
 from broker.registry import batcher_registry, streamer_registry, worker_registry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,7 +151,7 @@ def registered_process(
     try:
         if wait:
             registry = registries[kind](
-                redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+                redis_client(settings.redis_url, max_connections=4), Keys(settings.key_prefix)
             )
 
             def registered() -> bool:
@@ -229,7 +230,7 @@ class Stack:
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.settings.redis_url)
+        return redis_client(self.settings.redis_url)
 
     def logs(self) -> str:
         """The tail of every process's log (for a failing test's message)."""
