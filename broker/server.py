@@ -34,11 +34,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def redis_server_args(port: int, data_dir: Path) -> list[str]:
-    """The command line of a private, loopback-only, non-persistent redis-server.
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now.
+
+    Probes the way gunicorn, Tornado (Flower) and redis-server bind: with
+    ``SO_REUSEADDR``. Without it, the sockets a server left in TIME_WAIT after closing
+    its clients' connections (for 60 s on Linux) count as busy although the server
+    itself would bind at once; a listening socket still makes the port busy.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def redis_server_args(port: int, data_dir: Path, *, appendonly: bool = False) -> list[str]:
+    """The command line of a private, loopback-only redis-server.
 
     ``noeviction``: Celery messages and request records must never be evicted silently;
-    a full Redis should fail writes loudly instead. Shared with ``tokenrelay up``.
+    a full Redis should fail writes loudly instead. ``appendonly``: keep every write in
+    ``data_dir`` (fsync once a second), so a restart on the same directory loses nothing
+    (``tokenrelay up``); without it the server keeps nothing (tests). No RDB snapshots
+    either way: they would only duplicate the append-only file.
     """
     return [
         redis_executable(),
@@ -49,7 +70,9 @@ def redis_server_args(port: int, data_dir: Path) -> list[str]:
         "--save",
         "",
         "--appendonly",
-        "no",
+        "yes" if appendonly else "no",
+        "--appendfsync",
+        "everysec",
         "--dir",
         str(data_dir),
         "--maxmemory-policy",
@@ -60,12 +83,19 @@ def redis_server_args(port: int, data_dir: Path) -> list[str]:
 
 
 class RedisServer:
-    """A redis-server child process on a free loopback port."""
+    """A redis-server child process on a free loopback port.
 
-    def __init__(self, port: int | None = None, *, data_dir: Path | None = None) -> None:
+    ``kill()`` then ``start()`` again is a crash and restart on the same port and data
+    directory (with ``appendonly=True`` the data survives it), as the fault tests need.
+    """
+
+    def __init__(
+        self, port: int | None = None, *, data_dir: Path | None = None, appendonly: bool = False
+    ) -> None:
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tr-redis-")
         self.data_dir = data_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,7 +103,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        args = redis_server_args(self.port, self.data_dir)
+        args = redis_server_args(self.port, self.data_dir, appendonly=self.appendonly)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
@@ -91,6 +121,14 @@ class RedisServer:
                     time.sleep(0.05)
         finally:
             client.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server by the PID we started (a crash); the data dir is kept."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc and self.proc.stderr:
+            self.proc.stderr.close()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

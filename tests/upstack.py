@@ -7,17 +7,25 @@ when a test failed half-way) the PIDs ``up`` recorded for its children.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from broker.server import free_port
 from tests.stack import REPO
+
+MODEL = "SmolLM2-135M-Instruct"
+TIME_WAIT = "06"  # the state column of /proc/net/tcp
 
 
 def up_env(**extra: str) -> dict[str, str]:
@@ -124,3 +132,53 @@ class UpRun:
                     os.killpg(pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def start_up(tmp_path: Path, models_dir: Path, *extra: str, **env: str) -> UpRun:
+    """``tokenrelay up --engine echo`` in ``tmp_path/run`` (output in ``tmp_path/up.out``),
+    on free ports unless ``extra`` names them; ``env`` adds TOKENRELAY_* variables."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "workers.up", "--engine", "echo", "--run-dir", str(run_dir)]
+    for option in ("--port", "--flower-port", "--redis-port"):
+        if option not in extra and not (option == "--redis-port" and "TOKENRELAY_REDIS_URL" in env):
+            args += [option, str(free_port())]
+    env_ = up_env(TOKENRELAY_MODELS_DIR=str(models_dir), **env)
+    return UpRun([*args, *extra], env_, run_dir, tmp_path / "up.out")
+
+
+def get(url: str, auth: str | None = None) -> tuple[int, bytes]:
+    """(status, body) of a GET, with basic auth ``user:password`` when given."""
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def upload_file(api: str, content: bytes) -> str:
+    """``POST /v1/files`` (multipart, purpose ``batch``); the new file's id."""
+    body = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+        + content
+        + b"\r\n--b--\r\n"
+    )
+    request = urllib.request.Request(
+        api + "/files", data=body, headers={"Content-Type": "multipart/form-data; boundary=b"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return str(json.loads(resp.read())["id"])
+
+
+def listed_files(api: str) -> list[str]:
+    """The ids ``GET /v1/files`` lists."""
+    status, body = get(api + "/files")
+    assert status == 200, body
+    return [f["id"] for f in json.loads(body)["data"]]
+
+
+def in_time_wait(port: int) -> int:
+    """How many IPv4 sockets with local port ``port`` are in TIME_WAIT (Linux)."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == TIME_WAIT)

@@ -2,8 +2,8 @@
 
 Starts a Redis (a private redis-server, unless ``TOKENRELAY_REDIS_URL``/``--redis-url``
 names one), one worker with the default engine and model, one streamer, the batch
-driver when the package has one, the web server and Flower; waits until the web tier
-says it is ready; prints the chat page, API and Flower URLs; then supervises.
+driver, the web server and Flower; waits until the web tier says it is ready; prints the
+chat page, API and Flower URLs; then supervises.
 
 Supervision rules, and why:
 
@@ -13,35 +13,43 @@ Supervision rules, and why:
 * Children are stopped by the PIDs started here (SIGTERM to the child, a grace period,
   then SIGKILL to its process group, which it leads), never by name: other tokenrelay
   processes on the machine are not ours to touch.
-* A child that exits on its own is reported (name, exit status, the tail of its log) and
-  brings the rest down with a non-zero exit status: a half-running stack that looks
-  healthy is worse than a clear failure.
+* A child that exits on its own is restarted with backoff (``workers.supervise``); one
+  that keeps dying (``--max-restarts`` within ``--restart-window``), or exits with a
+  status a restart cannot fix, is reported (name, exit status, the tail of its log) and
+  brings the rest down with a non-zero exit status: a crash loop that looks healthy is
+  worse than a clear failure.
+* The private Redis keeps its data in an append-only file under the run directory, so
+  stopping and starting ``up`` (or a crash of redis-server) loses no uploaded file,
+  batch or queued request; ``--fresh`` starts empty.
+* Ports are probed the way the servers bind them (``SO_REUSEADDR``), so a restart right
+  after a run whose connections are still in TIME_WAIT works.
 * Children also get SIGTERM if this supervisor is killed outright (Linux
   ``PR_SET_PDEATHSIG``), so nothing is orphaned even by ``kill -9``.
 
-``<run-dir>/up.json`` records the children's PIDs, the URLs and, at the end, the exit
-status (tests and scripts read it); ``<run-dir>/logs/<name>.log`` holds each child's
-output.
+``<run-dir>/up.json`` records the children's PIDs (updated on each restart), the URLs
+and, at the end, the exit status (tests and scripts read it);
+``<run-dir>/logs/<name>.log`` holds each child's output, across its restarts.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import fcntl
 import importlib.util
 import json
 import os
 import secrets
+import shutil
 import signal
-import socket
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -53,14 +61,18 @@ from pydantic_settings import SettingsError
 from app.errors import TokenRelayError
 from app.prepare import BUNDLED_MODEL_NAME, is_complete, prepare_bundled_model
 from app.settings import Settings
-from broker.server import free_port, redis_server_args
-from workers.supervise import Child, spawn
+from broker.server import free_port, port_is_free, redis_server_args
+from workers.supervise import GiveUp, RestartPolicy, Supervisor
 
 PROG = "tokenrelay up"
 STATE_FILE = "up.json"
 LOCK_FILE = "up.lock"
+REDIS_DIR = "redis"
 DEFAULT_REDIS_PORT = 6379
 POLL_S = 0.2
+#: ``tokenrelay worker`` exits 3 when its engine cannot start (bad model, missing
+#: weights): the same command would fail again, so it is not restarted.
+WORKER_ENGINE_FAILED = 3
 
 # Stop phases, in order: the web tier first (no new requests), then what produces work,
 # then the streamer (it relays what the worker published last), Redis last.
@@ -76,25 +88,8 @@ class UpError(Exception):
     """A start-up failure to report in one line (exit status 1)."""
 
 
-class ChildDied(UpError):
-    """A child exited while it was supposed to be running."""
-
-    def __init__(self, child: Child) -> None:
-        super().__init__(f"{child.name} exited")
-        self.child = child
-
-
 class Interrupted(Exception):
     """A stop signal arrived while starting up."""
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def display_host(host: str) -> str:
@@ -104,24 +99,6 @@ def display_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
-
-
-def runnable_main(module: str) -> bool:
-    """Whether ``module`` exists and runs something under ``python -m``.
-
-    Used for optional components (the batch driver): a plain library module would exit
-    at once and be reported as a crash.
-    """
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return False
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        return False
-    try:
-        return "__main__" in Path(spec.origin).read_text(encoding="utf-8")
-    except OSError:
-        return False
 
 
 def http_status(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -146,9 +123,15 @@ def readiness_reason(body: str) -> str:
     return body.strip()[:200] or "no answer"
 
 
-def basic_auth_header(credentials: str) -> dict[str, str]:
-    import base64
+def flower_command(port: int) -> list[str]:
+    """Flower on loopback, with tokenrelay's Celery app (``broker.flower_app``, built from
+    the TOKENRELAY_* environment as in compose): the broker URL, a Sentinel group's
+    transport options and the broker retry settings all come from it."""
+    celery = [sys.executable, "-m", "celery", "-A", "broker.flower_app"]
+    return [*celery, "flower", "--address=127.0.0.1", f"--port={port}"]
 
+
+def basic_auth_header(credentials: str) -> dict[str, str]:
     return {"Authorization": "Basic " + base64.b64encode(credentials.encode()).decode()}
 
 
@@ -162,6 +145,8 @@ class Options:
     redis_port: int | None
     ready_timeout: float
     stop_timeout: float
+    fresh: bool = False
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 class Stack:
@@ -172,30 +157,30 @@ class Stack:
         self.options = options
         self.stop_requested = stop
         self.force = threading.Event()
-        self.children: list[Child] = []
-        self.urls: dict[str, str] = {}
         self.log_dir = options.run_dir / "logs"
+        self.supervisor = Supervisor(self.log_dir, options.restart, say, self.write_state)
+        self.urls: dict[str, str] = {}
         self.flower_auth = settings.flower_basic_auth or f"admin:{secrets.token_urlsafe(12)}"
         self.state = "starting"
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start everything and wait for readiness; raises UpError / Interrupted."""
+        """Start everything and wait for readiness; raises UpError / GiveUp / Interrupted."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._check_ports()
         self.settings = self.settings.model_copy(update={"redis_url": self._redis()})
         env = self._child_env()
         py = sys.executable
         loglevel = ["--loglevel", "INFO"]
-        self._spawn("worker", [py, "-m", "workers", *loglevel], env)
+        self._spawn("worker", [py, "-m", "workers", *loglevel], env, WORKER_ENGINE_FAILED)
         self._spawn("streamer", [py, "-m", "workers.streamer", *loglevel], env)
-        if runnable_main("workers.batcher"):
-            self._spawn("batcher", [py, "-m", "workers.batcher", *loglevel], env)
-        self._spawn("web", [py, "-m", "web"], env)
+        self._spawn("batcher", [py, "-m", "workers.batcher", *loglevel], env)
+        # Its own metrics directory: a restarted web server clears the dead one's samples
+        # there (instead of leaving a temporary directory behind after a SIGKILL).
+        web_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(self.options.run_dir / "web-metrics")}
+        self._spawn("web", [py, "-m", "web"], web_env)
         flower_env = {**env, "FLOWER_BASIC_AUTH": self.flower_auth}  # not on the command line
-        flower = [py, "-m", "celery", "--broker", self.settings.redis_url, "flower"]
-        flower += ["--address=127.0.0.1", f"--port={self.settings.flower_port}"]
-        self._spawn("flower", flower, flower_env)
+        self._spawn("flower", flower_command(self.settings.flower_port), flower_env)
 
         web = f"http://{display_host(self.settings.host)}:{self.settings.port}"
         user, _, password = self.flower_auth.partition(":")
@@ -226,7 +211,7 @@ class Stack:
         s = self.settings
         for what, host, port, var in (
             ("web server", s.host, s.port, "--port / TOKENRELAY_PORT"),
-            ("Flower", "127.0.0.1", s.flower_port, "TOKENRELAY_FLOWER_PORT"),
+            ("Flower", "127.0.0.1", s.flower_port, "--flower-port / TOKENRELAY_FLOWER_PORT"),
         ):
             if not port_is_free(host, port):
                 raise UpError(f"port {port} for the {what} is in use; choose another with {var}")
@@ -247,21 +232,28 @@ class Stack:
             port = (
                 DEFAULT_REDIS_PORT if port_is_free("127.0.0.1", DEFAULT_REDIS_PORT) else free_port()
             )
-        data_dir = self.options.run_dir / "redis"
+        elif not port_is_free("127.0.0.1", port):
+            raise UpError(f"port {port} for Redis is in use; choose another with --redis-port")
+        data_dir = self.options.run_dir / REDIS_DIR
+        if self.options.fresh and data_dir.exists():
+            say(f"--fresh: emptying {data_dir}/")
+            shutil.rmtree(data_dir)
+        elif any(data_dir.glob("appendonly*")):
+            say(f"Redis keeps the data of earlier runs in {data_dir}/ (--fresh starts empty)")
         data_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
-        self._spawn("redis", redis_server_args(port, data_dir), env)
+        self._spawn("redis", redis_server_args(port, data_dir, appendonly=True), env)
         url = f"redis://127.0.0.1:{port}/0"
         client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
 
         def answers() -> bool:
             try:
                 return bool(client.ping())
-            except redis.RedisError:
+            except redis.RedisError:  # also BusyLoadingError while it replays its AOF
                 return False
 
         try:
-            self._wait_for(answers, 15, "redis-server to answer")
+            self._wait_for(answers, 60, "redis-server to answer")
         finally:
             client.close()
         return url
@@ -273,12 +265,10 @@ class Stack:
         env["PYTHONUNBUFFERED"] = "1"  # logs reach the files as they happen
         return env
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], *fatal: int) -> None:
         if self.stop_requested.is_set():
             raise Interrupted
-        child = spawn(name, args, env, self.log_dir, self.options.stop_timeout)
-        self.children.append(child)
-        self.write_state()
+        self.supervisor.start(name, args, env, self.options.stop_timeout, fatal)
 
     def _wait_ready(self, ready_url: str, flower_url: str) -> None:
         reason = "no answer yet"
@@ -304,53 +294,27 @@ class Stack:
         self._wait_for(flower_ready, 30, "Flower to answer")
 
     def _wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        """Poll ``cond`` while watching the children and the stop flag."""
+        """Poll ``cond`` while supervising the children and watching the stop flag."""
         deadline = time.monotonic() + timeout
         while not cond():
-            dead = self.first_exited()
-            if dead is not None:
-                raise ChildDied(dead)
+            self.supervisor.poll()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
             if self.stop_requested.wait(0.3):
                 raise Interrupted
 
     # -- run --------------------------------------------------------------------------------
-    def first_exited(self) -> Child | None:
-        return next((c for c in self.children if c.exited()), None)
-
-    def watch(self) -> Child | None:
-        """Block until a stop signal (returns None) or a child exits (returns it)."""
+    def watch(self) -> None:
+        """Restart children that die until a stop signal; raises GiveUp on a crash loop."""
         while not self.stop_requested.wait(POLL_S):
-            dead = self.first_exited()
-            if dead is not None:
-                return dead
-        return None
+            self.supervisor.poll()
 
     # -- stop -------------------------------------------------------------------------------
     def stop(self) -> None:
         """Stop every child, phase by phase; SIGKILL what outlives its grace period."""
         self.state = "stopping"
         self.write_state()
-        by_name = {c.name: c for c in self.children}
-        phases = [[by_name[n] for n in phase if n in by_name] for phase in STOP_PHASES]
-        known = {n for phase in STOP_PHASES for n in phase}
-        phases.insert(0, [c for c in self.children if c.name not in known])
-        for phase in phases:
-            for child in phase:
-                child.terminate()
-            deadline = time.monotonic() + max((c.stop_timeout for c in phase), default=0)
-            while (
-                any(not c.exited() for c in phase)
-                and time.monotonic() < deadline
-                and not self.force.is_set()
-            ):
-                time.sleep(0.05)
-            for child in phase:
-                forced = not child.exited()
-                child.kill_group()  # also sweeps up anything the child left in its group
-                if forced:
-                    say(f"{child.name} (pid {child.pid}) did not stop in time: killed")
+        self.supervisor.stop(STOP_PHASES, self.force.is_set, say)
         self.state = "stopped"
 
     def write_state(self, exit_code: int | None = None) -> None:
@@ -360,7 +324,14 @@ class Stack:
             "state": self.state,
             "run_dir": str(self.options.run_dir.resolve()),
             "children": {
-                c.name: {"pid": c.pid, "log": str(c.log), "args": c.args[:3]} for c in self.children
+                slot.name: {
+                    "pid": slot.child.pid,
+                    "log": str(slot.child.log),
+                    "args": slot.args[:3],
+                    "restarts": slot.restarts,
+                    "last_exit": slot.last_exit,
+                }
+                for slot in self.supervisor.slots.values()
             },
             "urls": self.urls,
             "exit_code": exit_code,
@@ -382,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Run the whole stack on this machine: Redis, a worker, a streamer, "
-        "the web server and Flower. Ctrl-C stops everything it started.",
+        "the batch driver, the web server and Flower. A process that dies is restarted; "
+        "Ctrl-C stops everything it started.",
     )
     parser.add_argument(
         "--engine",
@@ -408,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="logs, Redis data and up.json (default: %(default)s)",
     )
     parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="empty the private Redis first (by default it keeps the files, batches and "
+        "queued requests of earlier runs, in RUN_DIR/redis/)",
+    )
+    parser.add_argument(
         "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
     )
     parser.add_argument(
@@ -415,6 +393,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=15.0,
         help="seconds each process gets to stop before it is killed",
+    )
+    default = RestartPolicy()
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=default.max_restarts,
+        help="restarts of one process allowed within --restart-window before `up` gives "
+        "up and stops everything; 0: stop everything as soon as one dies "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--restart-window",
+        type=float,
+        default=default.window_s,
+        help="seconds over which --max-restarts counts (default: %(default)s)",
     )
     return parser
 
@@ -466,7 +459,12 @@ def acquire_run_dir(run_dir: Path) -> IO[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fresh and (args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")):
+        parser.error("--fresh empties the private Redis only; a Redis given by URL is not ours")
+    if args.max_restarts < 0 or args.restart_window <= 0:
+        parser.error("--max-restarts must be >= 0 and --restart-window > 0")
     stop = threading.Event()
     interrupts = 0
     stack: Stack | None = None
@@ -488,8 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ensure_model(settings)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        print(f"{PROG}: error: invalid setting {field}: {err['msg']}", file=sys.stderr)
+        where = ".".join(str(p) for p in err["loc"])
+        print(f"{PROG}: error: invalid setting {where}: {err['msg']}", file=sys.stderr)
         return 2
     except SettingsError as exc:
         print(f"{PROG}: error: invalid settings: {exc}", file=sys.stderr)
@@ -504,28 +502,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         redis_port=args.redis_port,
         ready_timeout=args.ready_timeout,
         stop_timeout=args.stop_timeout,
+        fresh=args.fresh,
+        restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
     )
     stack = Stack(settings, options, stop)
     code = 0
     with lock:
         try:
             stack.start()
-            dead = stack.watch()
+            stack.watch()
         except Interrupted:
-            dead = None
-        except ChildDied as exc:
-            dead = exc.child
-        except (UpError, TimeoutError) as exc:
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
-            dead, code = None, 1
-        if dead is not None:
-            dead.kill_group()  # sweeps up what it left in its group, then reaps it
-            print(
-                f"{PROG}: error: {dead.name} (pid {dead.pid}) exited unexpectedly "
-                f"({dead.describe_exit()}); last lines of {dead.log}:\n{dead.log_tail()}",
-                file=sys.stderr,
-                flush=True,
-            )
+            pass
+        except (UpError, GiveUp, TimeoutError) as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             code = 1
         say("stopping everything it started ...")
         stack.stop()

@@ -1,0 +1,350 @@
+"""``tokenrelay up``'s supervision, with real processes: ports left in TIME_WAIT are free
+for the servers; a child that dies is restarted with backoff; one that keeps dying stops
+the stack with a clear message and leaves no process behind.
+
+The first tests drive ``workers.supervise`` with tiny shell children (fast, no CPU); the
+last ones run the real stack (``up --engine echo``) and SIGKILL its children.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from broker.server import RedisServer, port_is_free
+from tests.stack import wait_for
+from tests.upstack import (
+    MODEL,
+    UpRun,
+    in_time_wait,
+    listed_files,
+    pid_alive,
+    start_up,
+    upload_file,
+)
+from workers.supervise import GiveUp, RestartPolicy, Supervisor
+
+# -- ports ----------------------------------------------------------------------------------
+
+
+def leave_port_in_time_wait() -> int:
+    """A loopback port whose server closed a client's connection first, then stopped
+    listening: what a web server leaves behind after answering ``Connection: close``.
+
+    The listener sets SO_REUSEADDR as gunicorn, Tornado and redis-server do: Linux lets a
+    new bind reuse a TIME_WAIT port only when both sockets carry that option.
+    """
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = int(listener.getsockname()[1])
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()  # the server side closes first: its end of the connection ...
+    assert client.recv(1) == b""
+    client.close()  # ... enters TIME_WAIT when the client's FIN arrives
+    listener.close()
+    wait_for(lambda: in_time_wait(port), 2, "the server's socket to enter TIME_WAIT")
+    return port
+
+
+def test_a_port_in_time_wait_is_free_for_the_servers() -> None:
+    port = leave_port_in_time_wait()
+    # The old probe (a bind without SO_REUSEADDR) calls it busy ...
+    with socket.socket() as plain, pytest.raises(OSError) as busy:
+        plain.bind(("127.0.0.1", port))
+    assert busy.value.errno == errno.EADDRINUSE
+    # ... but gunicorn, Tornado and redis-server bind with SO_REUSEADDR, and so does the probe.
+    assert port_is_free("127.0.0.1", port)
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        assert in_time_wait(port)  # still there: the probe did not wait it out
+        assert not port_is_free("127.0.0.1", port)  # a listening server makes it busy
+
+
+def test_a_listening_port_is_busy_on_the_wildcard_address_too() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = int(server.getsockname()[1])
+        assert not port_is_free("127.0.0.1", port)
+        assert not port_is_free("0.0.0.0", port)
+
+
+# -- the supervisor, with tiny children -------------------------------------------------------
+
+
+class Reports(list[str]):
+    def __call__(self, message: str) -> None:
+        self.append(message)
+
+
+def sh(script: str) -> list[str]:
+    return ["/bin/sh", "-c", script]
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path) -> Iterator[tuple[Supervisor, Reports]]:
+    reports = Reports()
+    sup = Supervisor(tmp_path, RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1), reports)
+    try:
+        yield sup, reports
+    finally:
+        sup.stop([], lambda: True, reports)
+
+
+def poll_until(sup: Supervisor, cond: object, timeout: float) -> None:
+    def step() -> bool:
+        sup.poll()
+        return bool(cond() if callable(cond) else cond)
+
+    wait_for(step, timeout, "the supervisor", interval=0.02)
+
+
+def test_a_killed_child_is_restarted_after_a_backoff(
+    supervisor: tuple[Supervisor, Reports],
+) -> None:
+    sup, reports = supervisor
+    first = sup.start("streamer", sh("echo started $$; exec sleep 30"), dict(os.environ), 5)
+    wait_for(lambda: "started" in first.log.read_text(), 5, "the child to log")
+    os.kill(first.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    poll_until(sup, lambda: sup.slots["streamer"].child.pid != first.pid, 5)
+    assert time.monotonic() - killed_at >= 0.1  # the backoff
+    second = sup.slots["streamer"].child
+    assert not pid_alive(first.pid) and pid_alive(second.pid)
+    assert sup.slots["streamer"].restarts == 1
+    assert reports[0] == (
+        f"streamer (pid {first.pid}) exited unexpectedly (killed by SIGKILL); restarting it "
+        f"in 0.1 s (exit 1 of at most 2 within 60 s; log: {first.log})"
+    )
+    assert reports[1] == f"streamer restarted (pid {second.pid})"
+    wait_for(lambda: f"started {second.pid}" in second.log.read_text(), 5, "the restart to log")
+    log = second.log.read_text()  # both runs' output, with a marker between them
+    assert f"started {first.pid}" in log
+    assert "--- tokenrelay up: streamer exited (killed by SIGKILL); restart 1 at" in log
+
+
+def test_a_child_that_keeps_dying_is_given_up_with_its_last_lines(
+    supervisor: tuple[Supervisor, Reports],
+) -> None:
+    sup, _ = supervisor
+    sup.start("batcher", sh("echo cannot go on $$ >&2; exit 7"), dict(os.environ), 5)
+    started = time.monotonic()
+    with pytest.raises(GiveUp) as gave_up:
+        poll_until(sup, False, 10)
+    elapsed = time.monotonic() - started
+    assert 0.3 <= elapsed < 5  # backoffs of 0.1 s then 0.2 s, then the third exit
+    last = sup.slots["batcher"].child
+    message = str(gave_up.value)
+    assert message.startswith(
+        f"batcher (pid {last.pid}) keeps exiting: 3 exits within 60 s, the last with exit "
+        "status 7; not restarting it again (limit: --max-restarts 2 within --restart-window 60)"
+        f"; last lines of {last.log}:\n"
+    )
+    assert f"    | cannot go on {last.pid}" in message
+    assert sup.slots["batcher"].restarts == 2
+    assert not pid_alive(last.pid)
+
+
+def test_an_exit_a_restart_cannot_fix_is_given_up_at_once(
+    supervisor: tuple[Supervisor, Reports],
+) -> None:
+    sup, reports = supervisor
+    child = sup.start(
+        "worker", sh("echo cannot start the engine; exit 3"), dict(os.environ), 5, (3,)
+    )
+    with pytest.raises(GiveUp) as gave_up:
+        poll_until(sup, False, 5)
+    assert str(gave_up.value).startswith(
+        f"worker (pid {child.pid}) exited (exit status 3), which a restart cannot fix"
+    )
+    assert "    | cannot start the engine" in str(gave_up.value)
+    assert not reports  # never restarted
+
+
+def test_a_stop_while_a_child_waits_for_its_restart_starts_nothing(tmp_path: Path) -> None:
+    reports = Reports()
+    sup = Supervisor(tmp_path, RestartPolicy(backoff_s=30), reports)
+    child = sup.start("flower", sh("exit 1"), dict(os.environ), 5)
+    other = sup.start("web", sh("exec sleep 30"), dict(os.environ), 5)
+    poll_until(sup, lambda: sup.slots["flower"].restart_at is not None, 5)
+    sup.stop([("web",), ("flower",)], lambda: False, reports)
+    sup.poll()
+    assert sup.slots["flower"].child is child and sup.slots["flower"].restarts == 0
+    assert not pid_alive(other.pid)
+    assert other.popen.returncode == -signal.SIGTERM
+
+
+# -- the real stack ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from app.prepare import prepare_bundled_model
+
+    root = tmp_path_factory.mktemp("models")
+    prepare_bundled_model(root, progress=lambda _msg: None)
+    return root
+
+
+def group_members(pgid: int) -> set[int]:
+    """The PIDs of the live processes in process group ``pgid`` (from /proc)."""
+    members = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.add(int(entry.name))
+    return members
+
+
+def chat(api: str, text: str) -> str:
+    client = openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=30)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=32
+    )
+    return reply.choices[0].message.content or ""
+
+
+def restarted(run: UpRun, name: str, old_pid: int, timeout: float = 30) -> int:
+    def new_pid() -> int:
+        child = run.state().get("children", {}).get(name, {})
+        pid = int(child.get("pid", old_pid))
+        return pid if pid != old_pid else 0
+
+    pid = wait_for(new_pid, timeout, f"{name} to be restarted", interval=0.2)
+    assert isinstance(pid, int)
+    return pid
+
+
+def serves_again(api: str, text: str, timeout: float) -> float:
+    """Seconds until a chat request gets exactly ``text`` back (the echo engine)."""
+    started = time.monotonic()
+    last: object = None
+    while time.monotonic() - started < timeout:
+        try:
+            last = chat(api, text)
+            if last == text:
+                return time.monotonic() - started
+        except openai.APIError as exc:  # 503 while a worker or streamer is missing
+            last = exc
+        time.sleep(0.5)
+    raise AssertionError(f"not serving {timeout}s after the restart; last answer: {last!r}")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_up_restarts_its_killed_children_and_serves_again(tmp_path: Path, models_dir: Path) -> None:
+    run = start_up(tmp_path, models_dir)
+    try:
+        urls = run.wait_ready(120)["urls"]
+        assert chat(urls["api"], "before any kill") == "before any kill"
+        file_id = upload_file(urls["api"], b'{"custom_id": "kept"}\n')
+
+        pids = run.recorded_pids()
+        # The streamer: SIGKILLed, restarted, and the stack answers exactly again.
+        os.kill(pids["streamer"], signal.SIGKILL)
+        streamer = restarted(run, "streamer", pids["streamer"])
+        recovery = {"streamer": serves_again(urls["api"], "after the streamer", 30)}
+
+        # The web server: its gunicorn master SIGKILLed; the workers it left holding the
+        # port are swept up, and the new one binds the same port.
+        web_group = group_members(pids["web"])
+        assert len(web_group) >= 2, web_group  # master + its worker(s)
+        os.kill(pids["web"], signal.SIGKILL)
+        web = restarted(run, "web", pids["web"])
+        assert not any(pid_alive(pid) for pid in web_group), web_group
+        recovery["web"] = serves_again(urls["api"], "after the web server", 30)
+
+        # The private Redis: restarted on the same port with its append-only file, so the
+        # uploaded file is still there.
+        os.kill(pids["redis"], signal.SIGKILL)
+        redis_pid = restarted(run, "redis", pids["redis"])
+        recovery["redis"] = serves_again(urls["api"], "after redis", 60)
+        assert file_id in listed_files(urls["api"])
+
+        out = run.output()
+        for name, old in (("streamer", pids["streamer"]), ("web", pids["web"])):
+            assert f"{name} (pid {old}) exited unexpectedly (killed by SIGKILL); restarting" in out
+        state = run.state()["children"]
+        assert state["streamer"]["restarts"] == 1
+        assert state["streamer"]["last_exit"] == "killed by SIGKILL"
+        print(f"recovery after SIGKILL (s): {recovery}")
+
+        run.popen.send_signal(signal.SIGTERM)
+        assert run.wait_exit(60) == 0, run.logs()
+        everything = {**run.recorded_pids(), "streamer": streamer, "web": web, "redis": redis_pid}
+        alive = {name: pid for name, pid in everything.items() if pid_alive(pid)}
+        assert not alive, f"left running: {alive}"
+    finally:
+        run.cleanup()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_child_that_keeps_dying_stops_up_with_a_clear_message(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    # A models dir of our own, so it can break under the running stack: a streamer that
+    # starts again cannot load the model, every time.
+    models = tmp_path / "models"
+    shutil.copytree(models_dir / MODEL, models / MODEL, copy_function=os.link)
+    # With TOKENRELAY_REDIS_URL, `up` starts no Redis and leaves that one running.
+    redis_server = RedisServer().start()
+    run = start_up(
+        tmp_path,
+        models,
+        "--max-restarts",
+        "2",
+        "--restart-window",
+        "60",
+        TOKENRELAY_REDIS_URL=redis_server.url,
+    )
+    try:
+        run.wait_ready(120)
+        pids = run.recorded_pids()
+        assert "redis" not in pids
+        (models / MODEL).rename(models / "moved-away")
+        os.kill(pids["streamer"], signal.SIGKILL)
+        started = time.monotonic()
+        code = run.wait_exit(90)
+        assert code == 1, run.logs()
+        out = run.output()
+        last = run.state()["children"]["streamer"]
+        assert last["restarts"] == 2 and last["last_exit"] == "exit status 1"
+        assert (
+            f"tokenrelay up: error: streamer (pid {last['pid']}) keeps exiting: 3 exits within "
+            "60 s, the last with exit status 1; not restarting it again" in out
+        ), out
+        assert f"last lines of {run.run_dir / 'logs' / 'streamer.log'}:\n    | " in out
+        # The cause is in the lines shown, after the marker of the last restart.
+        tail = out.split("keeps exiting")[1]
+        assert "--- tokenrelay up: streamer exited (exit status 1); restart 2 at" in tail, out
+        assert f"model directory {models / MODEL} does not exist" in tail, out
+        assert time.monotonic() - started < 60
+        alive = {name: pid for name, pid in run.recorded_pids().items() if pid_alive(pid)}
+        assert not alive, f"left running: {alive}"
+        assert run.state()["exit_code"] == 1
+        assert redis_server.proc is not None and redis_server.proc.poll() is None
+    finally:
+        run.cleanup()
+        redis_server.stop()
