@@ -61,6 +61,7 @@ from pydantic_settings import SettingsError
 from app.errors import TokenRelayError
 from app.prepare import BUNDLED_MODEL_NAME, is_complete, prepare_bundled_model
 from app.settings import Settings
+from broker.connection import redis_client
 from broker.server import free_port, port_is_free, redis_server_args
 from workers.supervise import GiveUp, RestartPolicy, Supervisor
 
@@ -221,9 +222,10 @@ class Stack:
         url = self.options.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")
         if url:
             try:
-                with contextlib.closing(redis.Redis.from_url(url, socket_timeout=3)) as client:
+                client = redis_client(url, max_connections=2, socket_timeout=3)
+                with contextlib.closing(client):
                     client.ping()
-            except redis.RedisError as exc:
+            except (redis.RedisError, ValueError) as exc:  # ValueError: a malformed URL
                 raise UpError(f"cannot reach Redis at {url}: {exc}") from exc
             say(f"using Redis at {url}")
             return url
