@@ -193,10 +193,6 @@ class Slot:
     last_exit: str | None = None
     restart_at: float | None = None  # set while the child is dead and waiting for its restart
 
-    @property
-    def running(self) -> bool:
-        return self.restart_at is None and not self.child.exited()
-
 
 class Supervisor:
     """Starts named children, restarts those that die, stops them phase by phase."""

@@ -33,7 +33,6 @@ and, at the end, the exit status (tests and scripts read it);
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import fcntl
@@ -49,7 +48,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
@@ -63,9 +61,9 @@ from app.prepare import BUNDLED_MODEL_NAME, is_complete, prepare_bundled_model
 from app.settings import Settings
 from broker.connection import redis_client
 from broker.server import free_port, port_is_free, redis_server_args
-from workers.supervise import GiveUp, RestartPolicy, Supervisor
+from workers.supervise import GiveUp, Supervisor
+from workers.up_options import PROG, Options, load_settings, parse_args
 
-PROG = "tokenrelay up"
 STATE_FILE = "up.json"
 LOCK_FILE = "up.lock"
 REDIS_DIR = "redis"
@@ -137,17 +135,6 @@ def basic_auth_header(credentials: str) -> dict[str, str]:
 
 
 # -- the stack ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Options:
-    run_dir: Path
-    redis_url: str | None
-    redis_port: int | None
-    ready_timeout: float
-    stop_timeout: float
-    fresh: bool = False
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 class Stack:
@@ -351,82 +338,6 @@ def say(message: str) -> None:
     print(f"{PROG}: {message}", flush=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Run the whole stack on this machine: Redis, a worker, a streamer, "
-        "the batch driver, the web server and Flower. A process that dies is restarted; "
-        "Ctrl-C stops everything it started.",
-    )
-    parser.add_argument(
-        "--engine",
-        choices=["llamacpp", "exllamav2", "echo"],
-        help="engine of the worker (default: TOKENRELAY_ENGINE, llamacpp); "
-        "echo needs no model weights",
-    )
-    parser.add_argument("--model", help="model name under models_dir, or a path")
-    parser.add_argument("--port", type=int, help="web server port (default: TOKENRELAY_PORT)")
-    parser.add_argument("--flower-port", type=int, help="Flower port (TOKENRELAY_FLOWER_PORT)")
-    parser.add_argument(
-        "--redis-url", help="use this Redis instead of starting one (TOKENRELAY_REDIS_URL)"
-    )
-    parser.add_argument(
-        "--redis-port",
-        type=int,
-        help="port of the private redis-server (default: 6379 if free, else any free port)",
-    )
-    parser.add_argument(
-        "--run-dir",
-        type=Path,
-        default=Path("run"),
-        help="logs, Redis data and up.json (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--fresh",
-        action="store_true",
-        help="empty the private Redis first (by default it keeps the files, batches and "
-        "queued requests of earlier runs, in RUN_DIR/redis/)",
-    )
-    parser.add_argument(
-        "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
-    )
-    parser.add_argument(
-        "--stop-timeout",
-        type=float,
-        default=15.0,
-        help="seconds each process gets to stop before it is killed",
-    )
-    default = RestartPolicy()
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=default.max_restarts,
-        help="restarts of one process allowed within --restart-window before `up` gives "
-        "up and stops everything; 0: stop everything as soon as one dies "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--restart-window",
-        type=float,
-        default=default.window_s,
-        help="seconds over which --max-restarts counts (default: %(default)s)",
-    )
-    return parser
-
-
-def load_settings(args: argparse.Namespace) -> Settings:
-    """Settings from the environment, with the command line's overrides validated."""
-    overrides = {
-        "engine": args.engine,
-        "model": args.model,
-        "port": args.port,
-        "flower_port": args.flower_port,
-    }
-    base = Settings()
-    values = {**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
-    return Settings.model_validate(values)
-
-
 def ensure_model(settings: Settings) -> None:
     """Prepare the bundled model if it is the one asked for and is missing; else check."""
     path = settings.model_path()
@@ -461,12 +372,7 @@ def acquire_run_dir(run_dir: Path) -> IO[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.fresh and (args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")):
-        parser.error("--fresh empties the private Redis only; a Redis given by URL is not ours")
-    if args.max_restarts < 0 or args.restart_window <= 0:
-        parser.error("--max-restarts must be >= 0 and --restart-window > 0")
+    args, options = parse_args(argv)
     stop = threading.Event()
     interrupts = 0
     stack: Stack | None = None
@@ -498,15 +404,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
 
-    options = Options(
-        run_dir=args.run_dir,
-        redis_url=args.redis_url,
-        redis_port=args.redis_port,
-        ready_timeout=args.ready_timeout,
-        stop_timeout=args.stop_timeout,
-        fresh=args.fresh,
-        restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
-    )
     stack = Stack(settings, options, stop)
     code = 0
     with lock:
