@@ -6,13 +6,55 @@ imports worker code; ``workers.celery_worker`` registers the task on the same ap
 
 from __future__ import annotations
 
+from enum import Enum
+from typing import Any
+
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
+from pydantic import BaseModel, ConfigDict
 
 from app.settings import Settings
 from broker.sentinel import celery_connection
 
 GENERATE_TASK = "tokenrelay.generate"
+
+
+class TaskOutcome(str, Enum):
+    """How one ``generate(request_id, attempt)`` task ended on its worker."""
+
+    DONE = "done"  # every choice of the attempt ended here
+    CANCELLED = "cancelled"  # a cancel stopped it
+    FENCED = "fenced"  # it lost its lease mid-way; another attempt resumes it
+    ABANDONED = "abandoned"  # the worker shut down; another attempt resumes it
+    TIMEOUT = "timeout"  # the engine thread did not end it long after its deadline
+    FAILED = "failed"  # the engine or the worker failed it (an error on its stream)
+    SKIPPED = "skipped"  # not run here: ``claim`` says why (stale, done, held, ...)
+
+
+class GenerateResult(BaseModel):
+    """The ``generate`` task's result (Celery's result backend and Flower show it).
+
+    One typed value for every way a task ends, encoded to a JSON-able dict because
+    that is what Celery's JSON serializer carries.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    attempt: int
+    outcome: TaskOutcome
+    claim: str | None = None  # the claim's answer when the task was skipped
+    finish_reasons: dict[int, str] = {}
+    completion_tokens: dict[int, int] = {}
+    run_s: float | None = None
+    error: str | None = None
+
+    def encode(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+    @classmethod
+    def decode(cls, raw: dict[str, Any]) -> GenerateResult:
+        return cls.model_validate(raw)
 
 
 def queue_name(kind: str, model: str) -> str:

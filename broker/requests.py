@@ -18,10 +18,10 @@ from celery import Celery
 from redis.client import Pipeline
 
 from app.messages import EngineFinish, TokenDelta
+from app.records import RequestRecord, RequestState
 from broker import scripts
 from broker.celery_app import send_generate
 from broker.keys import Keys
-from app.records import RequestRecord, RequestState
 
 
 class ClaimResult(str, Enum):
@@ -49,14 +49,29 @@ class ChoiceProgress:
 
 @dataclass(slots=True)
 class PublishItem:
-    """One request's contribution to one engine step's publish round trip."""
+    """One request's contribution to one engine step's publish round trip.
+
+    ``payload`` is already encoded (``encode_deltas``; empty = a lease refresh only):
+    the engine thread encodes each request on its own, so one request whose deltas
+    cannot be encoded fails alone instead of failing the whole step's round trip.
+    """
 
     request_id: str
     lease_value: str
     attempt: int
-    deltas: list[TokenDelta]
+    payload: bytes
     first: bool = False
     done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStatus:
+    """What a streamer's watchdog needs to know about one request, read in one batch."""
+
+    state: RequestState
+    attempt: int
+    claimed: float | None  # unix time a worker first claimed it (queue time ends)
+    lease_alive: bool
 
 
 def lease_value(worker_id: str, attempt: int) -> str:
@@ -144,6 +159,36 @@ class RequestStore:
             return None
         return RequestState(_s(raw[0])), int(raw[1] or 0)
 
+    def claimed_at(self, rid: str) -> float | None:
+        """When a worker first claimed ``rid`` (None: never, or the record is gone)."""
+        raw: Any = self.redis.hget(self.keys.request(rid), "claimed")
+        return None if raw is None else float(raw)
+
+    def statuses(self, rids: Sequence[str]) -> list[RequestStatus | None]:
+        """The status of many requests in one round trip (None: the record is gone)."""
+        if not rids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid in rids:
+            pipe.hmget(self.keys.request(rid), "state", "attempt", "claimed")
+            pipe.exists(self.keys.lease(rid))
+        raw = pipe.execute()
+        out: list[RequestStatus | None] = []
+        for i in range(len(rids)):
+            (state, attempt, claimed), lease = raw[2 * i], raw[2 * i + 1]
+            if state is None:
+                out.append(None)
+                continue
+            out.append(
+                RequestStatus(
+                    RequestState(_s(state)),
+                    int(attempt or 0),
+                    None if claimed is None else float(claimed),
+                    bool(lease),
+                )
+            )
+        return out
+
     def read_tokens(
         self, rid: str, cursor: str = "0-0", count: int | None = None
     ) -> list[tuple[str, int, list[TokenDelta]]]:
@@ -191,8 +236,8 @@ class RequestStore:
         for it in items:
             rid = it.request_id
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
-            payload = encode_deltas(it.deltas) if it.deltas else ""
-            args += [it.lease_value, it.attempt, payload, int(it.first) | (2 * int(it.done))]
+            flags = int(it.first) | (2 * int(it.done))
+            args += [it.lease_value, it.attempt, it.payload, flags]
         if not items:
             return []
         return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]

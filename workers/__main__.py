@@ -18,21 +18,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, help="concurrent jobs (Celery threads)")
     parser.add_argument("--loglevel", default="INFO")
     args, rest = parser.parse_known_args(argv)
-    # Settings are read from the environment once, in workers.celery_worker.
-    if args.engine:
-        os.environ["TOKENRELAY_ENGINE"] = args.engine
-    if args.model:
-        os.environ["TOKENRELAY_MODEL"] = args.model
-    if args.slots:
-        os.environ["TOKENRELAY_WORKER_SLOTS"] = str(args.slots)
 
     from app.settings import Settings
     from broker.celery_app import worker_queues
+    from workers.celery_worker import build_app
 
-    settings = Settings()
-    from workers.celery_worker import app
-
-    model = settings.served_name
+    # The environment, overridden by the command line; passed down explicitly.
+    overrides = {
+        "engine": args.engine,
+        "model": args.model,
+        "worker_slots": args.slots,
+    }
+    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    app = build_app(settings)
     celery_args = [
         "worker",
         "-P",
@@ -40,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "-c",
         str(settings.worker_slots),
         "-Q",
-        ",".join(worker_queues(model)),
+        ",".join(worker_queues(settings.served_name)),
         "--loglevel",
         args.loglevel,
         "-E",

@@ -1,7 +1,10 @@
 """The Celery worker module: ``celery -A workers.celery_worker worker -P threads``.
 
-Registers the ``generate`` task on the app from ``broker.celery_app`` and starts the
-engine once per worker process in ``worker_init`` (the model loads before any task).
+``build_app(settings)`` registers the ``generate`` task on the app from
+``broker.celery_app`` and starts the engine once per worker process in ``worker_init``
+(the model loads before any task). ``tokenrelay worker`` (``workers.__main__``) calls it
+with the settings it was given; the module attribute ``app``, which ``celery -A``
+looks up, is built from the environment only when something asks for it.
 """
 
 from __future__ import annotations
@@ -30,9 +33,15 @@ def build_app(settings: Settings) -> Celery:
         runtime = state.get("runtime")
         if runtime is None:
             raise RuntimeError("worker runtime not started (worker_init did not run)")
-        return runtime.generate(request_id, attempt)
+        return runtime.generate(request_id, attempt).encode()
 
-    def _start(**_: Any) -> None:
+    def _ours(sender: Any) -> bool:
+        # The signals are process-wide: answer only for a worker of this app.
+        return getattr(sender, "app", celery_app) is celery_app
+
+    def _start(sender: Any = None, **_: Any) -> None:
+        if not _ours(sender):
+            return
         try:
             runtime = WorkerRuntime.from_settings(settings)
         except Exception as exc:
@@ -47,7 +56,9 @@ def build_app(settings: Settings) -> Celery:
         runtime.start()
         state["runtime"] = runtime
 
-    def _stop(**_: Any) -> None:
+    def _stop(sender: Any = None, **_: Any) -> None:
+        if not _ours(sender):
+            return
         runtime = state.pop("runtime", None)
         if runtime is not None:
             runtime.stop()
@@ -58,4 +69,14 @@ def build_app(settings: Settings) -> Celery:
     return celery_app
 
 
-app = build_app(Settings())
+_default: dict[str, Celery] = {}
+
+
+def __getattr__(name: str) -> Celery:
+    """``app`` for ``celery -A workers.celery_worker``: built from the environment on
+    first use, so importing ``build_app`` builds nothing."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if "app" not in _default:
+        _default["app"] = build_app(Settings())
+    return _default["app"]

@@ -11,7 +11,10 @@ worker's thread count is its backpressure. Each loop iteration:
 4. cancels jobs whose request was cancelled, fenced, or ran past its deadline.
 
 A job that fails is reported as an error on its token stream; nothing a job does can
-end the loop.
+end the loop. When Redis is unreachable the loop keeps stepping and keeps the unpublished
+deltas, retrying the publish with a growing backoff (one warning per outage); a job
+whose lease expired meanwhile is fenced on the first publish after the outage and
+resumed elsewhere from what it had published.
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+import redis
 
 from app.messages import EngineFinish, TokenDelta
-from broker.requests import PublishItem, PublishStatus, RequestStore
+from broker.celery_app import GenerateResult, TaskOutcome
+from broker.requests import PublishItem, PublishStatus, RequestStore, encode_deltas
+from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
 
 logger = logging.getLogger(__name__)
 
 DEADLINE_MESSAGE = "The request exceeded its deadline."
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating; please retry."
+JOB_FAILURE_MESSAGE = "The worker failed while handling this request; please retry."
 
 
 @dataclass(slots=True)
@@ -47,11 +54,11 @@ class WorkItem:
 
 @dataclass
 class JobHandle:
-    """What a task thread waits on; ``summary`` is set when the request ended here."""
+    """What a task thread waits on; ``result`` is set when the request ended here."""
 
     item: WorkItem
     done: threading.Event = field(default_factory=threading.Event)
-    summary: dict[str, Any] = field(default_factory=dict)
+    result: GenerateResult | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
@@ -69,7 +76,7 @@ class _Active:
     tokens: dict[int, int] = field(default_factory=dict)
     finishes: dict[int, str] = field(default_factory=dict)
     last_publish: float = 0.0
-    outcome: str = "done"
+    outcome: TaskOutcome = TaskOutcome.DONE
 
 
 class EngineThread(threading.Thread):
@@ -94,8 +101,8 @@ class EngineThread(threading.Thread):
         self._active: dict[str, _Active] = {}
         self._job_owner: dict[str, str] = {}
         self._stopping = threading.Event()
+        self._publish_backoff = Backoff(initial_s=0.05, max_s=2.0)
         self.steps = 0
-        self.max_batch = 0
         self.tokens_total = 0  # token ids produced (monitoring: rate() gives tokens/s)
         self.batch_size = 0  # choices running at the last step
         self.engine_stats: dict[str, float] = {}
@@ -124,7 +131,10 @@ class EngineThread(threading.Thread):
         self._abandon_all("worker shutting down")
 
     def iterate(self) -> None:
-        self._admit(block=not self.engine.has_work() and not self._active)
+        # Wait for work only while the engine has none: finished jobs are published in
+        # the iteration that finished them, and a publish that failed is retried when
+        # its backoff allows, so nothing here can spin.
+        self._admit(block=not self.engine.has_work())
         steps = []
         if self.engine.has_work():
             try:
@@ -138,9 +148,12 @@ class EngineThread(threading.Thread):
             act = self._active.get(rid) if rid else None
             if act is None:
                 continue  # fenced or abandoned: its tokens are no longer ours
-            self._record(act, s.delta)
+            try:
+                self._record(act, s.delta)
+            except Exception:
+                logger.exception("request %s: bad engine step; failing it", rid)
+                self._fail_job(act, JOB_FAILURE_MESSAGE)
         self.batch_size = sum(len(a.open_choices) for a in self._active.values())
-        self.max_batch = max(self.max_batch, self.batch_size)
         if steps:
             try:
                 self.engine_stats = self.engine.stats()
@@ -232,13 +245,27 @@ class EngineThread(threading.Thread):
             return
         act.cancel_sent = True
         for job in act.handle.item.jobs:
-            self.engine.cancel(job.job_id)
+            try:
+                self.engine.cancel(job.job_id)
+            except Exception:
+                logger.exception("engine cancel of job %s failed", job.job_id)
+
+    def _fail_job(self, act: _Active, message: str) -> None:
+        """End every open choice of one request with an error; stop its engine jobs."""
+        act.outcome = TaskOutcome.FAILED
+        for c in sorted(act.open_choices):
+            self._record(
+                act, TokenDelta(c, [], finish=EngineFinish.ERROR, error=message, error_code=500)
+            )
+        self._cancel_jobs(act)
 
     def _publish(self) -> None:
         now = self.clock()
+        if not self._publish_backoff.ready(now):
+            return  # Redis was unreachable: keep the deltas until the next try
         refresh_after = self.lease_ttl_s / 3
         items: list[tuple[_Active, PublishItem]] = []
-        for rid, act in self._active.items():
+        for rid, act in list(self._active.items()):
             done = not act.open_choices
             if not act.unpublished and not done and now - act.last_publish < refresh_after:
                 continue
@@ -250,9 +277,9 @@ class EngineThread(threading.Thread):
                         rid,
                         item.lease_value,
                         item.attempt,
-                        act.unpublished,
+                        self._payload(act),
                         first=act.first,
-                        done=done,
+                        done=not act.open_choices,
                     ),
                 )
             )
@@ -260,62 +287,76 @@ class EngineThread(threading.Thread):
             return
         try:
             statuses = self.store.publish([p for _, p in items], self.lease_ttl_s)
-        except Exception:
-            # Redis unreachable: keep the deltas and retry on the next iteration.
-            logger.exception("publishing to redis failed; will retry")
-            time.sleep(0.05)
+        except redis.RedisError as exc:
+            # Keep the deltas; retry after a growing pause (one warning per outage).
+            if self._publish_backoff.failed(now):
+                logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
             return
+        if self._publish_backoff.recovered():
+            logger.info("publishing to redis again")
         for (act, pitem), status in zip(items, statuses, strict=True):
             act.unpublished = []
             act.first = False
             act.last_publish = now
             if status is PublishStatus.FENCED:
-                act.outcome = "fenced"
+                act.outcome = TaskOutcome.FENCED
                 self._cancel_jobs(act)
                 self._release(act)
             elif pitem.done:
-                if act.cancel_sent and not act.deadline_hit:
-                    act.outcome = "cancelled"
+                if act.cancel_sent and not act.deadline_hit and act.outcome is TaskOutcome.DONE:
+                    act.outcome = TaskOutcome.CANCELLED
                 self._release(act)
             elif status is PublishStatus.CANCEL:
                 self._cancel_jobs(act)
+
+    def _payload(self, act: _Active) -> bytes:
+        """The request's unpublished deltas, encoded; a request whose deltas cannot be
+        encoded (an engine bug) ends with an error instead of failing the whole step."""
+        if not act.unpublished:
+            return b""
+        try:
+            return encode_deltas(act.unpublished)
+        except Exception:
+            logger.exception(
+                "request %s: cannot encode its deltas; failing it", act.handle.item.request_id
+            )
+        act.unpublished = []
+        self._fail_job(act, JOB_FAILURE_MESSAGE)
+        return encode_deltas(act.unpublished)
 
     def _release(self, act: _Active) -> None:
         item = act.handle.item
         self._active.pop(item.request_id, None)
         for job in item.jobs:
             self._job_owner.pop(job.job_id, None)
-        act.handle.summary = {
-            "request_id": item.request_id,
-            "attempt": item.attempt,
-            "outcome": act.outcome,
-            "finish_reasons": {str(k): v for k, v in sorted(act.finishes.items())},
-            "completion_tokens": {str(k): v for k, v in sorted(act.tokens.items())},
-            "run_s": round(self.clock() - act.started, 4),
-        }
+        act.handle.result = GenerateResult(
+            request_id=item.request_id,
+            attempt=item.attempt,
+            outcome=act.outcome,
+            finish_reasons=dict(sorted(act.finishes.items())),
+            completion_tokens=dict(sorted(act.tokens.items())),
+            run_s=round(self.clock() - act.started, 4),
+        )
         act.handle.done.set()
 
     def _fail_all_jobs(self, message: str) -> None:
         for act in list(self._active.values()):
-            for c in list(act.open_choices):
-                self._record(
-                    act, TokenDelta(c, [], finish=EngineFinish.ERROR, error=message, error_code=500)
-                )
-            for job in act.handle.item.jobs:
-                try:
-                    self.engine.cancel(job.job_id)
-                except Exception:
-                    logger.exception("cancel after engine failure failed")
+            self._fail_job(act, message)
 
     def _abandon_all(self, reason: str) -> None:
         """On shutdown: release waiting tasks; leases expire and streamers resume."""
         for act in list(self._active.values()):
-            act.outcome = "abandoned"
+            act.outcome = TaskOutcome.ABANDONED
             self._release(act)
         while True:
             try:
                 h = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            h.summary = {"request_id": h.item.request_id, "outcome": "abandoned", "reason": reason}
+            h.result = GenerateResult(
+                request_id=h.item.request_id,
+                attempt=h.item.attempt,
+                outcome=TaskOutcome.ABANDONED,
+                error=reason,
+            )
             h.done.set()

@@ -12,17 +12,18 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
 
 import redis
 
 from app.model_card import ModelCard, load_model_card
+from app.records import RequestRecord
 from app.settings import Settings
+from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
 from broker.keys import Keys
-from app.records import RequestRecord
 from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore, lease_value
+from workers.backoff import Backoff
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem
 from workers.engines import load_engine
 from workers.engines.base import ChoiceJob, Engine, EngineJob
@@ -100,39 +101,59 @@ class WorkerRuntime:
         )
 
     def _beat(self) -> None:
+        """Heart-beat every ``HEARTBEAT_S`` whatever Redis does: one warning when it
+        goes away, one line when it is back (the web tier's readiness needs the beat)."""
+        outage = Backoff(initial_s=HEARTBEAT_S, max_s=HEARTBEAT_S)
         while not self._stop.is_set():
             try:
                 self.registry.heartbeat(self.info())
-            except redis.RedisError:
-                logger.warning("worker heartbeat failed", exc_info=True)
+            except redis.RedisError as exc:
+                if outage.failed(time.monotonic()):
+                    logger.warning("worker heartbeat failed (%s); retrying", exc)
+            except Exception:  # a bug in one beat must not end the heartbeat
+                logger.exception("worker heartbeat failed")
+            else:
+                if outage.recovered():
+                    logger.info("worker heartbeat reaches redis again")
             self._stop.wait(HEARTBEAT_S)
 
     # -- the task body -----------------------------------------------------------------
-    def generate(self, request_id: str, attempt: int) -> dict[str, Any]:
+    def generate(self, request_id: str, attempt: int) -> GenerateResult:
         """Run ``attempt`` of a request to its end here, unless someone else owns it."""
         claim = self.store.claim(
             request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
         )
         if claim is not ClaimResult.OK:
             logger.info("request %s attempt %s not run here: %s", request_id, attempt, claim.value)
-            return {"request_id": request_id, "attempt": attempt, "outcome": claim.value}
+            return GenerateResult(
+                request_id=request_id,
+                attempt=attempt,
+                outcome=TaskOutcome.SKIPPED,
+                claim=claim.value,
+            )
         loaded = self.store.load(request_id)
-        if loaded is None:
-            return {"request_id": request_id, "attempt": attempt, "outcome": "missing"}
+        if loaded is None:  # expired (or lost with Redis's data) right after the claim
+            return GenerateResult(
+                request_id=request_id,
+                attempt=attempt,
+                outcome=TaskOutcome.SKIPPED,
+                claim=ClaimResult.MISSING.value,
+            )
         record = loaded[0]
-        item = self.work_item(record, attempt)
-        handle = self.thread.submit(item)
-        # Wake up now and then so a stuck engine never pins this thread forever.
-        while not handle.wait(timeout=max(1.0, record.deadline - time.time() + 30)):
-            if time.time() > record.deadline + 60:
+        handle = self.thread.submit(self.work_item(record, attempt))
+        # The engine thread ends every job by its deadline; waking up now and then
+        # guards against a stuck engine pinning this thread (and its slot) forever.
+        while not handle.wait(timeout=max(1.0, record.give_up_at - time.time())):
+            if time.time() > record.give_up_at:
                 logger.error("request %s: engine thread did not finish it", request_id)
-                return {
-                    "request_id": request_id,
-                    "attempt": attempt,
-                    "outcome": "timeout",
-                    "error": DEADLINE_MESSAGE,
-                }
-        return handle.summary
+                return GenerateResult(
+                    request_id=request_id,
+                    attempt=attempt,
+                    outcome=TaskOutcome.TIMEOUT,
+                    error=DEADLINE_MESSAGE,
+                )
+        assert handle.result is not None  # set before ``done``
+        return handle.result
 
     def work_item(self, record: RequestRecord, attempt: int) -> WorkItem:
         """The engine jobs for ``attempt``: on a resume, only unfinished choices, each

@@ -13,6 +13,19 @@ One loop per process (several processes may run):
 5. every half second, the watchdog: resume requests whose worker lost its lease,
    resend requests left queued, fail requests past their deadline or with no worker,
    touch its own hand-off entries (liveness) and take over those of dead streamers.
+
+The loop survives its backbone and its inputs:
+
+- Redis unreachable (restart, failover): every round trip error pauses the loop with a
+  growing backoff (one warning per outage) and the loop goes on where it was. When Redis
+  is back it recreates the hand-off group if Redis lost it (a restart without
+  persistence), heart-beats at once, and resends every request still queued (a worker
+  may have dropped its Celery message with the old connection). A request whose record
+  is gone ends with a 503 error event.
+- One bad request is one bad request: a decoder fault ends that choice with
+  ``finish_reason: "error"`` (as Dynamo's ``backend.rs``); a malformed token entry, an
+  invalid choice index or any other fault while handling a request ends that request
+  with an error event. The loop keeps serving every other request.
 """
 
 from __future__ import annotations
@@ -31,19 +44,21 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 from tokenizers import Tokenizer
 
 from app.decoder import RequestDecoder
 from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
+from app.records import RequestRecord, RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.connection import redis_client
 from broker.keys import Keys
-from app.records import RequestRecord, RequestState
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
-from broker.requests import RequestStore, decode_deltas
+from broker.requests import RequestStatus, RequestStore, decode_deltas
 from broker.streams import OutputEntry, OutputStreams, RequestHandoff
+from workers.backoff import Backoff
 from workers.service_main import run_service
 
 logger = logging.getLogger(__name__)
@@ -51,6 +66,23 @@ logger = logging.getLogger(__name__)
 WATCHDOG_S = 0.5
 HEARTBEAT_S = 2.0
 READ_BLOCK_MS = 50
+
+# Errors that mean "the backbone is away", not "this request is bad": Redis's own, and
+# Celery's (kombu) when sending a task finds no broker.
+BACKBONE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, OperationalError)
+
+# What a client reads when we fail its request; details go to the log, not the client.
+DECODE_FAULT = "The streamer could not decode this choice's tokens."
+REQUEST_FAULT = "The streamer failed while handling this request; please retry."
+LOST_MESSAGE = (
+    "The request was lost by the broker (Redis restarted without its data); please retry."
+)
+EXPIRED_MESSAGE = "The request expired."
+DEADLINE_MESSAGE = "The request exceeded its deadline."
+
+
+class RequestFault(Exception):
+    """Something about one request cannot be handled; that request ends with an error."""
 
 
 def request_decoder(tokenizer: Tokenizer, record: RequestRecord) -> RequestDecoder:
@@ -77,7 +109,6 @@ class Tracked:
     wrote_output: bool = False
     engine_finished: set[int] = field(default_factory=set)
     first_token_at: float | None = None
-    claimed_at: float = 0.0
     queued_since: float | None = None
     last_sent: float = 0.0
     no_worker_since: float | None = None
@@ -112,23 +143,53 @@ class Streamer:
         self._handoff_cursor = "0-0"
         self._last_watchdog = 0.0
         self._last_heartbeat = 0.0
+        self._set_up = False  # hand-off group ensured since the last outage
+        self._resend_queued = False  # after an outage: resend queued requests at once
+        self._outage = Backoff(initial_s=0.1, max_s=2.0)
+        self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
         self.stopping = threading.Event()
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
         logger.info("streamer %s serving", self.consumer)
-        self.handoff.ensure_group()
-        self._handoff_cursor = self.handoff.last_id()
-        self._watchdog(force=True)
         while not self.stopping.is_set():
             try:
+                if not self._set_up:
+                    self._set_up_loop()
                 self.iterate()
-            except redis.RedisError:
-                logger.exception("redis error in the streamer loop; retrying")
-                time.sleep(0.5)
-        with contextlib.suppress(redis.RedisError):
+            except BACKBONE_ERRORS as exc:
+                self._on_backbone_error(exc)
+                continue
+            except Exception:  # a bug outside any one request: log, pause, go on
+                logger.exception("streamer loop iteration failed")
+                self._faults.failed(time.monotonic())
+                self.stopping.wait(self._faults.delay_s)
+                continue
+            self._faults.recovered()
+            if self._outage.recovered():
+                logger.info("redis is reachable again; streamer %s resumes", self.consumer)
+        with contextlib.suppress(*BACKBONE_ERRORS):
             self.registry.unregister(self.consumer)
+
+    def _set_up_loop(self) -> None:
+        """At start and after an outage: the hand-off group (Redis may have lost it),
+        the wake-up cursor, and a heartbeat before anything else."""
+        self.handoff.ensure_group()
+        self._handoff_cursor = self.handoff.last_id()
+        self._set_up = True
+        self._watchdog(force=True)
+
+    def _on_backbone_error(self, exc: Exception) -> None:
+        self._set_up = False
+        self._resend_queued = True
+        if isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc):
+            # Redis came back without its data: recreate the group now, no pause.
+            logger.warning("the hand-off group is gone (Redis lost its data?); recreating it")
+            return
+        if self._outage.failed(time.monotonic()):
+            logger.warning("redis unreachable (%s); reconnecting with backoff", exc)
+        self.stopping.wait(self._outage.delay_s)
 
     def iterate(self) -> None:
         for entry_id, rid in self.handoff.claim_new(self.consumer):
@@ -145,38 +206,62 @@ class Streamer:
             key = self.keys.tokens(rid)
             streams[key] = t.cursor
             by_key[key] = t
-        res = self.redis.xread(streams, count=512, block=READ_BLOCK_MS)
+        res: Any = self.redis.xread(streams, count=512, block=READ_BLOCK_MS)  # type: ignore[arg-type]
         outputs: list[OutputEntry] = []
         ended: list[Tracked] = []
+        failed: list[Tracked] = []
         for key_raw, entries in res or []:
-            key = key_raw.decode() if isinstance(key_raw, bytes) else key_raw
+            key = _s(key_raw)
             if key == self.keys.new_requests:
                 self._handoff_cursor = _s(entries[-1][0])
                 continue
             t = by_key.get(key)
             if t is None or not entries:
                 continue
-            events: list[OutputEvent] = []
-            for eid, fields in entries:
-                events += self._apply(t, decode_deltas(fields[b"d"]))
-                t.cursor = _s(eid)
+            try:
+                out = self._decode_entries(t, entries)
+            except BACKBONE_ERRORS:
+                raise
+            except Exception:
+                rid = t.record.request_id
+                logger.exception("request %s: failed while decoding; ending it", rid)
+                self.store.cancel(rid)
+                outputs.append(self._fail(t, REQUEST_FAULT, 500))
+                failed.append(t)
+                continue
             if t.choices.all_done:
-                events.append(self._usage_event(t))
                 ended.append(t)
-            if events:
-                outputs.append(
-                    OutputEntry(
-                        t.record.request_id,
-                        events,
-                        t.cursor,
-                        first=not t.wrote_output,
-                        published=entries[-1][1].get(b"t"),
-                    )
-                )
-                t.wrote_output = True
+            if out is not None:
+                outputs.append(out)
         self.outputs.write(outputs)
         for t in ended:
             self._end(t)
+        for t in failed:
+            self._end_failed(t)
+
+    def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
+        """One request's new token entries -> its output entry for this cycle."""
+        events: list[OutputEvent] = []
+        for eid, fields in entries:
+            try:
+                deltas = decode_deltas(fields[b"d"])
+            except Exception as exc:
+                raise RequestFault(f"malformed token entry {_s(eid)}") from exc
+            events += self._apply(t, deltas)
+            t.cursor = _s(eid)
+        if t.choices.all_done:
+            events.append(self._usage_event(t))
+        if not events:
+            return None
+        out = OutputEntry(
+            t.record.request_id,
+            events,
+            t.cursor,
+            first=not t.wrote_output,
+            published=entries[-1][1].get(b"t"),
+        )
+        t.wrote_output = True
+        return out
 
     def _apply(self, t: Tracked, deltas: list[TokenDelta]) -> list[OutputEvent]:
         events: list[OutputEvent] = []
@@ -185,14 +270,28 @@ class Streamer:
                 t.first_token_at = self.clock()
             if d.finish is not None:
                 t.engine_finished.add(d.choice)
-            events += t.choices.feed(d)
+            try:
+                events += t.choices.feed(d)
+            except Exception:
+                events += self._choice_fault(t, d.choice)
         return events
+
+    def _choice_fault(self, t: Tracked, choice: int) -> list[OutputEvent]:
+        """A decoder fault ends that choice with an error; the others go on."""
+        rid = t.record.request_id
+        if not 0 <= choice < t.record.num_choices:
+            logger.error("request %s: token entry for invalid choice index %s", rid, choice)
+            raise RequestFault(f"invalid choice index {choice}")
+        logger.exception("request %s: decode error on choice %d; ending that choice", rid, choice)
+        ending = TokenDelta(
+            choice, [], finish=EngineFinish.ERROR, error=DECODE_FAULT, error_code=500
+        )
+        return t.choices.feed(ending)
 
     def _usage_event(self, t: Tracked) -> OutputEvent:
         usage = dict(t.choices.usage)
         if t.claimed_by_worker is None:  # finished before the watchdog saw the claim
-            raw = self.redis.hget(self.keys.request(t.record.request_id), "claimed")
-            t.claimed_by_worker = float(raw) if raw is not None else None  # type: ignore[arg-type]
+            t.claimed_by_worker = self.store.claimed_at(t.record.request_id)
         now = self.clock()
         rec = t.record
         usage["timings"] = {
@@ -217,14 +316,26 @@ class Streamer:
 
     # -- adopting requests (new or taken over) ---------------------------------------------
     def _adopt(self, entry_id: str, rid: str) -> None:
+        try:
+            self._adopt_or_raise(entry_id, rid)
+        except BACKBONE_ERRORS:
+            raise
+        except Exception:
+            # e.g. a record or output entry that does not decode: end it for its client.
+            logger.exception("request %s: cannot adopt it; ending it with an error", rid)
+            self.tracked.pop(rid, None)
+            error = OutputEvent(OutputKind.ERROR, error=REQUEST_FAULT, code=500)
+            self.outputs.write([OutputEntry(rid, [error], "0-0", first=True)])
+            self.store.cancel(rid)
+            self.handoff.ack(entry_id)
+
+    def _adopt_or_raise(self, entry_id: str, rid: str) -> None:
         loaded = self.store.load(rid)
         if loaded is None:
             self.handoff.ack(entry_id)  # expired before anyone decoded it
             return
         record, _state, _attempt = loaded
-        t = Tracked(
-            entry_id, record, request_decoder(self.tokenizer, record), claimed_at=self.clock()
-        )
+        t = Tracked(entry_id, record, request_decoder(self.tokenizer, record))
         last = self.outputs.last_source(rid)
         if last is not None:
             source, ended = last
@@ -247,88 +358,108 @@ class Streamer:
         self._last_watchdog = now
         if force or now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
-            self.registry.heartbeat(
-                StreamerInfo(
-                    streamer_id=self.consumer,
-                    hostname=socket.gethostname(),
-                    pid=os.getpid(),
-                    started=self.started,
-                    active_requests=len(self.tracked),
-                )
-            )
-            self.handoff.touch(self.consumer, [t.entry_id for t in self.tracked.values()])
-            min_idle = int(self.settings.streamer_takeover_s * 1000)
-            for entry_id, rid in self.handoff.take_over(self.consumer, min_idle):
-                if rid not in self.tracked:
-                    self._adopt(entry_id, rid)
-        if not self.tracked:
-            return
-        rids = list(self.tracked)
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in rids:
-            pipe.hmget(self.keys.request(rid), "state", "attempt", "claimed")
-            pipe.exists(self.keys.lease(rid))
-        raw = pipe.execute()
-        live_models: set[str] | None = None
-        failures: list[OutputEntry] = []
-        for i, rid in enumerate(rids):
-            t = self.tracked[rid]
-            (state_raw, attempt_raw, claimed_raw), lease = raw[2 * i], raw[2 * i + 1]
-            if claimed_raw is not None and t.claimed_by_worker is None:
-                t.claimed_by_worker = float(claimed_raw)
-            if state_raw is None:
-                failures.append(self._fail(t, "The request expired.", 504))
-                continue
-            state, attempt = RequestState(_s(state_raw)), int(attempt_raw or 0)
-            if now > t.record.deadline:
-                self.store.cancel(rid)
-                failures.append(self._fail(t, "The request exceeded its deadline.", 504))
-            elif state is RequestState.RUNNING:
-                t.queued_since = None
-                if not lease:
-                    self._resume(t, failures)
-            elif state is RequestState.QUEUED:
-                t.queued_since = t.queued_since or now
-                if live_models is None:
-                    live_models = {w.model for w in self.workers.live()}
-                if t.record.model not in live_models:
-                    t.no_worker_since = t.no_worker_since or now
-                    if now - t.no_worker_since > self.settings.no_worker_timeout_s:
-                        failures.append(
-                            self._fail(t, f"No worker is serving model {t.record.model!r}.", 503)
-                        )
-                        continue
-                else:
-                    t.no_worker_since = None
-                if now - max(t.queued_since, t.last_sent) > self.settings.requeue_after_s:
-                    t.last_sent = now
-                    send_generate(
-                        self.celery, rid, attempt, queue=t.record.queue, model=t.record.model
-                    )
-            elif state is RequestState.DONE:
-                self._finish_done(t, failures)
-        self.outputs.write([f for f in failures if f.events])
-        for f in failures:
-            t2 = self.tracked.get(f.request_id)
-            if t2 is not None:
-                self._end_failed(t2)
+            self._heartbeat_and_take_over()
+        if self.tracked:
+            self._check_requests(now)
 
-    def _resume(self, t: Tracked, failures: list[OutputEntry]) -> None:
+    def _heartbeat_and_take_over(self) -> None:
+        """Say we are alive (registry + our pending hand-off entries); adopt the requests
+        of streamers that stopped saying so."""
+        self.registry.heartbeat(
+            StreamerInfo(
+                streamer_id=self.consumer,
+                hostname=socket.gethostname(),
+                pid=os.getpid(),
+                started=self.started,
+                active_requests=len(self.tracked),
+            )
+        )
+        self.handoff.touch(self.consumer, [t.entry_id for t in self.tracked.values()])
+        min_idle = int(self.settings.streamer_takeover_s * 1000)
+        for entry_id, rid in self.handoff.take_over(self.consumer, min_idle):
+            if rid not in self.tracked:
+                self._adopt(entry_id, rid)
+
+    def _check_requests(self, now: float) -> None:
+        """Every tracked request's state, read in one round trip, then acted on."""
+        rids = list(self.tracked)
+        statuses = self.store.statuses(rids)
+        live = _LiveModels(self.workers)
+        endings: list[OutputEntry] = []
+        for rid, status in zip(rids, statuses, strict=True):
+            t = self.tracked[rid]
+            try:
+                ending = self._check(t, status, now, live)
+            except BACKBONE_ERRORS:
+                raise
+            except Exception:
+                logger.exception("request %s: watchdog failed on it; ending it", rid)
+                self.store.cancel(rid)
+                ending = self._fail(t, REQUEST_FAULT, 500)
+            if ending is not None:
+                endings.append(ending)
+        self._resend_queued = False
+        self.outputs.write([e for e in endings if e.events])
+        for e in endings:
+            t = self.tracked.get(e.request_id)
+            if t is not None:
+                self._end_failed(t)
+
+    def _check(
+        self, t: Tracked, status: RequestStatus | None, now: float, live: _LiveModels
+    ) -> OutputEntry | None:
+        """One request's watchdog step; an output entry when it ends here."""
+        rid = t.record.request_id
+        if status is None:
+            # Gone before its time: Redis lost it (a restart without persistence).
+            lost = now < t.record.created + self.settings.stream_ttl_s
+            return self._fail(t, LOST_MESSAGE, 503) if lost else self._fail(t, EXPIRED_MESSAGE, 504)
+        if status.claimed is not None and t.claimed_by_worker is None:
+            t.claimed_by_worker = status.claimed
+        if now > t.record.deadline:
+            self.store.cancel(rid)
+            return self._fail(t, DEADLINE_MESSAGE, 504)
+        if status.state is RequestState.RUNNING:
+            t.queued_since = None
+            return None if status.lease_alive else self._resume(t)
+        if status.state is RequestState.QUEUED:
+            return self._check_queued(t, status.attempt, now, live)
+        return self._finish_done(t)
+
+    def _check_queued(
+        self, t: Tracked, attempt: int, now: float, live: _LiveModels
+    ) -> OutputEntry | None:
+        """Fail a request no worker can serve; resend one left queued too long."""
+        t.queued_since = t.queued_since or now
+        model = t.record.model
+        if model in live.models():
+            t.no_worker_since = None
+        else:
+            t.no_worker_since = t.no_worker_since or now
+            if now - t.no_worker_since > self.settings.no_worker_timeout_s:
+                return self._fail(t, f"No worker is serving model {model!r}.", 503)
+        waited = now - max(t.queued_since, t.last_sent)
+        if self._resend_queued or waited > self.settings.requeue_after_s:
+            t.last_sent = now
+            send_generate(
+                self.celery, t.record.request_id, attempt, queue=t.record.queue, model=model
+            )
+        return None
+
+    def _resume(self, t: Tracked) -> OutputEntry | None:
         rid = t.record.request_id
         attempt = self.store.resume(rid)
         if attempt is None:
-            return
+            return None
         if attempt >= self.settings.max_attempts:
             self.store.cancel(rid)
-            failures.append(
-                self._fail(t, f"The request lost its worker {attempt} times; giving up.", 503)
-            )
-            return
+            return self._fail(t, f"The request lost its worker {attempt} times; giving up.", 503)
         logger.warning("request %s lost its worker; resuming as attempt %d", rid, attempt)
         t.last_sent = self.clock()
         send_generate(self.celery, rid, attempt, queue=t.record.queue, model=t.record.model)
+        return None
 
-    def _finish_done(self, t: Tracked, failures: list[OutputEntry]) -> None:
+    def _finish_done(self, t: Tracked) -> OutputEntry:
         """The worker side is done; drain what is left and close open choices."""
         rid = t.record.request_id
         events: list[OutputEvent] = []
@@ -339,16 +470,37 @@ class Streamer:
             # e.g. cancelled before any worker started it: nothing was generated.
             events += t.choices.finish_all(EngineFinish.CANCELLED)
         events.append(self._usage_event(t))
-        failures.append(OutputEntry(rid, events, t.cursor, first=not t.wrote_output))
+        return OutputEntry(rid, events, t.cursor, first=not t.wrote_output)
 
     def _fail(self, t: Tracked, message: str, code: int) -> OutputEntry:
-        events = t.choices.finish_all(EngineFinish.ERROR, message, code)
+        """End every open choice, then the request, with an error.
+
+        ``first`` (set the TTL) always: after Redis lost its data the output stream is
+        a new key, and setting a TTL again on an existing one is harmless."""
+        try:
+            events = t.choices.finish_all(EngineFinish.ERROR, message, code)
+        except Exception:  # a broken decoder still gets its request-level error
+            logger.exception("request %s: cannot close its choices", t.record.request_id)
+            events = []
         events.append(OutputEvent(OutputKind.ERROR, error=message, code=code))
-        return OutputEntry(t.record.request_id, events, t.cursor, first=not t.wrote_output)
+        return OutputEntry(t.record.request_id, events, t.cursor, first=True)
 
     def _end_failed(self, t: Tracked) -> None:
         self.handoff.ack(t.entry_id)
         self.tracked.pop(t.record.request_id, None)
+
+
+class _LiveModels:
+    """The models live workers serve, read from the registry at most once per watchdog."""
+
+    def __init__(self, workers: Any) -> None:
+        self._workers = workers
+        self._models: set[str] | None = None
+
+    def models(self) -> set[str]:
+        if self._models is None:
+            self._models = {w.model for w in self._workers.live()}
+        return self._models
 
 
 def _cmp_ids(a: str, b: str) -> int:

@@ -11,6 +11,7 @@ import pytest
 
 from app.messages import EngineFinish, StopConditions
 from app.records import RequestRecord
+from broker.celery_app import TaskOutcome
 from broker.requests import ClaimResult, RequestStore, lease_value
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
@@ -105,7 +106,7 @@ def test_only_the_engine_thread_calls_the_engine(
         t.join()
     assert all(h.wait(10) for h in handles)
     assert engine.callers == {"engine"}
-    assert all(h.summary["outcome"] == "done" for h in handles)
+    assert all(h.result is not None and h.result.outcome is TaskOutcome.DONE for h in handles)
     assert all(
         p.finish is EngineFinish.EOS for h in handles for p in store.progress(h.item.request_id, 1)
     )

@@ -8,10 +8,17 @@ import pytest
 import redis
 
 from app.messages import EngineFinish
-from app.settings import Settings
-from broker.celery_app import GENERATE_TASK, create_celery, queue_name, send_generate
-from broker.keys import Keys
 from app.records import RequestRecord, RequestState
+from app.settings import Settings
+from broker.celery_app import (
+    GENERATE_TASK,
+    GenerateResult,
+    TaskOutcome,
+    create_celery,
+    queue_name,
+    send_generate,
+)
+from broker.keys import Keys
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from tests.stack import isolated_settings, make_record, wait_for, worker_process
@@ -44,9 +51,11 @@ def test_echo_request_n2_and_list_of_prompts(
         progress = store.progress(rec.request_id, rec.num_choices)
         assert [p.token_ids for p in progress] == [[10, 11, 12, 2]] * 2 + [[20, 21, 2]] * 2
         assert all(p.finish is EngineFinish.EOS for p in progress)
-        result = create_celery(settings).AsyncResult(f"{rec.request_id}.0").get(timeout=10)
-        assert result["outcome"] == "done"
-        assert result["finish_reasons"] == {"0": "eos", "1": "eos", "2": "eos", "3": "eos"}
+        raw = create_celery(settings).AsyncResult(f"{rec.request_id}.0").get(timeout=10)
+        result = GenerateResult.decode(raw)
+        assert result.outcome is TaskOutcome.DONE
+        assert result.finish_reasons == {0: "eos", 1: "eos", 2: "eos", 3: "eos"}
+        assert result.completion_tokens == {0: 4, 1: 4, 2: 3, 3: 3}
 
 
 def test_max_tokens_and_redelivery_does_not_generate_twice(
@@ -67,7 +76,8 @@ def test_max_tokens_and_redelivery_does_not_generate_twice(
             args=[rec.request_id, 0],
             queue=queue_name("interactive", settings.served_name),
         )
-        assert again.get(timeout=20)["outcome"] == "done"
+        skipped = GenerateResult.decode(again.get(timeout=20))
+        assert (skipped.outcome, skipped.claim) == (TaskOutcome.SKIPPED, "done")
         assert store.read_tokens(rec.request_id) == entries
 
 
