@@ -147,13 +147,16 @@ def start_up(tmp_path: Path, models_dir: Path, *extra: str, **env: str) -> UpRun
 
 
 def get(url: str, auth: str | None = None) -> tuple[int, bytes]:
-    """(status, body) of a GET, with basic auth ``user:password`` when given."""
+    """(status, body) of a GET, with basic auth ``user:password`` when given; status 0
+    when nothing answers (e.g. while a server restarts)."""
     headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, str(exc).encode()
 
 
 def upload_file(api: str, content: bytes) -> str:

@@ -25,6 +25,7 @@ from tests.stack import wait_for
 from tests.upstack import (
     MODEL,
     UpRun,
+    get,
     in_time_wait,
     listed_files,
     pid_alive,
@@ -234,19 +235,23 @@ def restarted(run: UpRun, name: str, old_pid: int, timeout: float = 30) -> int:
     return pid
 
 
-def serves_again(api: str, text: str, timeout: float) -> float:
-    """Seconds until a chat request gets exactly ``text`` back (the echo engine)."""
-    started = time.monotonic()
+def serves_again(api: str, text: str, since: float, timeout: float) -> float:
+    """Seconds from ``since`` (the kill) until a chat request gets exactly ``text`` back."""
     last: object = None
-    while time.monotonic() - started < timeout:
+    while time.monotonic() - since < timeout:
         try:
             last = chat(api, text)
             if last == text:
-                return time.monotonic() - started
+                return round(time.monotonic() - since, 1)
         except openai.APIError as exc:  # 503 while a worker or streamer is missing
             last = exc
-        time.sleep(0.5)
-    raise AssertionError(f"not serving {timeout}s after the restart; last answer: {last!r}")
+        time.sleep(0.2)
+    raise AssertionError(f"not serving {timeout}s after the kill; last answer: {last!r}")
+
+
+def kill(pid: int) -> float:
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
 
 
 @pytest.mark.integration
@@ -260,38 +265,57 @@ def test_up_restarts_its_killed_children_and_serves_again(tmp_path: Path, models
         file_id = upload_file(urls["api"], b'{"custom_id": "kept"}\n')
 
         pids = run.recorded_pids()
+        recovery: dict[str, float] = {}
+        new: dict[str, int] = {}
         # The streamer: SIGKILLed, restarted, and the stack answers exactly again.
-        os.kill(pids["streamer"], signal.SIGKILL)
-        streamer = restarted(run, "streamer", pids["streamer"])
-        recovery = {"streamer": serves_again(urls["api"], "after the streamer", 30)}
+        killed = kill(pids["streamer"])
+        new["streamer"] = restarted(run, "streamer", pids["streamer"])
+        recovery["streamer"] = serves_again(urls["api"], "after the streamer", killed, 30)
+
+        # The worker (a Celery worker with its engine thread): the same.
+        killed = kill(pids["worker"])
+        new["worker"] = restarted(run, "worker", pids["worker"])
+        recovery["worker"] = serves_again(urls["api"], "after the worker", killed, 60)
 
         # The web server: its gunicorn master SIGKILLed; the workers it left holding the
         # port are swept up, and the new one binds the same port.
         web_group = group_members(pids["web"])
         assert len(web_group) >= 2, web_group  # master + its worker(s)
-        os.kill(pids["web"], signal.SIGKILL)
-        web = restarted(run, "web", pids["web"])
+        killed = kill(pids["web"])
+        new["web"] = restarted(run, "web", pids["web"])
         assert not any(pid_alive(pid) for pid in web_group), web_group
-        recovery["web"] = serves_again(urls["api"], "after the web server", 30)
+        recovery["web"] = serves_again(urls["api"], "after the web server", killed, 30)
 
         # The private Redis: restarted on the same port with its append-only file, so the
         # uploaded file is still there.
-        os.kill(pids["redis"], signal.SIGKILL)
-        redis_pid = restarted(run, "redis", pids["redis"])
-        recovery["redis"] = serves_again(urls["api"], "after redis", 60)
+        killed = kill(pids["redis"])
+        new["redis"] = restarted(run, "redis", pids["redis"])
+        recovery["redis"] = serves_again(urls["api"], "after redis", killed, 60)
         assert file_id in listed_files(urls["api"])
 
+        # Flower: back on the same port, with the same password.
+        killed = kill(pids["flower"])
+        new["flower"] = restarted(run, "flower", pids["flower"])
+        auth = run.flower_auth()
+        wait_for(lambda: get(urls["flower"] + "healthcheck", auth)[0] == 200, 30, "Flower")
+        recovery["flower"] = round(time.monotonic() - killed, 1)
+
         out = run.output()
-        for name, old in (("streamer", pids["streamer"]), ("web", pids["web"])):
-            assert f"{name} (pid {old}) exited unexpectedly (killed by SIGKILL); restarting" in out
         state = run.state()["children"]
-        assert state["streamer"]["restarts"] == 1
-        assert state["streamer"]["last_exit"] == "killed by SIGKILL"
+        for name, old in pids.items():
+            if name == "up":
+                continue
+            if name == "batcher":  # never killed
+                assert state[name]["restarts"] == 0 and state[name]["pid"] == old
+                continue
+            assert f"{name} (pid {old}) exited unexpectedly (killed by SIGKILL); restarting" in out
+            assert state[name]["restarts"] == 1
+            assert state[name]["last_exit"] == "killed by SIGKILL"
         print(f"recovery after SIGKILL (s): {recovery}")
 
         run.popen.send_signal(signal.SIGTERM)
         assert run.wait_exit(60) == 0, run.logs()
-        everything = {**run.recorded_pids(), "streamer": streamer, "web": web, "redis": redis_pid}
+        everything = {**pids, **{f"new {name}": pid for name, pid in new.items()}}
         alive = {name: pid for name, pid in everything.items() if pid_alive(pid)}
         assert not alive, f"left running: {alive}"
     finally:

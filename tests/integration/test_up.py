@@ -5,6 +5,7 @@ starts empty); a busy port fails fast. Children that die: tests/faults/test_up_s
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import sys
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types import Batch
 
 from broker.server import free_port
+from tests.stack import wait_for
 from tests.upstack import (
     MODEL,
     UpRun,
@@ -28,6 +31,12 @@ from tests.upstack import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BATCH_LINE = (
+    b'{"custom_id": "kept", "method": "POST", "url": "/v1/chat/completions", "body": '
+    b'{"model": "SmolLM2-135M-Instruct", '
+    b'"messages": [{"role": "user", "content": "kept across"}]}}\n'
+)
 
 
 def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
@@ -62,8 +71,12 @@ def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
         assert get(urls["flower"] + "api/workers", auth)[0] == 200
         assert get(urls["flower"] + "api/workers", "admin:wrong")[0] == 401
 
-        file_id = upload_file(urls["api"], b'{"custom_id": "kept"}\n')
+        # A file and a batch on it, then at once SIGTERM: both must outlive the stop.
+        file_id = upload_file(urls["api"], BATCH_LINE)
         assert file_id in listed_files(urls["api"])
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
 
         up.popen.send_signal(signal.SIGTERM)
         assert up.wait_exit(60) == 0, up.logs()
@@ -80,7 +93,21 @@ def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
         assert "Redis keeps the data of earlier runs" in up.output()
         assert file_id in listed_files(urls["api"])  # the private Redis kept its data
         status, content = get(f"{urls['api']}/files/{file_id}/content")
-        assert (status, content) == (200, b'{"custom_id": "kept"}\n')
+        assert (status, content) == (200, BATCH_LINE)
+        client = openai.OpenAI(base_url=urls["api"], api_key="unused", max_retries=0, timeout=30)
+
+        def batch_done() -> Batch | None:
+            found = client.batches.retrieve(batch.id)
+            return found if found.status in ("completed", "failed", "expired") else None
+
+        done = wait_for(batch_done, 60, "the batch to finish after the restart", interval=0.5)
+        assert isinstance(done, Batch) and done.status == "completed", done
+        assert done.output_file_id is not None
+        output = client.files.content(done.output_file_id).text.splitlines()
+        assert len(output) == 1, output
+        line = json.loads(output[0])
+        assert line["custom_id"] == "kept"
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == "kept across"
         up.popen.send_signal(signal.SIGTERM)
         assert up.wait_exit(60) == 0, up.logs()
 
