@@ -226,9 +226,6 @@ class Supervisor:
         self.on_change()
         return child
 
-    def children(self) -> list[Child]:
-        return [slot.child for slot in self.slots.values()]
-
     def poll(self) -> None:
         """Notice exits, start what is due; raises ``GiveUp`` when one must not restart."""
         now = self.clock()
@@ -263,7 +260,7 @@ class Supervisor:
         slot.restart_at = now + delay
         self.report(
             f"{slot.name} (pid {child.pid}) exited unexpectedly ({slot.last_exit}); "
-            f"restarting it in {delay:g} s (exit {len(slot.exits)} of at most "
+            f"restarting it in {delay:g} s (restart {len(slot.exits)} of at most "
             f"{self.policy.max_restarts} within {self.policy.window_s:g} s; log: {child.log})"
         )
 

@@ -129,7 +129,7 @@ def test_a_killed_child_is_restarted_after_a_backoff(
     assert sup.slots["streamer"].restarts == 1
     assert reports[0] == (
         f"streamer (pid {first.pid}) exited unexpectedly (killed by SIGKILL); restarting it "
-        f"in 0.1 s (exit 1 of at most 2 within 60 s; log: {first.log})"
+        f"in 0.1 s (restart 1 of at most 2 within 60 s; log: {first.log})"
     )
     assert reports[1] == f"streamer restarted (pid {second.pid})"
     wait_for(lambda: f"started {second.pid}" in second.log.read_text(), 5, "the restart to log")
