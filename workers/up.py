@@ -414,6 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         except (UpError, GiveUp, TimeoutError) as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            if isinstance(exc, GiveUp) and exc.slot.name == "redis":
+                aof = options.run_dir / REDIS_DIR / "appendonly.aof"
+                say(
+                    "if the Redis log says its append-only file is damaged (a crash of the "
+                    f"machine), repair it with `redis-check-aof --fix {aof}`, or start "
+                    "empty with --fresh"
+                )
             code = 1
         say("stopping everything it started ...")
         stack.stop()

@@ -141,3 +141,20 @@ def test_a_busy_port_fails_fast_and_starts_nothing(tmp_path: Path, models_dir: P
     assert f"port {port} for the web server is in use" in run.output()
     assert time.monotonic() - started < 30
     assert not run.state().get("children")
+
+
+def test_a_damaged_redis_file_is_a_clear_error(tmp_path: Path, models_dir: Path) -> None:
+    aof = tmp_path / "run" / "redis" / "appendonly.aof"
+    aof.parent.mkdir(parents=True)
+    aof.write_bytes(b"not an append-only file\r\n")
+    run = start_up(tmp_path, models_dir, "--max-restarts", "0")
+    try:
+        assert run.wait_exit(60) == 1
+    finally:
+        run.cleanup()
+    out = run.output()
+    assert "tokenrelay up: error: redis (pid " in out
+    assert "Bad file format reading the append only file" in out  # from its log
+    assert f"repair it with `redis-check-aof --fix {aof}`, or start empty with --fresh" in out
+    assert list(run.recorded_pids()) == ["redis", "up"]  # nothing else was started
+    assert not pid_alive(run.recorded_pids()["redis"])
