@@ -21,7 +21,6 @@ Results
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import InvalidRequest, PayloadTooLarge, error_body
+from app.lenient_json import loads_lenient
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -316,10 +316,10 @@ def _plan_line(
                 f"The request line is {len(raw)} bytes; the limit is {max_line_bytes}."
             )
         try:
-            # Repaired like an HTTP body (web.bodies): broken UTF-8 and raw control
-            # characters inside strings are kept as text, not rejected.
-            line = json.loads(raw.decode("utf-8", errors="replace"), strict=False)
-        except (json.JSONDecodeError, RecursionError) as exc:
+            # Repaired like an HTTP body: broken UTF-8, raw control characters inside
+            # strings and lone surrogates are kept as text, not rejected.
+            line = loads_lenient(raw)
+        except InvalidRequest as exc:
             raise InvalidRequest("The line is not valid JSON.", code="invalid_json") from exc
         if not isinstance(line, dict):
             raise InvalidRequest("The line must be a JSON object.", code="invalid_json")

@@ -64,17 +64,20 @@ def _byte_level_alphabet() -> dict[str, int]:
 class TokenTexts:
     """The text and raw bytes of single tokens, cached; shareable between choices.
 
-    A token's text is ``tokenizer.decode([id], skip_special_tokens=False)``, as vLLM
-    reports it in logprobs (a lone byte of a multi-byte character decodes to U+FFFD).
+    A token's text is ``tokenizer.decode([id], skip_special_tokens=...)`` with the
+    request's ``skip_special_tokens`` (true by default, as vLLM and the seed's top-logprob
+    repair do), so a special token such as EOS has the text ``""`` unless the client
+    asked for special tokens; a lone byte of a multi-byte character decodes to U+FFFD.
     Its bytes are the raw bytes it contributes to the output (for byte-level BPE and
     ``<0xNN>`` byte-fallback tokens), not the UTF-8 of U+FFFD, so a client can
     reassemble split characters as OpenAI's ``bytes`` field intends.
     """
 
-    __slots__ = ("_added", "_alphabet", "_cache", "_tokenizer")
+    __slots__ = ("_added", "_alphabet", "_cache", "_skip_special", "_tokenizer")
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._cache: dict[int, tuple[str, list[int]]] = {}
         self._added = frozenset(tokenizer.get_added_tokens_decoder())
         self._alphabet = (
@@ -95,7 +98,7 @@ class TokenTexts:
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)
         if hit is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._tokenizer.decode([token_id], skip_special_tokens=self._skip_special)
             hit = (text, self._raw_bytes(token_id, text))
             self._cache[token_id] = hit
         return hit
@@ -209,20 +212,31 @@ class Decoder:
             return ""
         text = ""
         n = self._n
+        min_tokens = self._min_tokens
         for token_id in token_ids:
+            # As backend.rs: "below" is decided before the token is counted, so tokens
+            # 1..min_tokens bypass every stop (EOS, stop ids, stop strings) and their text
+            # is released at once, never kept for matching; token min_tokens+1 is the
+            # first that can end the choice.
+            below = n < min_tokens
             n += 1
-            if token_id in self._stop_ids and n >= self._min_tokens:
+            if below:
+                chunk = self._stream_step(self._tokenizer, token_id)
+                if chunk:
+                    text += chunk
+            elif token_id in self._stop_ids:
                 self._n = n
                 return text + self._end(FinishReason.STOP, self._stop_ids[token_id])
-            chunk = self._stream_step(self._tokenizer, token_id)
-            if chunk:
-                if self._held or not self._first.isdisjoint(chunk):
-                    text += self._scan(chunk, n >= self._min_tokens)
-                    if self._done:
-                        self._n = n
-                        return text
-                else:
-                    text += chunk
+            else:
+                chunk = self._stream_step(self._tokenizer, token_id)
+                if chunk:
+                    if self._held or not self._first.isdisjoint(chunk):
+                        text += self._scan(chunk)
+                        if self._done:
+                            self._n = n
+                            return text
+                    else:
+                        text += chunk
             if n == self._max_tokens:
                 self._n = n
                 return text + self._end(FinishReason.LENGTH, None)
@@ -250,29 +264,33 @@ class Decoder:
         held, self._held = self._held, ""
         return held if self._hide else ""
 
-    def _scan(self, chunk: str, stops_apply: bool) -> str:
-        """Slow path: the chunk may complete or start a stop string."""
+    def _scan(self, chunk: str) -> str:
+        """Slow path: the chunk may complete or start a stop string.
+
+        Only text of tokens past ``min_tokens`` ever reaches here, so a stop string
+        never matches text that was released below ``min_tokens`` (as backend.rs,
+        whose jail only receives text once stops apply).
+        """
         held = self._held
         window = held + chunk
         start = len(held)
-        if stops_apply:
-            # A match that ended inside ``held`` was seen (and ignored) by an earlier
-            # call, so only matches ending in ``chunk`` count; the earliest end wins,
-            # then the earliest start (the longer stop string).
-            best_end = best_at = -1
-            best = ""
-            for s in self._stops:
-                at = window.find(s, max(start - len(s) + 1, 0))
-                if at >= 0:
-                    end = at + len(s)
-                    if best_end < 0 or end < best_end or (end == best_end and at < best_at):
-                        best_end, best_at, best = end, at, s
-            if best:
-                self._held = ""
-                self._done = True
-                self._finish_reason = FinishReason.STOP
-                self._stop_reason = best
-                return window[:best_at] if self._hide else window[start:best_end]
+        # A match ending inside ``held`` would have ended the choice already, so only
+        # matches ending in ``chunk`` are looked for; the earliest end wins, then the
+        # earliest start (the longer stop string).
+        best_end = best_at = -1
+        best = ""
+        for s in self._stops:
+            at = window.find(s, max(start - len(s) + 1, 0))
+            if at >= 0:
+                end = at + len(s)
+                if best_end < 0 or end < best_end or (end == best_end and at < best_at):
+                    best_end, best_at, best = end, at, s
+        if best:
+            self._held = ""
+            self._done = True
+            self._finish_reason = FinishReason.STOP
+            self._stop_reason = best
+            return window[:best_at] if self._hide else window[start:best_end]
         # The longest suffix that could still grow into a stop string.
         # (Checked with startswith rather than a set of all prefixes, which would take
         # memory quadratic in a stop string's length.)
@@ -323,7 +341,9 @@ class RequestDecoder:
             for prompt in prompts
             for _ in range(n)
         ]
-        self._texts = TokenTexts(tokenizer) if logprobs else None
+        self._texts = (
+            TokenTexts(tokenizer, skip_special_tokens=skip_special_tokens) if logprobs else None
+        )
         self._open = len(self._choices)
         self._prompt_tokens = sum(len(p) for p in prompts)
         self._cached_tokens: int | None = None

@@ -23,8 +23,10 @@ from app.response_models import (
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
+    Timings,
     Usage,
 )
+from app.timings import timings_from_usage
 
 FoldKind = Literal["chat", "completion"]
 
@@ -81,6 +83,7 @@ class ResponseFold:
         self.want_logprobs = logprobs
         self.choices = [_Choice() for _ in range(num_choices)]
         self.usage: Usage | None = None
+        self.timings: Timings | None = None  # llama.cpp's, from the usage event
         self.failure: FoldFailure | None = None
 
     @property
@@ -97,6 +100,7 @@ class ResponseFold:
     def feed(self, ev: OutputEvent) -> None:
         if ev.kind is OutputKind.USAGE:
             self.usage = usage_from_event(ev.usage)
+            self.timings = timings_from_usage(ev.usage)
             return
         if ev.kind is OutputKind.ERROR:
             if ev.choice is None:
@@ -140,6 +144,7 @@ class ResponseFold:
                     for i, c in enumerate(self.choices)
                 ],
                 usage=usage,
+                timings=self.timings,
             )
         return CompletionResponse(
             id=self.response_id,
@@ -160,4 +165,5 @@ class ResponseFold:
                 for i, c in enumerate(self.choices)
             ],
             usage=usage,
+            timings=self.timings,
         )

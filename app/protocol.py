@@ -81,28 +81,53 @@ def _short(value: Any) -> str | None:
     return None
 
 
-def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequest:
-    """The 400 for a request that failed validation (its first error, like OpenAI).
+def _join_path(param: str, subpath: str) -> str:
+    return param + subpath if subpath.startswith("[") or not param else f"{param}.{subpath}"
 
-    ``param`` is the offending field's path, e.g. ``"temperature"``,
-    ``"messages[0].role"``, ``"stream_options"``; ``None`` when the body itself is wrong.
+
+def _unknown_fields(errors: Iterable[Any]) -> list[str]:
+    """The paths of every unrecognized field, in the order pydantic found them."""
+    names: list[str] = []
+    for err in errors:
+        if err["type"] != "extra_forbidden":
+            continue
+        param = _format_loc(err["loc"])
+        ctx = err.get("ctx") or {}
+        subpaths = [ctx["subpath"], *ctx.get("also", ())] if ctx.get("subpath") else [""]
+        names += [_join_path(param, sub) if sub else param for sub in subpaths]
+    return [n for n in dict.fromkeys(names) if n]
+
+
+def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequest:
+    """The 400 for a request that failed validation.
+
+    Unrecognized fields come first and are all named in one message, so a client fixes
+    them in one round trip (``"Unrecognized request arguments supplied: a, b"``);
+    otherwise the first error is reported, like OpenAI. ``param`` is the offending
+    field's path, e.g. ``"temperature"``, ``"messages[0].role"``, ``"stream_options"``
+    (the first unknown field's); ``None`` when the body itself is wrong.
     """
     errors = exc.errors(include_url=False)
     if not errors:  # pragma: no cover - pydantic never raises an empty ValidationError
         return InvalidRequest("Invalid request.")
+    unknown = _unknown_fields(errors)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        return InvalidRequest(
+            f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
+            param=unknown[0],
+        )
     err = errors[0]
     param = _format_loc(err["loc"])
     ctx = err.get("ctx") or {}
     subpath = ctx.get("subpath")
     if subpath:
-        param = param + subpath if subpath.startswith("[") or not param else f"{param}.{subpath}"
+        param = _join_path(param, subpath)
     kind = err["type"]
     if kind == "invalid_request":
         message = err["msg"]
     elif not param:
         message = "The request body must be a JSON object."
-    elif kind == "extra_forbidden":
-        message = f"Unrecognized request argument supplied: {param}"
     elif kind == "missing":
         message = f"Missing required parameter: '{param}'."
     else:
@@ -150,6 +175,10 @@ class _GenerationRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    skip_special_tokens: bool = Field(
+        default=True,
+        description="vLLM's: leave special tokens (e.g. EOS) out of the text and logprobs.",
+    )
 
     @field_validator("n")
     @classmethod
@@ -260,6 +289,7 @@ class ChatMessage(_Request):
         if not isinstance(value, list):
             raise _invalid("Message content must be a string or a list of text parts.")
         parts = []
+        unknown: list[str] = []
         for i, part in enumerate(value):
             if not isinstance(part, dict):
                 raise _invalid(f"Content part {i} must be an object.", subpath=f"[{i}]")
@@ -269,17 +299,18 @@ class ChatMessage(_Request):
                     f"Content part type {kind!r} is not supported; only 'text' parts are.",
                     subpath=f"[{i}].type",
                 )
-            extra = sorted(set(part) - {"type", "text"})
-            if extra:
-                raise PydanticCustomError(
-                    "extra_forbidden",
-                    "Extra inputs are not permitted",
-                    {"subpath": f"[{i}].{extra[0]}"},
-                )
+            unknown += [f"[{i}].{name}" for name in part if name not in ("type", "text")]
             text = part.get("text")
             if not isinstance(text, str):
                 raise _invalid(f"Content part {i} needs a string 'text'.", subpath=f"[{i}].text")
             parts.append(TextContentPart(type="text", text=text))
+        if unknown:
+            # One error naming every unknown key ("also"), so the 400 can list them all.
+            raise PydanticCustomError(
+                "extra_forbidden",
+                "Extra inputs are not permitted",
+                {"subpath": unknown[0], "also": tuple(unknown[1:])},
+            )
         return parts
 
     @model_validator(mode="after")

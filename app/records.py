@@ -196,6 +196,7 @@ class RecordBuilder:
             sampling=to_sampling_params(req),
             stop=stop,
             echo_ids=echo_ids,
+            skip_special_tokens=req.skip_special_tokens,
             created=now,
             deadline=now + self.request_timeout_s,
             queue=queue,

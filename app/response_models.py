@@ -80,7 +80,11 @@ class ChatLogprobToken(_Response):
 
 
 class ChatChoiceLogprobs(_Response):
+    """Chat ``logprobs``: ``refusal`` is always null here (no refusals), but OpenAI
+    sends it and clients generated from its schema require it."""
+
     content: list[ChatLogprobToken] | None = None
+    refusal: list[ChatLogprobToken] | None = None
 
     @classmethod
     def from_entries(cls, entries: Iterable[LogprobEntry]) -> ChatChoiceLogprobs:
@@ -101,8 +105,11 @@ class ChatChoiceLogprobs(_Response):
 
 
 class ChatResponseMessage(_Response):
+    """``refusal`` is always sent (null): OpenAI's schema marks it required."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -113,20 +120,62 @@ class ChatCompletionChoice(_Response):
     stop_reason: int | str | None = None
 
 
+class Timings(_Response):
+    """Where a request's time went, with llama.cpp server's names (its users read them).
+
+    ``prompt_n`` counts the prompt tokens the engine processed (without the ones reused
+    from its prefix cache, ``cache_n``), ``predicted_n`` the completion tokens (the
+    usage's ``completion_tokens``). ``prompt_ms`` is the time from a worker taking the
+    request to the first token; ``predicted_ms`` from the first token to the end;
+    ``queue_ms`` from arrival to a worker taking it; ``ttft_ms`` from arrival to the
+    first token. A time that was not measured (no token came) is null, and so is a
+    rate over it.
+    """
+
+    prompt_n: int = 0
+    prompt_ms: float | None = None
+    prompt_per_token_ms: float | None = None
+    prompt_per_second: float | None = None
+    predicted_n: int = 0
+    predicted_ms: float | None = None
+    predicted_per_token_ms: float | None = None
+    predicted_per_second: float | None = None
+    cache_n: int = 0
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+
+
 class ChatCompletionResponse(_Response):
+    _omit_if_none = frozenset({"timings"})
+
     id: str = Field(default_factory=new_chat_completion_id)
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    timings: Timings | None = None
 
 
 class ChatDelta(_Response):
-    _omit_if_none = frozenset({"role", "content"})
+    """A chunk's delta. As OpenAI's stream: the role chunk carries ``refusal: null``
+    (``{"role": "assistant", "content": "", "refusal": null}``); content deltas carry
+    only ``content``."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    refusal: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("content", 0) is None:
+            del data["content"]
+        if data.get("role", 0) is None:
+            del data["role"]
+            if data.get("refusal", 0) is None:
+                del data["refusal"]
+        return data
 
 
 class ChatCompletionChunkChoice(_Response):
@@ -138,9 +187,10 @@ class ChatCompletionChunkChoice(_Response):
 
 
 class ChatCompletionChunk(_Response):
-    """One SSE event of a streamed chat completion (the usage chunk has no choices)."""
+    """One SSE event of a streamed chat completion (the usage chunk has no choices;
+    it carries ``timings`` too)."""
 
-    _omit_if_none = frozenset({"usage"})
+    _omit_if_none = frozenset({"usage", "timings"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -148,6 +198,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatCompletionChunkChoice] = Field(default_factory=list)
     usage: Usage | None = None
+    timings: Timings | None = None
 
 
 class CompletionLogprobs(_Response):
@@ -179,18 +230,21 @@ class CompletionChoice(_Response):
 
 
 class CompletionResponse(_Response):
+    _omit_if_none = frozenset({"timings"})
+
     id: str = Field(default_factory=new_completion_id)
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    timings: Timings | None = None
 
 
 class CompletionChunk(_Response):
     """One SSE event of a streamed text completion (OpenAI keeps the same ``object``)."""
 
-    _omit_if_none = frozenset({"usage"})
+    _omit_if_none = frozenset({"usage", "timings"})
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -198,6 +252,7 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice] = Field(default_factory=list)
     usage: Usage | None = None
+    timings: Timings | None = None
 
 
 class ModelObject(_Response):

@@ -83,42 +83,84 @@ def test_request_never_emits_an_empty_delta(smollm_tokenizer: Tokenizer) -> None
     assert [e.text for e in events] == ["Hi", " 😀"]
 
 
-# 2. min_tokens
+# 2. min_tokens (as backend.rs: "below" is decided before the token is counted, so
+# tokens 1..min_tokens bypass every stop and token min_tokens+1 is the first that stops)
 
 
-def test_stop_string_applies_only_from_min_tokens(smollm_tokenizer: Tokenizer) -> None:
+def test_stop_string_applies_from_the_token_after_min_tokens(
+    smollm_tokenizer: Tokenizer,
+) -> None:
     ids = ids_of(smollm_tokenizer, "a b a b a b a b")  # one token per letter
+    assert len(ids) == 8
     results = {}
-    for min_tokens in (0, 4, 5):
+    for min_tokens in (0, 1, 2, 3, 4, 5):
         dec = new_decoder(smollm_tokenizer, StopConditions(stop=("b",), min_tokens=min_tokens))
         results[min_tokens] = ("".join(one_by_one(dec, ids)), dec.completion_tokens)
         assert dec.stop_reason == "b"
-    assert results == {0: ("a ", 2), 4: ("a b a ", 4), 5: ("a b a b a ", 6)}
+    assert results == {
+        0: ("a ", 2),
+        1: ("a ", 2),  # token 2 is the first that can stop
+        2: ("a b a ", 4),
+        3: ("a b a ", 4),
+        4: ("a b a b a ", 6),  # the " b" of token 4 bypasses the stop
+        5: ("a b a b a ", 6),
+    }
 
 
-def test_stop_string_may_start_before_min_tokens(smollm_tokenizer: Tokenizer) -> None:
-    ids = ids_of(smollm_tokenizer, "a b a b a b a b")
-    dec = new_decoder(smollm_tokenizer, StopConditions(stop=("a b a",), min_tokens=3))
-    assert "".join(one_by_one(dec, ids)) == ""
-    assert dec.completion_tokens == 3
-    # Completed by token 3 < min_tokens: ignored; the next match starts at token 3.
-    dec = new_decoder(smollm_tokenizer, StopConditions(stop=("a b a",), min_tokens=4))
-    assert "".join(one_by_one(dec, ids)) == "a b "
-    assert dec.completion_tokens == 5
-
-
-@pytest.mark.parametrize(("skip", "expected"), [(True, "Hello world"), (False, None)])
-def test_eos_before_min_tokens_is_just_a_token(
-    smollm_tokenizer: Tokenizer, skip: bool, expected: str | None
+@pytest.mark.parametrize(
+    ("min_tokens", "hide", "expected", "tokens"),
+    [
+        (0, True, "", 3),
+        (2, True, "a b ", 5),
+        # "a b a" is completed by token 3, but tokens 1..3 bypass the stop and their
+        # text never becomes part of a match: the next match is tokens 5..7.
+        (3, True, "a b a b ", 7),
+        (4, True, "a b a b ", 7),
+        (3, False, "a b a b a b a", 7),
+    ],
+)
+def test_text_up_to_min_tokens_is_never_part_of_a_stop_string(
+    smollm_tokenizer: Tokenizer, min_tokens: int, hide: bool, expected: str, tokens: int
 ) -> None:
-    ids = [*ids_of(smollm_tokenizer, "Hello"), EOS, *ids_of(smollm_tokenizer, " world"), EOS]
+    ids = ids_of(smollm_tokenizer, "a b a b a b a b")
+    stop = StopConditions(
+        stop=("a b a",), min_tokens=min_tokens, include_stop_str_in_output=not hide
+    )
+    dec = new_decoder(smollm_tokenizer, stop)
+    assert "".join(one_by_one(dec, ids)) == expected
+    assert (dec.completion_tokens, dec.stop_reason) == (tokens, "a b a")
+
+
+def test_text_up_to_min_tokens_is_released_at_once(smollm_tokenizer: Tokenizer) -> None:
+    ids = ids_of(smollm_tokenizer, "a b a b")
+    # Without min_tokens "a" is withheld: it could become "a b a".
+    dec = new_decoder(smollm_tokenizer, StopConditions(stop=("a b a",)))
+    assert one_by_one(dec, ids[:2]) == ["", ""]
+    dec = new_decoder(smollm_tokenizer, StopConditions(stop=("a b a",), min_tokens=2))
+    assert one_by_one(dec, ids) == ["a", " b", " ", ""]
+    assert dec.finish(EngineFinish.LENGTH) == "a b"  # withheld from token 3 on
+    assert dec.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(("skip", "shown"), [(True, ""), (False, "<|im_end|>")])
+def test_eos_and_stop_ids_up_to_min_tokens_are_just_tokens(
+    smollm_tokenizer: Tokenizer, skip: bool, shown: str
+) -> None:
+    hello, world = ids_of(smollm_tokenizer, "Hello"), ids_of(smollm_tokenizer, " world")
+    assert len(hello) == len(world) == 1
+    ids = [*hello, EOS, *world, EOS, *world]
+    # EOS is also a user stop id here: the user's id is reported when it stops.
     stop = StopConditions(eos_token_ids=(EOS,), stop_token_ids=(EOS,), min_tokens=4)
     dec = new_decoder(smollm_tokenizer, stop, skip_special_tokens=skip)
-    text = "".join(one_by_one(dec, ids))
-    assert text == (expected or "Hello<|im_end|> world")
+    # Token 4 (an EOS) is still below min_tokens=4: it is text, and the choice goes on.
+    assert "".join(one_by_one(dec, ids)) == f"Hello{shown} world{shown} world"
+    assert not dec.done and dec.completion_tokens == 5
+    stop = StopConditions(eos_token_ids=(EOS,), stop_token_ids=(EOS,), min_tokens=3)
+    dec = new_decoder(smollm_tokenizer, stop, skip_special_tokens=skip)
+    assert "".join(one_by_one(dec, ids)) == f"Hello{shown} world"
     assert (dec.finish_reason, dec.stop_reason, dec.completion_tokens) == (
         FinishReason.STOP,
-        EOS,  # the user's id is reported even when it is also an EOS id
+        EOS,
         4,
     )
 
@@ -359,9 +401,9 @@ def test_logprobs_align_with_tokens_and_carry_raw_bytes(smollm_tokenizer: Tokeni
     entries = [entry for e in deltas for entry in e.logprobs or []]
     assert [e.token_id for e in entries] == ids
     assert [e.text for e in entries] == [
-        smollm_tokenizer.decode([i], skip_special_tokens=False) for i in ids
+        smollm_tokenizer.decode([i], skip_special_tokens=True) for i in ids
     ]
-    assert entries[-1].text == "<|im_end|>"
+    assert (entries[-1].text, entries[-1].bytes) == ("", [])  # skip_special_tokens
     assert entries[2].text.endswith("\ufffd")
     assert b"".join(bytes(e.bytes) for e in entries[2:5]) == " 🍕".encode()
     assert all(e.top[1] == ("Hello", -2.0) for e in entries)
@@ -402,10 +444,37 @@ def test_misaligned_logprobs_are_rejected(smollm_tokenizer: Tokenizer) -> None:
 
 
 def test_token_texts_of_special_and_unknown_ids(smollm_tokenizer: Tokenizer) -> None:
-    texts = TokenTexts(smollm_tokenizer)
+    texts = TokenTexts(smollm_tokenizer, skip_special_tokens=False)
     assert (texts.text(EOS), texts.bytes(EOS)) == ("<|im_end|>", list(b"<|im_end|>"))
     space = ids_of(smollm_tokenizer, " world")[0]
     assert texts.bytes(space) == list(b" world")
+    skipping = TokenTexts(smollm_tokenizer)  # vLLM's default: skip_special_tokens=True
+    assert (skipping.text(EOS), skipping.bytes(EOS)) == ("", [])
+    assert skipping.text(space) == " world"
+
+
+@pytest.mark.parametrize(("skip", "eos_text"), [(True, ""), (False, "<|im_end|>")])
+def test_skip_special_tokens_applies_to_text_and_logprob_text(
+    smollm_tokenizer: Tokenizer, skip: bool, eos_text: str
+) -> None:
+    """The request's ``skip_special_tokens`` governs the text, the logprob entries' text
+    and the top-logprob candidates' text alike (as vLLM and the seed)."""
+    hello = ids_of(smollm_tokenizer, "Hello")[0]
+    ids = [hello, EOS, hello]
+    req = RequestDecoder(
+        smollm_tokenizer,
+        prompt_ids(smollm_tokenizer),
+        StopConditions(eos_token_ids=(EOS,), min_tokens=3),  # EOS at token 2 is text
+        skip_special_tokens=skip,
+        logprobs=True,
+    )
+    events = req.feed(TokenDelta(0, ids, logprobs=[lp(i, [(EOS, -1.0)]) for i in ids]))
+    (delta,) = events
+    assert delta.text == f"Hello{eos_text}Hello"
+    entries = delta.logprobs or []
+    assert [e.text for e in entries] == ["Hello", eos_text, "Hello"]
+    assert entries[1].bytes == list(eos_text.encode())
+    assert all(e.top == [(eos_text, -1.0)] for e in entries)
 
 
 # 7. Choices and request completion

@@ -1,9 +1,9 @@
 """Property test: the Decoder's streamed text equals the reference definition.
 
-Reference: in the full decoded text, for each stop string ``s`` take its first
-occurrence ``[i_s, e_s)`` that is completed by the ``min_tokens``-th token or a later
-one; the winner is the least ``(e_s, i_s)``; the output is ``text[:i_s]`` for hidden
-stops and ``text[:e_s]`` for visible ones, or the whole text when nothing matches.
+Reference: the text of tokens 1..``min_tokens`` bypasses the stops (as backend.rs); in
+the rest of the full decoded text, for each stop string ``s`` take its first occurrence
+``[i_s, e_s)``; the winner is the least ``(e_s, i_s)``; the output is ``text[:i_s]`` for
+hidden stops and ``text[:e_s]`` for visible ones, or the whole text when nothing matches.
 """
 
 from __future__ import annotations
@@ -42,14 +42,13 @@ def reference(
     text: str, lengths: list[int], stops: list[str], hide: bool, min_tokens: int
 ) -> tuple[str, str | None, int]:
     """Expected (output, stop_reason, completion_tokens), by brute force on the full text."""
-    before = min(max(min_tokens - 1, 0), len(lengths))  # tokens before the min_tokens-th
-    floor = lengths[before - 1] if before else 0
+    floor = bypassed_chars(lengths, min_tokens, len(lengths))
     best: tuple[int, int, str] | None = None
     for s in stops:
         if not s:
             continue
-        for i in range(len(text) - len(s) + 1):
-            if text.startswith(s, i) and i + len(s) > floor:
+        for i in range(floor, len(text) - len(s) + 1):
+            if text.startswith(s, i):
                 if best is None or (i + len(s), i) < best[:2]:
                     best = (i + len(s), i, s)
                 break
@@ -58,6 +57,13 @@ def reference(
     end, start, s = best
     # The completing token is the first one after which the text reaches ``end``.
     return (text[:start] if hide else text[:end]), s, bisect_left(lengths, end) + 1
+
+
+def bypassed_chars(lengths: list[int], min_tokens: int, accepted: int) -> int:
+    """How much of the text came from tokens 1..min_tokens (of ``accepted`` tokens):
+    released at once, and never part of a stop string."""
+    bypassed = min(min_tokens, accepted)
+    return lengths[bypassed - 1] if bypassed else 0
 
 
 def longest_pending_prefix(text: str, stops: list[str]) -> int:
@@ -105,6 +111,7 @@ def test_streamed_text_equals_reference(
         stop=tuple(stops), include_stop_str_in_output=not hide, min_tokens=min_tokens
     )
     dec = Decoder(tok, prompt, stop)
+    lengths = [len(t) for t in so_far]
     released = ""
     live = [s for s in stops if s]
     for step in steps:
@@ -112,13 +119,14 @@ def test_streamed_text_equals_reference(
         if dec.done:
             break
         decoded = so_far[dec.completion_tokens - 1] if dec.completion_tokens else ""
-        # Never ahead of the text, and only what could still become a stop is withheld.
-        held = longest_pending_prefix(decoded, live) if hide else 0
+        # Never ahead of the text, and only what could still become a stop is withheld
+        # (never text of tokens 1..min_tokens).
+        floor = bypassed_chars(lengths, min_tokens, dec.completion_tokens)
+        held = longest_pending_prefix(decoded[floor:], live) if hide else 0
         assert released == decoded[: len(decoded) - held]
     if not dec.done:
         released += dec.finish(EngineFinish.LENGTH)
 
-    lengths = [len(t) for t in so_far]
     expected, reason, tokens = reference(text, lengths, stops, hide, min_tokens)
     event(f"stopped by a stop string: {reason is not None}, hidden: {hide}")
     event(f"steps: {min(len(steps), 3)}{'+' if len(steps) > 3 else ''}")

@@ -132,6 +132,59 @@ def test_unknown_nested_field_names_its_path() -> None:
     assert err.param == "stream_options.continuous"
 
 
+def test_every_unknown_field_is_named_in_one_message() -> None:
+    err = chat_field_error(foo=1, bar=2, temperature=0.5)
+    assert err.message == "Unrecognized request arguments supplied: foo, bar"
+    assert (err.param, err.status) == ("foo", 400)
+    err = completion_error(messages=MESSAGES, zap=True)
+    assert err.message == "Unrecognized request arguments supplied: messages, zap"
+
+
+def test_unknown_fields_are_named_before_other_errors() -> None:
+    err = chat_error(
+        {
+            "messages": [
+                {"role": "user", "content": "x", "foo": 1},
+                {"role": "user", "content": [{"type": "text", "text": "y", "a": 1, "b": 2}]},
+            ],
+            "temperature": 9,
+            "stream": True,
+            "stream_options": {"continuous": True},
+            "zap": 1,
+        }
+    )
+    assert err.message.startswith("Unrecognized request arguments supplied: ")
+    named = err.message.removeprefix("Unrecognized request arguments supplied: ").split(", ")
+    assert sorted(named) == sorted(
+        [
+            "messages[0].foo",
+            "messages[1].content[0].a",
+            "messages[1].content[0].b",
+            "stream_options.continuous",
+            "zap",
+        ]
+    )
+    assert err.param == named[0]
+
+
+def test_unknown_keys_of_every_content_part_are_named() -> None:
+    parts = [{"type": "text", "text": "a", "x": 1}, {"type": "text", "text": "b", "y": 2}]
+    err = chat_error({"messages": [{"role": "user", "content": parts}]})
+    assert err.message == (
+        "Unrecognized request arguments supplied: messages[0].content[0].x, "
+        "messages[0].content[1].y"
+    )
+    assert err.param == "messages[0].content[0].x"
+
+
+def test_skip_special_tokens_is_accepted_on_both_endpoints() -> None:
+    assert chat().skip_special_tokens is True  # vLLM's default
+    assert chat(skip_special_tokens=False).skip_special_tokens is False
+    assert completion(skip_special_tokens=False).skip_special_tokens is False
+    assert completion().skip_special_tokens is True
+    assert chat_field_error(skip_special_tokens="maybe").param == "skip_special_tokens"
+
+
 def test_body_must_be_an_object() -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_chat_request([1, 2])
@@ -599,7 +652,7 @@ def test_chat_completion_response_dump() -> None:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "Hello there!"},
+                "message": {"role": "assistant", "content": "Hello there!", "refusal": None},
                 "logprobs": None,
                 "finish_reason": "stop",
                 "stop_reason": None,
@@ -645,7 +698,8 @@ def test_chat_response_with_logprobs_and_cached_tokens() -> None:
                     {"token": "Hello", "logprob": -0.31, "bytes": [72, 101, 108, 108, 111]}
                 ],
             }
-        ]
+        ],
+        "refusal": None,
     }
     assert body["choices"][0]["stop_reason"] == "END"
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
@@ -686,7 +740,11 @@ def test_chat_chunks_dump() -> None:
             "stop_reason": None,
         }
 
-    assert role.to_dict() == {**base, "choices": [choice({"role": "assistant", "content": ""})]}
+    # As OpenAI sends them: "refusal": null on the role chunk, content-only deltas after.
+    assert role.to_dict() == {
+        **base,
+        "choices": [choice({"role": "assistant", "content": "", "refusal": None})],
+    }
     assert delta.to_dict() == {**base, "choices": [choice({"content": "Hi"})]}
     assert final.to_dict() == {**base, "choices": [choice({}, "length")]}
     assert usage.to_dict() == {
@@ -886,6 +944,7 @@ VLLM_EXTENSIONS = {
     "top_k",
     "min_p",
     "repetition_penalty",
+    "skip_special_tokens",
 }
 
 

@@ -148,7 +148,11 @@ def test_fifty_lines_one_invalid(client: openai.OpenAI, stack: Stack) -> None:
         assert body["object"] == "chat.completion" and body["model"] == model
         choice = body["choices"][0]
         # The echo engine answers with the last user message.
-        assert choice["message"] == {"role": "assistant", "content": texts[o["custom_id"]]}
+        assert choice["message"] == {
+            "role": "assistant",
+            "content": texts[o["custom_id"]],
+            "refusal": None,
+        }
         assert choice["finish_reason"] == "stop"
         assert body["usage"]["completion_tokens"] > 0
 

@@ -67,7 +67,11 @@ def test_sse_framing_and_headers(stack: Stack) -> None:
     assert resp.headers["Cache-Control"] == "no-cache"
     assert re.fullmatch(r"[0-9a-f]{32}", resp.headers["x-request-id"])
     chunks = read_sse(resp)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "",
+        "refusal": None,
+    }
     assert chunks[0]["id"] == "chatcmpl-" + resp.headers["x-request-id"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
     assert set(chunks[-1]["usage"]) <= {

@@ -86,7 +86,7 @@ def test_non_streaming_chat_folds_the_output(
     assert body["choices"] == [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "Hello"},
+            "message": {"role": "assistant", "content": "Hello", "refusal": None},
             "logprobs": None,
             "finish_reason": "stop",
             "stop_reason": "\n",
@@ -121,7 +121,7 @@ def test_stream_framing_roles_deltas_finals_usage_done(
     assert roles == [
         {
             "index": i,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": "assistant", "content": "", "refusal": None},
             "logprobs": None,
             "finish_reason": None,
             "stop_reason": None,
