@@ -78,22 +78,36 @@ def create_celery(settings: Settings, model: str | None = None) -> Celery:
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
-        # Long GPU jobs: one message per free thread, acknowledged after the job ends,
-        # so a dead worker's message is redelivered (our lease fencing makes the
-        # redelivery a no-op when the request was already resumed elsewhere).
+        # Long GPU jobs: one message per free thread. Late acks keep a busy worker from
+        # holding messages it cannot start yet (an unacknowledged message counts against
+        # the prefetch of one per thread), so an idle worker gets them instead.
         worker_prefetch_multiplier=1,
         task_acks_late=True,
-        task_reject_on_worker_lost=True,
         task_track_started=True,
         worker_send_task_events=True,
         task_send_sent_event=True,
         result_expires=settings.stream_ttl_s,
+        # Survive the broker: reconnect forever at start and after a loss; running tasks
+        # go on (their engine thread publishes through its own Redis client).
         broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        # A result that cannot be stored (Redis away when the task ends) is retried a
+        # little, then dropped: results are for Flower; the record is the truth.
+        result_backend_always_retry=True,
+        result_backend_max_retries=10,
+        result_backend_max_sleep_between_retries_ms=2000,
         broker_transport_options={
-            # Longer than any job: the lease, not the visibility timeout, drives resume.
-            "visibility_timeout": int(settings.request_timeout_s) + 600,
+            # No ack emulation: kombu's copy of every delivered message (the "unacked"
+            # hash, restored after a visibility timeout) duplicates what the lease does
+            # better (a lost request resumes within seconds, see docs/architecture.md
+            # "The lease is the fence"), and its restore on a lost connection builds a
+            # client from a connection already closed and kills the worker
+            # (AttributeError in kombu's redis ``_connparams``; docs/reliability.md).
+            # Without it a message is Redis's until BRPOP and the worker's after; a
+            # message a worker drops is sent again by the streamers' watchdog.
+            "ack_emulation": False,
             "queue_order_strategy": "priority",
-            "unacked_restore_interval": 30,
             **redis_conn.broker_transport_options,
         },
         result_backend_transport_options=redis_conn.backend_transport_options,

@@ -101,7 +101,7 @@ class EngineThread(threading.Thread):
         self._active: dict[str, _Active] = {}
         self._job_owner: dict[str, str] = {}
         self._stopping = threading.Event()
-        self._publish_backoff = Backoff(initial_s=0.05, max_s=2.0)
+        self._publish_backoff = Backoff(initial_s=0.05, max_s=1.0)
         self.steps = 0
         self.tokens_total = 0  # token ids produced (monitoring: rate() gives tokens/s)
         self.batch_size = 0  # choices running at the last step

@@ -145,7 +145,7 @@ class Streamer:
         self._last_heartbeat = 0.0
         self._set_up = False  # hand-off group ensured since the last outage
         self._resend_queued = False  # after an outage: resend queued requests at once
-        self._outage = Backoff(initial_s=0.1, max_s=2.0)
+        self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
         self.stopping = threading.Event()

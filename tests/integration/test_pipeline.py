@@ -7,119 +7,27 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from tokenizers import Tokenizer
 
-from app.messages import (
-    EngineFinish,
-    FinishReason,
-    OutputEvent,
-    OutputKind,
-)
+from app.messages import EngineFinish, FinishReason, OutputEvent
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
-from broker.celery_app import create_celery
-from broker.keys import Keys
-from app.records import RequestRecord
-from broker.requests import RequestStore
 from broker.server import RedisServer
-from broker.streams import GROUP, OutputStreams
+from broker.streams import GROUP
+from tests.pipeline import EOS, TEXT, Client, collect, reference
 from tests.stack import isolated_settings, make_record, streamer_process, wait_for, worker_process
-from workers.engines.base import ChoiceJob, EngineJob
-from workers.engines.echo import EchoEngine
-from workers.streamer import request_decoder
 
 pytestmark = pytest.mark.integration
-
-EOS = 2
-
-
-@dataclass
-class Result:
-    texts: dict[int, str] = field(default_factory=dict)
-    finals: dict[int, OutputEvent] = field(default_factory=dict)
-    usage: dict[str, Any] | None = None
-    errors: list[OutputEvent] = field(default_factory=list)
-    deltas: int = 0
-
-
-def collect(events: Iterator[OutputEvent]) -> Result:
-    r = Result()
-    for ev in events:
-        if ev.kind is OutputKind.DELTA:
-            assert ev.choice is not None and ev.choice not in r.finals
-            r.texts[ev.choice] = r.texts.get(ev.choice, "") + ev.text
-            r.deltas += 1
-        elif ev.kind is OutputKind.FINAL:
-            assert ev.choice is not None and ev.choice not in r.finals
-            r.finals[ev.choice] = ev
-        elif ev.kind is OutputKind.USAGE:
-            r.usage = ev.usage
-        else:
-            r.errors.append(ev)
-    return r
-
-
-def reference(tokenizer: Tokenizer, record: RequestRecord) -> Result:
-    """The echo engine run in-process, then the Decoder alone on its ids."""
-    engine = EchoEngine()
-    for p, prompt in enumerate(record.prompts):
-        engine.submit(
-            EngineJob(
-                job_id=str(p),
-                prompt_ids=prompt,
-                choices=[ChoiceJob(p * record.n + i, record.max_tokens) for i in range(record.n)],
-                eos_token_ids=frozenset(
-                    () if record.stop.ignore_eos else record.stop.eos_token_ids
-                ),
-                stop_token_ids=frozenset(record.stop.stop_token_ids),
-                min_tokens=record.stop.min_tokens,
-            )
-        )
-    decoders = request_decoder(tokenizer, record)
-    events: list[OutputEvent] = []
-    while engine.has_work():
-        for s in engine.step():
-            events += decoders.feed(s.delta)
-    result = collect(iter(events))
-    result.usage = decoders.usage
-    return result
 
 
 @pytest.fixture(scope="module")
 def tokenizer(models_dir: Path) -> Tokenizer:
     return load_tokenizer(load_model_card(models_dir / "SmolLM2-135M-Instruct"))
 
-
-class Client:
-    """Writes requests the way the web tier does and reads their output streams."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        client = redis.Redis.from_url(settings.redis_url)
-        self.redis = client
-        self.store = RequestStore(client, Keys(settings.key_prefix))
-        self.outputs = OutputStreams(client, Keys(settings.key_prefix))
-        self.celery = create_celery(settings)
-
-    def submit(self, record: RequestRecord) -> None:
-        self.store.submit(record, self.celery)
-
-    def events(self, rid: str, timeout_s: float = 30) -> Iterator[OutputEvent]:
-        for _eid, ev in self.outputs.follow(rid, timeout_s=timeout_s):
-            yield ev
-
-    def run(self, record: RequestRecord, timeout_s: float = 30) -> Result:
-        self.submit(record)
-        return collect(self.events(record.request_id, timeout_s))
-
-
-TEXT = "The quick brown fox 🦊 jumps over the lazy dog; 東京 is far. END of story, friend."
 
 STOP_CASES: dict[str, dict[str, Any]] = {
     "stop_string": {"stop": ("lazy",)},

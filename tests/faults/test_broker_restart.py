@@ -1,0 +1,137 @@
+"""Redis SIGKILLed mid-stream and restarted on the same port, under real processes: two
+Celery workers (echo engine at a finite rate, so tasks are running and their messages
+unacknowledged) and two streamers. With AOF (as compose runs Redis) and without
+persistence (as a throwaway Redis).
+
+What must hold, whatever Redis does: no worker or streamer process exits; every
+in-flight request either finishes with exactly the text the echo engine produces or
+ends with a clear error event (and no text that is not a prefix of the right one); none
+is left hanging more than 10 s after Redis is back; a new request succeeds within 10 s
+of Redis being back. Each case prints its tally and the recovery time (seconds from
+Redis back to the first new request finished)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from app.records import RequestRecord
+from app.settings import Settings
+from broker.server import RedisServer
+from tests.pipeline import TEXT, Client, OutageReader, classify, reference
+from tests.stack import (
+    Proc,
+    isolated_settings,
+    make_record,
+    streamer_process,
+    worker_process,
+)
+
+pytestmark = pytest.mark.integration
+
+RATE = 15.0  # echo tokens per second per choice: each request streams for ~2 s
+IN_FLIGHT = 6
+OUTAGE_S = 2.0
+BACK_WITHIN_S = 10.0
+
+
+def submit_until_accepted(client: Client, record: RequestRecord, timeout: float) -> None:
+    """Submit as the web tier would, retrying while Redis still refuses."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.submit(record)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def log_lines(procs: list[Proc]) -> dict[int, int]:
+    return {p.pid: len(p.log.read_text(errors="replace").splitlines()) for p in procs}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("appendonly", [True, False], ids=["aof", "no-persistence"])
+def test_processes_and_requests_survive_a_redis_restart(
+    appendonly: bool, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    server = RedisServer(appendonly=appendonly)
+    server.start()
+    settings: Settings = isolated_settings(
+        server.url, models_dir, echo_tokens_per_second=RATE, worker_slots=4
+    )
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    with ExitStack() as stack:
+        stack.callback(server.stop)
+        procs = [
+            stack.enter_context(worker_process(settings, tmp_path, name="w1")),
+            stack.enter_context(worker_process(settings, tmp_path, name="w2")),
+            stack.enter_context(streamer_process(settings, tmp_path, name="s1")),
+            stack.enter_context(streamer_process(settings, tmp_path, name="s2")),
+        ]
+
+        def logs() -> str:
+            return "\n".join(f"--- {p.log.name} ---\n{p.output()}" for p in procs)
+
+        client = Client(settings)
+        reader = OutageReader(settings)
+        records = [make_record(settings, [ids], max_tokens=200) for _ in range(IN_FLIGHT)]
+        want = reference(tokenizer, records[0])
+        for r in records:
+            client.submit(r)
+            reader.follow(r)
+        # Mid-stream: every request has written some text (its task runs, unacked).
+        reader.poll(
+            time.monotonic() + 20,
+            stop=lambda: all(any(e.text for e in f.events) for f in reader.followed.values()),
+        )
+        assert all(any(e.text for e in f.events) for f in reader.followed.values()), logs()
+        lines_before = log_lines(procs)
+
+        server.kill()
+        time.sleep(OUTAGE_S)
+        server.start()
+        back = time.monotonic()
+
+        fresh = make_record(settings, [ids], max_tokens=200)
+        submit_until_accepted(client, fresh, timeout=BACK_WITHIN_S)
+        new = reader.follow(fresh)
+        reader.poll(back + BACK_WITHIN_S + 5)
+
+        dead = [p.log.name for p in procs if not p.alive()]
+        assert not dead, f"processes exited: {dead}\n{logs()}"
+        tally = collections.Counter(
+            classify(reader.followed[k], want)
+            for k in reader.followed
+            if reader.followed[k] is not new
+        )
+        recovery = None if new.ended_at is None else new.ended_at - back
+        lines = {pid: n - lines_before[pid] for pid, n in log_lines(procs).items()}
+        print(
+            f"\nredis restart ({'aof' if appendonly else 'no persistence'}): "
+            f"in-flight {dict(tally)}, new request {classify(new, want)} "
+            f"after {recovery if recovery is None else round(recovery, 2)} s; "
+            f"log lines since the kill per process {sorted(lines.values())}"
+        )
+        assert tally["hung"] == 0 and tally["wrong"] == 0, f"{tally}\n{logs()}"
+        late = [f.ended_at - back for f in reader.followed.values() if f.ended_at is not None]
+        assert max(late) < BACK_WITHIN_S, f"a request ended {max(late):.1f}s after redis\n{logs()}"
+        if not appendonly:  # the records are gone: nothing can finish them
+            assert tally["exact"] == 0
+        assert classify(new, want) == "exact", logs()
+        assert recovery is not None and recovery < BACK_WITHIN_S
+        # Reconnecting is quiet: a few lines per process, never a log storm.
+        assert max(lines.values()) < 150, f"log storm: {lines}\n{logs()}"
+        # And the stack keeps serving: one more request, exact.
+        after = make_record(settings, [ids], max_tokens=200)
+        client.submit(after)
+        followed_after = reader.follow(after)
+        reader.poll(time.monotonic() + 15)
+        assert classify(followed_after, want) == "exact", logs()
