@@ -356,6 +356,20 @@ def ensure_model(settings: Settings) -> None:
         )
 
 
+def redis_hint(data_dir: Path) -> str:
+    """What to do when the private Redis cannot start: most often a damaged AOF."""
+    aof = data_dir / "appendonly.aof"
+    repair = (
+        f"repair it with `redis-check-aof --fix {aof}`, or "
+        if shutil.which("redis-check-aof")
+        else f"move {aof} aside, or "
+    )
+    return (
+        "if the Redis log says its append-only file is damaged (e.g. after a crash of the "
+        f"machine), {repair}start empty with --fresh"
+    )
+
+
 def acquire_run_dir(run_dir: Path) -> IO[str]:
     """Lock the run directory: two ``up``s sharing logs and up.json would confuse both."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -415,12 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (UpError, GiveUp, TimeoutError) as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             if isinstance(exc, GiveUp) and exc.slot.name == "redis":
-                aof = options.run_dir / REDIS_DIR / "appendonly.aof"
-                say(
-                    "if the Redis log says its append-only file is damaged (a crash of the "
-                    f"machine), repair it with `redis-check-aof --fix {aof}`, or start "
-                    "empty with --fresh"
-                )
+                say(redis_hint(options.run_dir / REDIS_DIR))
             code = 1
         say("stopping everything it started ...")
         stack.stop()
