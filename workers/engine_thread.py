@@ -226,9 +226,10 @@ class EngineThread(threading.Thread):
                 DEADLINE_MESSAGE,
                 504,
             )
+        produced = len(delta.token_ids)  # before any change: a malformed delta raises here
         act.unpublished.append(delta)
-        act.tokens[delta.choice] = act.tokens.get(delta.choice, 0) + len(delta.token_ids)
-        self.tokens_total += len(delta.token_ids)
+        act.tokens[delta.choice] = act.tokens.get(delta.choice, 0) + produced
+        self.tokens_total += produced
         if delta.finish is not None:
             act.open_choices.discard(delta.choice)
             act.finishes[delta.choice] = delta.finish.value

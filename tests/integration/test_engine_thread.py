@@ -3,16 +3,22 @@ and nothing a job does can end its loop."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import redis
 
 from app.messages import EngineFinish, StopConditions
 from app.records import RequestRecord
 from broker.celery_app import TaskOutcome
+from broker.keys import Keys
 from broker.requests import ClaimResult, RequestStore, lease_value
+from broker.server import RedisServer
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine
@@ -123,3 +129,74 @@ def test_an_engine_crash_fails_its_jobs_and_the_loop_goes_on(
     good = thread.submit(start_request(store, "after", 5))
     assert good.wait(10)
     assert store.progress("after", 1)[0].token_ids == [100, 101, 102, 103, 104, 2]
+
+
+class CorruptingEngine(ThreadCheckingEngine):
+    """A real engine whose steps for jobs named ``prefix...`` come out malformed, as a
+    buggy engine's would: token ids that cannot be encoded, or none at all."""
+
+    def __init__(self, inner: Engine, prefix: str, bad_ids: Any) -> None:
+        super().__init__(inner)
+        self.prefix = prefix
+        self.bad_ids = bad_ids
+
+    def step(self) -> list[EngineStep]:
+        steps = super().step()
+        for s in steps:
+            if s.job_id.startswith(self.prefix) and s.delta.token_ids:
+                s.delta.token_ids = self.bad_ids
+        return steps
+
+
+@pytest.mark.parametrize("bad_ids", [[object()], None], ids=["unencodable", "missing"])
+def test_a_malformed_step_fails_only_its_job(store: RequestStore, bad_ids: Any) -> None:
+    engine = CorruptingEngine(EchoEngine(tokens_per_second=100), "bad", bad_ids)
+    thread = EngineThread(engine, store, lease_ttl_s=5.0)
+    thread.start()
+    try:
+        rid = f"bad-{uuid.uuid4().hex[:6]}"
+        good_rid = f"good-{uuid.uuid4().hex[:6]}"
+        bad = thread.submit(start_request(store, rid, 8))
+        good = thread.submit(start_request(store, good_rid, 8))
+        assert bad.wait(10) and good.wait(10)
+        assert bad.result is not None and bad.result.outcome is TaskOutcome.FAILED
+        last = store.read_tokens(rid)[-1][2][-1]
+        assert last.finish is EngineFinish.ERROR and last.error_code == 500
+        assert good.result is not None and good.result.outcome is TaskOutcome.DONE
+        assert store.progress(good_rid, 1)[0].token_ids == [*range(100, 108), 2]
+        assert thread.is_alive()
+    finally:
+        thread.stop()
+        thread.join(5)
+
+
+def test_publishing_survives_a_redis_restart(caplog: pytest.LogCaptureFixture) -> None:
+    """Redis SIGKILLed (AOF on) while a job streams: the loop keeps its deltas, retries
+    with backoff (one warning, no storm) and, once Redis is back, publishes the rest
+    with its lease intact: the token stream is gapless and duplicate-free."""
+    with RedisServer(appendonly=True) as server:
+        client = redis.Redis.from_url(server.url)
+        store = RequestStore(client, Keys("t:"), stream_ttl_s=600)
+        thread = EngineThread(EchoEngine(tokens_per_second=20), store, lease_ttl_s=10.0)
+        thread.start()
+        try:
+            handle = thread.submit(start_request(store, "through-outage", 60))
+            time.sleep(0.5)
+            with caplog.at_level(logging.INFO, logger="workers.engine_thread"):
+                server.kill()
+                time.sleep(2.0)
+                server.start()
+                assert handle.wait(15)
+            assert thread.is_alive()
+            assert handle.result is not None and handle.result.outcome is TaskOutcome.DONE
+            progress = store.progress("through-outage", 1)[0]
+            assert progress.token_ids == [*range(100, 160), 2]
+            assert progress.finish is EngineFinish.EOS
+            messages = [r.getMessage() for r in caplog.records]
+            assert sum("publishing to redis failed" in m for m in messages) == 1, messages
+            assert sum("publishing to redis again" in m for m in messages) == 1, messages
+            assert len(messages) < 10, messages
+        finally:
+            thread.stop()
+            thread.join(5)
+            client.close()
