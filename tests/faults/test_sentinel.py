@@ -1,0 +1,346 @@
+"""Redis Sentinel failover under real processes.
+
+A master, one replica and three sentinels (``tests.sentinels.SentinelGroup``), every
+tokenrelay process given the ``redis+sentinel://`` URL. The master is SIGKILLed while
+streams run; the sentinels promote the replica within seconds. Every stream must then
+finish with exactly its text or end with a clear error event (never hang), new requests
+must succeed within 30 s of the kill, and no tokenrelay process may die or be replaced.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+
+from broker.connection import redis_client
+from broker.server import free_port
+from tests.sentinels import SentinelGroup
+from tests.stack import (
+    Proc,
+    child_env,
+    isolated_settings,
+    streamer_process,
+    wait_for,
+    web_process,
+    web_settings,
+    worker_process,
+)
+
+pytestmark = pytest.mark.integration
+logger = logging.getLogger(__name__)
+
+CHAT = "/v1/chat/completions"
+RATE = 20.0  # echo tokens per second per request: a stream lasts several seconds
+STREAMS = 6
+NEW_REQUEST_WITHIN_S = 30.0
+STREAMS_END_WITHIN_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from app.prepare import prepare_bundled_model
+
+    root = tmp_path_factory.mktemp("models")
+    prepare_bundled_model(root, progress=lambda _msg: None)
+    return root
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[SentinelGroup]:
+    with SentinelGroup(tmp_path / "redis") as running:
+        yield running
+
+
+# -- our own client ----------------------------------------------------------------------
+
+
+def test_client_follows_the_failover(group: SentinelGroup) -> None:
+    """One client from ``redis_client``: before the kill it writes to the master; after it,
+    once the sentinels have promoted the replica, the same client writes there, and what
+    was replicated before the kill is still there. A dead sentinel listed first costs
+    no time (no retries with backoff on it before the next is asked)."""
+    dead = f"127.0.0.1:{free_port()}"
+    client = redis_client(group.url.replace("://", f"://{dead},"), max_connections=4)
+    started = time.monotonic()
+    client.set("before", "1")
+    assert time.monotonic() - started < 1.0
+    old = group.master_port()
+    assert old == group.master.port  # type: ignore[union-attr]
+    wait_for(lambda: group.replicas[0].client().get("before") == b"1", 10, "replication")
+
+    killed = group.kill_master()
+    errors = 0
+
+    def writes() -> bool:
+        nonlocal errors
+        try:
+            client.set("after", "2")
+            return True
+        except redis.ConnectionError:
+            errors += 1
+            return False
+
+    wait_for(writes, 30, "a write to succeed after the failover", interval=0.2)
+    recovered = time.monotonic() - killed
+    new = group.master_port()
+    assert new == group.replicas[0].port, group.logs()
+    assert client.get("before") == b"1"
+    address = client.connection_pool.master_address  # type: ignore[attr-defined]
+    assert address == ("127.0.0.1", new)
+    # Failed reconnects do not pile up in the pool.
+    assert len(client.connection_pool._connections) <= 4  # type: ignore[attr-defined]
+    logger.info("client wrote again %.1f s after the kill (%d failed tries)", recovered, errors)
+    client.close()
+
+
+# -- the whole stack ------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """What one SSE client received."""
+
+    content: str
+    text: str = ""
+    finish: str | None = None
+    error: dict[str, Any] | None = None
+    done: bool = False
+    failure: str | None = None  # no HTTP answer, a non-200, or a broken connection
+    ended_at: float | None = None  # monotonic
+    started: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def outcome(self) -> str:
+        if not self.ended.is_set():
+            return "hung"
+        if self.error is None and self.failure is None and self.finish and self.done:
+            return "exact" if self.text == self.content else "wrong"
+        if self.error is not None and self.done and self.content.startswith(self.text):
+            return "error"
+        return "broken"
+
+
+def read_stream(base_url: str, model: str, stream: Stream) -> None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": stream.content}],
+        "stream": True,
+        "max_tokens": 1000,
+    }
+    try:
+        with requests.post(base_url + CHAT, json=body, stream=True, timeout=(5, 90)) as resp:
+            if resp.status_code != 200:
+                stream.failure = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                return
+            for raw in resp.iter_lines():
+                line = raw.decode("utf-8")
+                if not line.startswith("data: "):
+                    continue  # keep-alive comments, event ids, blank separators
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    stream.done = True
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    stream.error = payload["error"]
+                    continue
+                for choice in payload["choices"]:
+                    stream.text += choice["delta"].get("content") or ""
+                    stream.finish = choice["finish_reason"] or stream.finish
+                if stream.text:
+                    stream.started.set()
+    except (requests.RequestException, ValueError) as exc:
+        stream.failure = f"{type(exc).__name__}: {exc}"
+    finally:
+        stream.ended_at = time.monotonic()
+        stream.started.set()
+        stream.ended.set()
+
+
+def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
+    """A non-streaming request; its text, or None when it did not succeed."""
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    try:
+        resp = requests.post(base_url + CHAT, json=body, timeout=timeout)
+    except requests.RequestException:
+        return None
+    if resp.status_code != 200:
+        return None
+    text: str = resp.json()["choices"][0]["message"]["content"]
+    return text
+
+
+def children(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid`` (gunicorn's workers), from /proc."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            found.add(int(entry))
+    return found
+
+
+def flower_process(settings: Any, log_dir: Path, port: int, auth: str) -> Proc:
+    """Flower through ``broker.flower_app``: the Sentinel transport options come with it."""
+    return Proc(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "broker.flower_app",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+        ],
+        child_env(settings, FLOWER_BASIC_AUTH=auth),
+        log_dir / "flower.log",
+    )
+
+
+def flower_workers(port: int, auth: str) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/workers?refresh=1",
+        headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            workers: dict[str, Any] = json.loads(resp.read())
+            return workers
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return {}
+
+
+def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: Path) -> None:
+    settings = web_settings(
+        isolated_settings(
+            group.url,
+            models_dir,
+            echo_tokens_per_second=RATE,
+            web_workers=1,
+            web_threads=16,
+            sse_keepalive_s=1.0,
+        )
+    )
+    model, base = settings.served_name, f"http://{settings.host}:{settings.port}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    flower_port, flower_auth = free_port(), "ops:secret"
+    with ExitStack() as stack:
+        procs = {
+            "worker": stack.enter_context(worker_process(settings, logs)),
+            "streamer": stack.enter_context(streamer_process(settings, logs)),
+            "web": stack.enter_context(web_process(settings, logs)),
+        }
+        flower = flower_process(settings, logs, flower_port, flower_auth)
+        stack.callback(flower.stop)
+        procs["flower"] = flower
+
+        def report() -> str:
+            return "\n".join(
+                [f"--- {n} ---\n{p.output()}" for n, p in procs.items()] + [group.logs()]
+            )
+
+        node = f"tokenrelay-{procs['worker'].pid}@"
+
+        def listed(workers: dict[str, Any]) -> bool:
+            return any(name.startswith(node) for name in workers)
+
+        warm = "warm up over Sentinel"
+        assert chat_once(base, model, warm, timeout=30) == warm, report()
+        wait_for(
+            lambda: listed(flower_workers(flower_port, flower_auth)),
+            30,
+            "Flower to list the worker over Sentinel",
+            interval=0.5,
+        )
+        pids = {name: p.pid for name, p in procs.items()}
+        web_children = children(procs["web"].pid)
+        assert web_children, "gunicorn has no worker process"
+
+        streams = [
+            Stream(f"stream {i}: " + " ".join(f"word{j}" for j in range(40)) + " end")
+            for i in range(STREAMS)
+        ]
+        threads = [
+            threading.Thread(target=read_stream, args=(base, model, s), daemon=True)
+            for s in streams
+        ]
+        for t in threads:
+            t.start()
+        for s in streams:
+            assert s.started.wait(30), f"a stream got no text before the kill\n{report()}"
+        assert all(not s.ended.is_set() for s in streams), "streams too short to be mid-stream"
+
+        old_master = group.master_port()
+        assert old_master is not None
+        killed = group.kill_master()
+        group.wait_failover(old_master, 30)
+        failover_s = time.monotonic() - killed
+
+        probe = "new request after the failover"
+        first_ok: float | None = None
+        while time.monotonic() - killed < NEW_REQUEST_WITHIN_S:
+            if chat_once(base, model, probe) == probe:
+                first_ok = time.monotonic() - killed
+                break
+            time.sleep(0.5)
+
+        end_by = killed + STREAMS_END_WITHIN_S
+        for s in streams:
+            s.ended.wait(max(0.0, end_by - time.monotonic()))
+        outcomes = [s.outcome() for s in streams]
+        summary = {k: outcomes.count(k) for k in ("exact", "error", "hung", "wrong", "broken")}
+        last_end = max((s.ended_at or end_by) - killed for s in streams)
+        logger.warning(
+            "sentinel failover: promoted %.1f s after the kill; first new request ok at %s s; "
+            "streams %s, the last ended %.1f s after the kill",
+            failover_s,
+            f"{first_ok:.1f}" if first_ok is not None else "never",
+            summary,
+            last_end,
+        )
+        details = "\n".join(
+            f"{o}: finish={s.finish} error={s.error} failure={s.failure} "
+            f"got={len(s.text)}/{len(s.content)} chars"
+            for o, s in zip(outcomes, streams, strict=True)
+        )
+        dead = [n for n, p in procs.items() if not p.alive()]
+        assert not dead, f"{dead} died\n{details}\n{report()}"
+        assert first_ok is not None, f"no new request succeeded within 30 s\n{details}\n{report()}"
+        assert summary["hung"] == 0, f"{details}\n{report()}"
+        assert summary["wrong"] == summary["broken"] == 0, f"{details}\n{report()}"
+
+        # Nothing was restarted: same PIDs, same gunicorn workers; the worker still
+        # registered, Flower still sees it through the new master.
+        assert {n: p.pid for n, p in procs.items()} == pids
+        assert children(procs["web"].pid) == web_children
+        wait_for(
+            lambda: listed(flower_workers(flower_port, flower_auth)),
+            30,
+            "Flower to list the worker after the failover",
+            interval=0.5,
+        )
+        again = "and one more, exactly"
+        assert chat_once(base, model, again, timeout=30) == again, report()
