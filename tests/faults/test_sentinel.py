@@ -1,7 +1,8 @@
 """Redis Sentinel failover under real processes.
 
 A master, one replica and three sentinels (``tests.sentinels.SentinelGroup``), every
-tokenrelay process given the ``redis+sentinel://`` URL. The master is SIGKILLed while
+tokenrelay process (worker, streamer, web, batch driver) and Flower given the
+``redis+sentinel://`` URL. The master is SIGKILLed while
 streams run; the sentinels promote the replica within seconds. Every stream must then
 finish with exactly its text or end with a clear error event (never hang), new requests
 must succeed within 30 s of the kill, and no tokenrelay process may die or be replaced.
@@ -29,10 +30,13 @@ import redis
 import requests
 
 from broker.connection import redis_client
+from broker.keys import Keys
+from broker.registry import batcher_registry
 from broker.server import free_port
 from tests.sentinels import SentinelGroup
 from tests.stack import (
     Proc,
+    batcher_process,
     child_env,
     isolated_settings,
     streamer_process,
@@ -244,6 +248,7 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
         )
     )
     model, base = settings.served_name, f"http://{settings.host}:{settings.port}"
+    keys = Keys(settings.key_prefix)
     logs = tmp_path / "logs"
     logs.mkdir()
     flower_port, flower_auth = free_port(), "ops:secret"
@@ -252,6 +257,7 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
             "worker": stack.enter_context(worker_process(settings, logs)),
             "streamer": stack.enter_context(streamer_process(settings, logs)),
             "web": stack.enter_context(web_process(settings, logs)),
+            "batcher": stack.enter_context(batcher_process(settings, logs)),
         }
         flower = flower_process(settings, logs, flower_port, flower_auth)
         stack.callback(flower.stop)
@@ -340,6 +346,14 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
             lambda: listed(flower_workers(flower_port, flower_auth)),
             30,
             "Flower to list the worker after the failover",
+            interval=0.5,
+        )
+        # The batch driver heartbeats on the new master (it holds no request here).
+        registry = batcher_registry(redis_client(group.url, max_connections=2), keys)
+        wait_for(
+            lambda: any(m.pid == procs["batcher"].pid for m in registry.live()),
+            30,
+            "the batch driver to heartbeat on the new master",
             interval=0.5,
         )
         again = "and one more, exactly"
