@@ -33,7 +33,10 @@ class Settings(BaseSettings):
     # Redis and Celery
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
-        description="Redis used as Celery broker, result backend and for all token traffic.",
+        description="Redis used as Celery broker, result backend and for all token traffic: "
+        "redis://, rediss://, unix://, or a Sentinel group as "
+        "redis+sentinel://[:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/MASTER_NAME[/DB] "
+        "(docs/scaling.md).",
     )
     key_prefix: str = Field(default="tr:", description="Prefix of every Redis key tokenrelay owns.")
 
