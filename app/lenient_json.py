@@ -29,7 +29,7 @@ __all__ = ["escape_control_chars_in_strings", "loads_lenient"]
 # One JSON string from its opening quote: plain characters or backslash pairs (a pair
 # may be a backslash and a raw control character), then the closing quote if any.
 # Outside strings there is no quote, so the next quote always opens a string.
-_STRING = re.compile(r'"(?:[^"\\]|\\[\s\S])*"?')
+_STRING = re.compile(r'"(?:[^"\\]+|\\[\s\S])*"?')
 # Inside a string: a backslash pair (kept unless its second character is a control
 # character) or a lone raw control character.
 _INSIDE = re.compile(r"\\[\s\S]|[\x00-\x1f]")
