@@ -161,6 +161,23 @@ class RequestHandoff:
                 self.keys.new_requests, GROUP, consumer, 0, list(entry_ids), justid=True
             )
 
+    def owned(self, consumer: str, entry_ids: Sequence[str]) -> set[str]:
+        """Which of ``entry_ids`` are still pending for ``consumer``: the others were
+        taken over by another streamer (``touch`` would claim them back), so their
+        requests are no longer ours to decode."""
+        if not entry_ids:
+            return set()
+        ours = set(entry_ids)
+        pending: Any = self.redis.xpending_range(
+            self.keys.new_requests,
+            GROUP,
+            min="-",
+            max="+",
+            count=2 * len(ours) + 1000,
+            consumername=consumer,
+        )
+        return {_s(p["message_id"]) for p in pending} & ours
+
     def take_over(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[tuple[str, str]]:
         """Claim entries a dead streamer left pending for longer than ``min_idle_ms``."""
         res: Any = self.redis.xautoclaim(

@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import worker_init, worker_shutdown
+from celery.worker.consumer import Consumer
 
 from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery
@@ -23,9 +24,37 @@ from workers.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
 
+# kombu retries a lost broker after 2 s, then 4, 6, ... up to 30 s apart: after a long
+# outage a worker would sit idle up to 30 s with Redis back. Retrying every 0.5-2 s
+# costs nothing (a refused TCP connect) and brings the worker back within seconds.
+RECONNECT_INTERVALS = {"interval_start": 0.5, "interval_step": 0.5, "interval_max": 2.0}
+
+
+class BrokerConsumer(Consumer):  # type: ignore[misc]
+    """Celery's consumer, reconnecting to a lost broker at ``RECONNECT_INTERVALS``.
+
+    Celery calls ``conn.ensure_connection`` with kombu's default intervals and no way
+    to set them; this passes ours for the duration of that one call (the worker setting
+    ``worker_consumer`` names this class)."""
+
+    def ensure_connected(self, conn: Any) -> Any:
+        ensure = conn.ensure_connection
+
+        def ensure_quickly(*args: Any, **kwargs: Any) -> Any:
+            for name, value in RECONNECT_INTERVALS.items():
+                kwargs.setdefault(name, value)
+            return ensure(*args, **kwargs)
+
+        conn.ensure_connection = ensure_quickly
+        try:
+            return super().ensure_connected(conn)
+        finally:
+            del conn.ensure_connection
+
 
 def build_app(settings: Settings) -> Celery:
     celery_app = create_celery(settings)
+    celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
     state: dict[str, WorkerRuntime] = {}
 
     @celery_app.task(name=GENERATE_TASK, bind=True)

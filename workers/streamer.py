@@ -145,6 +145,7 @@ class Streamer:
         self._last_heartbeat = 0.0
         self._set_up = False  # hand-off group ensured since the last outage
         self._resend_queued = False  # after an outage: resend queued requests at once
+        self._take_over_from = 0.0  # no takeovers before (set after an outage)
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
@@ -174,9 +175,15 @@ class Streamer:
 
     def _set_up_loop(self) -> None:
         """At start and after an outage: the hand-off group (Redis may have lost it),
-        the wake-up cursor, and a heartbeat before anything else."""
+        the wake-up cursor, and a heartbeat before anything else.
+
+        After an outage every streamer's hand-off entries look idle for as long as Redis
+        was away; taking any over before their owners are back to touch them would have
+        two streamers decode one request. So takeovers wait one takeover period."""
         self.handoff.ensure_group()
         self._handoff_cursor = self.handoff.last_id()
+        if self._resend_queued:  # set by an outage
+            self._take_over_from = self.clock() + self.settings.streamer_takeover_s
         self._set_up = True
         self._watchdog(force=True)
 
@@ -374,11 +381,24 @@ class Streamer:
                 active_requests=len(self.tracked),
             )
         )
+        self._drop_taken_over()
         self.handoff.touch(self.consumer, [t.entry_id for t in self.tracked.values()])
+        if self.clock() < self._take_over_from:
+            return  # just back from an outage: the others have not touched theirs yet
         min_idle = int(self.settings.streamer_takeover_s * 1000)
         for entry_id, rid in self.handoff.take_over(self.consumer, min_idle):
             if rid not in self.tracked:
                 self._adopt(entry_id, rid)
+
+    def _drop_taken_over(self) -> None:
+        """Stop decoding requests another streamer took over (we were silent too long,
+        e.g. stalled): two streamers writing one output stream would repeat text."""
+        entries = [t.entry_id for t in self.tracked.values()]
+        owned = self.handoff.owned(self.consumer, entries)
+        for rid, t in list(self.tracked.items()):
+            if t.entry_id not in owned:
+                logger.warning("request %s was taken over by another streamer; dropping it", rid)
+                del self.tracked[rid]
 
     def _check_requests(self, now: float) -> None:
         """Every tracked request's state, read in one round trip, then acted on."""

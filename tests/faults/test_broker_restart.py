@@ -36,8 +36,10 @@ pytestmark = pytest.mark.integration
 
 RATE = 15.0  # echo tokens per second per choice: each request streams for ~2 s
 IN_FLIGHT = 6
-OUTAGE_S = 2.0
 BACK_WITHIN_S = 10.0
+# Measured here: ~2 s. A worker left on kombu's reconnect schedule (2, 6, 12, 20, 30 s
+# after the loss) would need ~7 s after the long outage.
+RECOVERY_S = 5.0
 
 
 def submit_until_accepted(client: Client, record: RequestRecord, timeout: float) -> None:
@@ -58,9 +60,15 @@ def log_lines(procs: list[Proc]) -> dict[int, int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("appendonly", [True, False], ids=["aof", "no-persistence"])
+@pytest.mark.parametrize(
+    ("appendonly", "outage_s"),
+    [(True, 2.0), (False, 2.0), (True, 13.0)],
+    # The long outage outlives every lease (5 s) and registration (10 s): with AOF the
+    # requests are resumed from their token streams by new attempts.
+    ids=["aof", "no-persistence", "aof-long-outage"],
+)
 def test_processes_and_requests_survive_a_redis_restart(
-    appendonly: bool, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
+    appendonly: bool, outage_s: float, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
     server = RedisServer(appendonly=appendonly)
     server.start()
@@ -96,7 +104,7 @@ def test_processes_and_requests_survive_a_redis_restart(
         lines_before = log_lines(procs)
 
         server.kill()
-        time.sleep(OUTAGE_S)
+        time.sleep(outage_s)
         server.start()
         back = time.monotonic()
 
@@ -115,7 +123,7 @@ def test_processes_and_requests_survive_a_redis_restart(
         recovery = None if new.ended_at is None else new.ended_at - back
         lines = {pid: n - lines_before[pid] for pid, n in log_lines(procs).items()}
         print(
-            f"\nredis restart ({'aof' if appendonly else 'no persistence'}): "
+            f"\nredis restart ({'aof' if appendonly else 'no persistence'}, {outage_s}s down): "
             f"in-flight {dict(tally)}, new request {classify(new, want)} "
             f"after {recovery if recovery is None else round(recovery, 2)} s; "
             f"log lines since the kill per process {sorted(lines.values())}"
@@ -126,7 +134,7 @@ def test_processes_and_requests_survive_a_redis_restart(
         if not appendonly:  # the records are gone: nothing can finish them
             assert tally["exact"] == 0
         assert classify(new, want) == "exact", logs()
-        assert recovery is not None and recovery < BACK_WITHIN_S
+        assert recovery is not None and recovery < RECOVERY_S
         # Reconnecting is quiet: a few lines per process, never a log storm.
         assert max(lines.values()) < 150, f"log storm: {lines}\n{logs()}"
         # And the stack keeps serving: one more request, exact.
