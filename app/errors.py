@@ -9,8 +9,14 @@
     ├── UnsupportedMediaType             415
     ├── QueueFull                        429 rate_limit_error (carries Retry-After)
     ├── NotImplementedFeature            501
-    ├── ServiceUnavailable               503
+    ├── ServiceUnavailable               503 (carries Retry-After)
+    ├── StreamError                      an error reported on a request's output stream,
+    │                                    with the status it carries (400/500/503/504)
     └── ModelError                       model directories that cannot be read
+
+``STATUS_TYPES`` is the one status -> OpenAI error type table; ``event_error`` the one
+place that says whether an output event is an error, for every framer (SSE, JSON fold,
+WebSocket, batch lines).
 
 Library errors are translated at the edge with ``raise X from exc``; only the
 messages of these classes ever reach a client.
@@ -19,6 +25,24 @@ messages of these classes ever reach a client.
 from __future__ import annotations
 
 from typing import Any
+
+from app.messages import FinishReason, OutputEvent, OutputKind
+
+STATUS_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled_error",
+    500: "internal_error",
+    501: "not_implemented_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+# What the pipeline (streamers, workers, the run's own deadline) reports on a stream.
+_STREAM_STATUSES = frozenset({400, 500, 503, 504})
 
 
 class TokenRelayError(Exception):
@@ -95,6 +119,45 @@ class ServiceUnavailable(TokenRelayError):
     status = 503
     type = "service_unavailable_error"
     public = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(message, param=param, code=code)
+        self.retry_after = retry_after
+
+
+class StreamError(TokenRelayError):
+    """An error reported on a request's output stream (a worker rejecting the prompt,
+    the streamers' watchdog giving up, a choice that failed): its status is the event's
+    code and its message is the event's, which the streamer writes to be shown."""
+
+    public = True
+
+    def __init__(self, message: str | None, status: int | None) -> None:
+        super().__init__(message or "The request failed.")
+        self.status = status if status in _STREAM_STATUSES else 500
+        self.type = STATUS_TYPES[self.status]
+
+
+def event_error(ev: OutputEvent) -> StreamError | None:
+    """The error an output event reports: a request-level error, or one choice's."""
+    if ev.kind is OutputKind.ERROR or (
+        ev.kind is OutputKind.FINAL and ev.finish_reason is FinishReason.ERROR
+    ):
+        return StreamError(ev.error, ev.code)
+    return None
+
+
+def retry_after_of(exc: BaseException) -> int | None:
+    """Seconds a client should wait before retrying (429 and 503 answers carry it)."""
+    value = getattr(exc, "retry_after", None)
+    return value if isinstance(value, int) else None
 
 
 class ModelError(TokenRelayError):

@@ -2,10 +2,11 @@
 
 A pure state machine: ``feed`` the events of ``tr:out:{rid}`` in order; once ``done``,
 ``response()`` is the ``ChatCompletionResponse`` / ``CompletionResponse`` the OpenAI
-endpoint answers with, or ``failure`` says why there is none (a request-level error
-event, with its HTTP status). The batch driver builds each output line's ``body`` with
-it, and the HTTP routes may use the same fold so a batch line and a plain request
-return the same object.
+endpoint answers with, or ``failure`` says why there is none: a request-level error
+event, or every choice failed (its HTTP status is the error's). A choice that failed
+while others succeeded is kept, with ``finish_reason: "error"`` and its ``error``, as
+the streamed response shows it. The HTTP routes and the batch driver both fold with
+it, so a batch line and a plain request return the same object.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.errors import StreamError, error_body, event_error
 from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind
 from app.response_models import (
     ChatChoiceLogprobs,
@@ -22,6 +24,7 @@ from app.response_models import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    ErrorBody,
     PromptTokensDetails,
     Timings,
     Usage,
@@ -31,20 +34,22 @@ from app.timings import timings_from_usage
 FoldKind = Literal["chat", "completion"]
 
 
-@dataclass(frozen=True, slots=True)
-class FoldFailure:
-    """The request ended with an error event: no response body exists."""
-
-    message: str
-    status: int
-
-
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    error: StreamError | None = None
+
+    @property
+    def error_body(self) -> ErrorBody | None:
+        return choice_error_body(self.error) if self.error is not None else None
+
+
+def choice_error_body(error: StreamError) -> ErrorBody:
+    """A failed choice's ``error`` field: the OpenAI error body of its event."""
+    return ErrorBody(**error_body(error)[1]["error"])
 
 
 def usage_from_event(usage: dict[str, Any] | None) -> Usage:
@@ -84,13 +89,23 @@ class ResponseFold:
         self.choices = [_Choice() for _ in range(num_choices)]
         self.usage: Usage | None = None
         self.timings: Timings | None = None  # llama.cpp's, from the usage event
-        self.failure: FoldFailure | None = None
+        self.request_error: StreamError | None = None
 
     @property
     def done(self) -> bool:
-        """A terminal event (usage, or a request-level error) or a choice's error has
-        been fed: nothing that follows can change the outcome."""
-        return self.usage is not None or self.failure is not None
+        """The terminal event (usage, or a request-level error) has been fed."""
+        return self.usage is not None or self.request_error is not None
+
+    @property
+    def failure(self) -> StreamError | None:
+        """Why there is no response body: the request's error, or every choice's
+        (the first one's), else None."""
+        if self.request_error is not None:
+            return self.request_error
+        errors = [c.error for c in self.choices]
+        if errors and all(e is not None for e in errors):
+            return errors[0]
+        return None
 
     @property
     def aborted(self) -> bool:
@@ -104,7 +119,7 @@ class ResponseFold:
             return
         if ev.kind is OutputKind.ERROR:
             if ev.choice is None:
-                self.failure = FoldFailure(ev.error or "The request failed.", ev.code or 500)
+                self.request_error = event_error(ev)
             return
         if ev.choice is None or not 0 <= ev.choice < len(self.choices):
             return
@@ -117,9 +132,7 @@ class ResponseFold:
         elif ev.kind is OutputKind.FINAL:
             c.finish_reason = ev.finish_reason
             c.stop_reason = ev.stop_reason
-            if ev.finish_reason is FinishReason.ERROR and self.failure is None:
-                # As the HTTP endpoint does: one failed choice fails the whole request.
-                self.failure = FoldFailure(ev.error or "The request failed.", ev.code or 500)
+            c.error = event_error(ev)
 
     def response(self) -> ChatCompletionResponse | CompletionResponse:
         """The response body; call once ``done`` and without ``failure``."""
@@ -140,6 +153,7 @@ class ResponseFold:
                         ),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        error=c.error_body,
                     )
                     for i, c in enumerate(self.choices)
                 ],
@@ -161,6 +175,7 @@ class ResponseFold:
                     ),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    error=c.error_body,
                 )
                 for i, c in enumerate(self.choices)
             ],

@@ -31,7 +31,6 @@ from app.protocol import (
     to_stop_conditions,
 )
 
-
 # How long past a request's deadline a reader waits for the streamers' own deadline error
 # before giving up itself: the "no hang" guarantee's last line, the same for every reader.
 DEADLINE_GRACE_S = 30.0
@@ -44,6 +43,7 @@ class RequestState(str, Enum):
 
 
 QueueName = Literal["interactive", "batch"]
+EndpointPath = Literal["/v1/chat/completions", "/v1/completions"]
 
 
 class RequestRecord(BaseModel):
@@ -69,6 +69,9 @@ class RequestRecord(BaseModel):
     deadline: float = Field(description="Unix time after which it is abandoned with an error.")
     queue: QueueName = "interactive"
     skip_special_tokens: bool = True
+    # How its response is framed, so a client can resume the stream on any process.
+    endpoint: EndpointPath = "/v1/chat/completions"
+    include_usage: bool = False
 
     @property
     def give_up_at(self) -> float:
@@ -188,6 +191,7 @@ class RecordBuilder:
             req, eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
         )
         now = self.clock()
+        chat = isinstance(req, ChatCompletionRequest)
         return RequestRecord(
             request_id=request_id or self.new_id(),
             model=self.model_name,
@@ -200,4 +204,6 @@ class RecordBuilder:
             created=now,
             deadline=now + self.request_timeout_s,
             queue=queue,
+            endpoint="/v1/chat/completions" if chat else "/v1/completions",
+            include_usage=req.include_usage,
         )

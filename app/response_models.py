@@ -113,11 +113,14 @@ class ChatResponseMessage(_Response):
 
 
 class ChatCompletionChoice(_Response):
+    _omit_if_none = frozenset({"error"})
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    error: ErrorBody | None = None
 
 
 class Timings(_Response):
@@ -179,11 +182,14 @@ class ChatDelta(_Response):
 
 
 class ChatCompletionChunkChoice(_Response):
+    _omit_if_none = frozenset({"error"})
+
     index: int
     delta: ChatDelta = Field(default_factory=ChatDelta)
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    error: ErrorBody | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -222,11 +228,17 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
+    """``error``: only on a choice that ended with ``finish_reason: "error"`` (n>1: the
+    other choices go on), in OpenAI's error shape."""
+
+    _omit_if_none = frozenset({"error"})
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    error: ErrorBody | None = None
 
 
 class CompletionResponse(_Response):

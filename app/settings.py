@@ -105,6 +105,12 @@ class Settings(BaseSettings):
         default=16, ge=1, description="Most stop strings per request (OpenAI allows 4)."
     )
     max_n: int = Field(default=16, ge=1, description="Largest n (choices per prompt) accepted.")
+    max_logprobs: int = Field(
+        default=20,
+        ge=0,
+        le=20,
+        description="Largest top_logprobs (chat) / logprobs (completions) accepted.",
+    )
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="Deadline of a request, from its arrival."
     )
@@ -135,6 +141,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Threads per web worker; each open SSE stream or WebSocket holds one, so "
         "web_workers x web_threads is the most concurrent streams (keep it above max_queue).",
+    )
+    resume_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="A streaming client that disconnects keeps its generation running this "
+        "long so it can resume the stream (Last-Event-ID, WebSocket resume) on any web "
+        "process; then, with nobody following, it is cancelled. 0 cancels at once.",
     )
     sse_keepalive_s: float = Field(
         default=5.0,

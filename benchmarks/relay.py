@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.messages import OutputKind, SamplingParams, StopConditions
 from app.prepare import prepare_bundled_model
+from app.records import RequestRecord, RequestState
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from app.records import RequestRecord, RequestState
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from broker.streams import decode_events, is_terminal

@@ -26,10 +26,10 @@ from app.chat_template import PromptBuilder
 from app.messages import SamplingParams, StopConditions
 from app.model_card import load_model_card
 from app.prepare import prepare_bundled_model
+from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from app.records import RequestRecord
 from broker.requests import RequestStore, decode_deltas
 from broker.server import RedisServer
 from tests.stack import isolated_settings, worker_process

@@ -39,8 +39,8 @@ from app.batches import (
     RequestCounts,
     new_file_id,
 )
-from broker.keys import Keys
 from app.records import RequestRecord
+from broker.keys import Keys
 from broker.requests import RequestStore
 
 # KEYS: batch, active, lock, results
@@ -362,6 +362,12 @@ class BatchStore:
                 args=[driver, index, counter, line.to_line()],
             )
         )
+
+    def ending(self, bid: str) -> str | None:
+        """Why a finalizing batch is winding down ("batch_expired"/"batch_cancelled"),
+        or None when it simply finished."""
+        raw: Any = self.redis.hget(self.keys.batch(bid), "ending")
+        return raw.decode() if raw else None
 
     def recorded(self, bid: str) -> set[int]:
         """Indices of the lines whose result is stored."""

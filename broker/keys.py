@@ -46,6 +46,11 @@ class Keys:
     def output(self, rid: str) -> str:
         return f"{self.prefix}out:{rid}"
 
+    def followers(self, rid: str) -> str:
+        """Counter of clients following the request's output right now (any process):
+        a disconnected stream's generation is cancelled only if nobody resumed it."""
+        return f"{self.prefix}fol:{rid}"
+
     def cancel(self, rid: str) -> str:
         return f"{self.prefix}cancel:{rid}"
 

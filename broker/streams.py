@@ -34,6 +34,10 @@ from app.messages import OutputEvent, OutputKind
 from broker.keys import Keys
 
 GROUP = "streamers"
+# What a reader gets for an output entry it cannot decode (a bug upstream).
+MALFORMED_OUTPUT = OutputEvent(
+    OutputKind.ERROR, error="The server produced an unreadable output for this request.", code=500
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,12 @@ class OutputStreams:
         fields = last[0][1]
         events = decode_events(fields[b"e"])
         return _s(fields[b"s"]), any(is_terminal(ev) for ev in events)
+
+    def lost(self, rid: str) -> bool:
+        """Neither the request's record nor its output exists (expired, or Redis was
+        restarted without persistence): nothing will ever be written for it."""
+        found: Any = self.redis.exists(self.keys.request(rid), self.keys.output(rid))
+        return not found
 
     def read(
         self, rid: str, cursor: str = "0-0", *, block_ms: int | None = None, count: int = 256
@@ -199,6 +209,12 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _id_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a comparable pair (ids compare numerically, not as text)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 @dataclass(slots=True, eq=False)
 class Subscription:
     """One reader's view of one output stream, fed by an ``OutputHub``."""
@@ -207,6 +223,7 @@ class Subscription:
     key: str
     cursor: str
     entries: queue.SimpleQueue[tuple[str, list[OutputEvent]]]
+    notify: threading.Event | None = None  # set on every entry (one wait for many streams)
 
 
 class OutputHub:
@@ -228,54 +245,84 @@ class OutputHub:
         self.ttl_s = ttl_s
         self.wake_key = keys.hub_wake(uuid.uuid4().hex)
         self._wake_cursor = "0-0"
-        self._subs: dict[str, Subscription] = {}
+        # Usually one subscriber per stream; two while a client resumes on this process
+        # before its old connection noticed it was gone.
+        self._subs: dict[str, list[Subscription]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._down_since: float | None = None  # monotonic time of the first failed read
         self.stopping = threading.Event()
 
-    def subscribe(self, rid: str, cursor: str = "0-0") -> Subscription:
-        """Follow ``rid`` from ``cursor``; entries arrive on ``sub.entries`` in order."""
-        sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue())
+    def subscribe(
+        self, rid: str, cursor: str = "0-0", *, notify: threading.Event | None = None
+    ) -> Subscription:
+        """Follow ``rid`` from ``cursor``; entries arrive on ``sub.entries`` in order.
+
+        The wake-up is best effort: with Redis down the hub's next read (after its
+        reconnect) picks the new subscription up anyway.
+        """
+        sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue(), notify)
         with self._lock:
-            if sub.key in self._subs:
-                raise ValueError(f"request {rid} is already followed in this process")
-            self._subs[sub.key] = sub
+            self._subs.setdefault(sub.key, []).append(sub)
             if self._thread is None:  # started lazily: after gunicorn forked us
                 self._thread = threading.Thread(target=self._run, name="output-hub", daemon=True)
                 self._thread.start()
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self.wake_key, {"r": rid}, maxlen=16, approximate=True)
-        pipe.expire(self.wake_key, self.ttl_s)
-        pipe.execute()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"r": rid}, maxlen=16, approximate=True)
+            pipe.expire(self.wake_key, self.ttl_s)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("output hub: could not wake the reader (%s)", exc)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
-            if self._subs.get(sub.key) is sub:
-                del self._subs[sub.key]
+            subs = self._subs.get(sub.key, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._subs.pop(sub.key, None)
 
     @property
     def followed(self) -> int:
-        return len(self._subs)
+        return sum(len(subs) for subs in self._subs.values())
+
+    def down_for(self) -> float:
+        """Seconds the hub has been failing to read from Redis (0.0 when reading)."""
+        since = self._down_since
+        return 0.0 if since is None else max(time.monotonic() - since, 1e-6)
 
     def _run(self) -> None:
+        backoff = 0.1
         while not self.stopping.is_set():
             with self._lock:
                 if not self._subs:  # nothing to follow: exit; subscribe starts a new one
                     self._thread = None
+                    self._down_since = None
                     return
             try:
                 self._read_once()
+                if self._down_since is not None:
+                    logger.info("output hub: redis is back after %.1fs", self.down_for())
+                self._down_since = None
+                backoff = 0.1
             except redis.RedisError as exc:
-                logger.warning("output hub: redis error (%s); retrying", exc)
-                time.sleep(0.5)
-            except Exception:  # pragma: no cover - never let the reader die
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    logger.warning("output hub: redis error (%s); reconnecting", exc)
+                self.stopping.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # never let the reader die: one bad entry is skipped
                 logger.exception("output hub: unexpected error")
-                time.sleep(0.5)
+                self.stopping.wait(0.5)
 
     def _read_once(self) -> None:
         with self._lock:
-            streams: dict[Any, Any] = {key: sub.cursor for key, sub in self._subs.items()}
+            streams: dict[Any, Any] = {
+                key: min((sub.cursor for sub in subs), key=_id_order)
+                for key, subs in self._subs.items()
+            }
         streams[self.wake_key] = self._wake_cursor
         res: Any = self.redis.xread(streams, count=256, block=self.block_ms)
         for key_raw, entries in res or []:
@@ -286,9 +333,18 @@ class OutputHub:
                 self._wake_cursor = _s(entries[-1][0])
                 continue
             with self._lock:
-                sub = self._subs.get(key)
-            if sub is None:
-                continue  # unsubscribed meanwhile
-            for eid, fields in entries:
-                sub.cursor = _s(eid)
-                sub.entries.put((sub.cursor, decode_events(fields[b"e"])))
+                subs = list(self._subs.get(key, ()))  # none: unsubscribed meanwhile
+            for eid_raw, fields in entries:
+                eid = _s(eid_raw)
+                try:
+                    events = decode_events(fields[b"e"])
+                except Exception:  # a malformed entry ends that request, nothing else
+                    logger.exception("output hub: malformed entry %s of %s", eid, key)
+                    events = [MALFORMED_OUTPUT]
+                for sub in subs:
+                    if _id_order(eid) > _id_order(sub.cursor):
+                        sub.cursor = eid
+                        sub.entries.put((eid, events))
+            for sub in subs:
+                if sub.notify is not None:
+                    sub.notify.set()

@@ -197,7 +197,22 @@ def test_fold_failures_and_aborts() -> None:
     assert f.done and f.failure is not None and f.failure.status == 503
     g = fold(n=1)
     g.feed(OutputEvent(OutputKind.FINAL, choice=0, finish_reason=FinishReason.ERROR, code=400))
-    assert g.done and g.failure is not None and g.failure.status == 400
+    assert not g.done  # the usage event still ends the stream
+    assert g.failure is not None and g.failure.status == 400  # every choice failed
+    g.feed(OutputEvent(OutputKind.USAGE, usage={}))
+    assert g.done
+    # n>1: one failed choice is kept in the body; the request succeeds.
+    two = fold(n=2)
+    two.feed(OutputEvent(OutputKind.FINAL, choice=0, finish_reason=FinishReason.ERROR, code=500))
+    two.feed(OutputEvent(OutputKind.DELTA, choice=1, text="ok"))
+    two.feed(OutputEvent(OutputKind.FINAL, choice=1, finish_reason=FinishReason.STOP))
+    two.feed(OutputEvent(OutputKind.USAGE, usage={}))
+    assert two.done and two.failure is None
+    choices = two.response().to_dict()["choices"]
+    assert (
+        choices[0]["finish_reason"] == "error" and choices[0]["error"]["type"] == "internal_error"
+    )
+    assert choices[1]["message"]["content"] == "ok" and "error" not in choices[1]
     h = fold(n=1)
     h.feed(OutputEvent(OutputKind.FINAL, choice=0, finish_reason=FinishReason.CANCELLED))
     h.feed(OutputEvent(OutputKind.USAGE, usage={}))

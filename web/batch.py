@@ -33,8 +33,8 @@ from app.protocol import validation_error_to_invalid_request
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
 from broker.keys import Keys
-from web.app import service_of, settings_of
 from web.bodies import json_body
+from web.context import runner_of, settings_of
 
 blueprint = Blueprint("batch", __name__)
 
@@ -57,12 +57,12 @@ class BatchApi:
 def _on_register(state: Any) -> None:
     app: Flask = state.app
     settings = settings_of(app)
-    service = service_of(app)
+    runner = runner_of(app)
     keys = Keys(settings.key_prefix)
     app.extensions["tokenrelay.batches"] = BatchApi(
         settings,
-        FileStore(service.redis, keys, ttl_s=settings.batch_file_ttl_s),
-        BatchStore(service.redis, keys, ttl_s=settings.batch_ttl_s),
+        FileStore(runner.redis, keys, ttl_s=settings.batch_file_ttl_s),
+        BatchStore(runner.redis, keys, ttl_s=settings.batch_ttl_s),
     )
 
 
@@ -72,7 +72,7 @@ def _api() -> BatchApi:
 
 
 def _now() -> float:
-    return service_of(current_app).clock()
+    return runner_of(current_app).clock()
 
 
 def _limit(default: int, most: int) -> int:

@@ -6,11 +6,6 @@ wrong method, body too large) or a bug — becomes ``{"error": {"message", "type
 "param", "code"}}`` with the right status. Only our own public messages reach a client:
 werkzeug's descriptions and any other exception's text are replaced (a bug is logged
 here with its traceback and answered with ``app.errors.error_body``'s generic 500).
-
-``PipelineError`` carries an error that the pipeline reported on a request's output
-stream (a worker rejecting the prompt, the streamers' watchdog giving up): its status
-is the event's ``code`` and its message is the event's, which the streamer guarantees
-is safe to show.
 """
 
 from __future__ import annotations
@@ -25,31 +20,13 @@ from app.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
-    QueueFull,
     TokenRelayError,
     UnsupportedMediaType,
     error_body,
+    retry_after_of,
 )
 
 logger = logging.getLogger(__name__)
-
-_PIPELINE_TYPES = {
-    400: "invalid_request_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
-class PipelineError(TokenRelayError):
-    """An error event from a request's output stream, with the status it asked for."""
-
-    public = True
-
-    def __init__(self, message: str, status: int | None) -> None:
-        super().__init__(message or "The request failed.")
-        # The streamer only emits 400/500/503/504; anything else is treated as ours (500).
-        self.status = status if status in (400, 500, 503, 504) else 500
-        self.type = _PIPELINE_TYPES.get(self.status, "internal_error")
 
 
 class MethodNotAllowed(TokenRelayError):
@@ -76,15 +53,16 @@ class HTTPError(TokenRelayError):
 
 
 def error_response(exc: BaseException) -> Response:
-    """The JSON response for ``exc`` (status, OpenAI body, Retry-After for a 429).
+    """The JSON response for ``exc`` (status, OpenAI body, Retry-After for 429/503).
 
     Also notes the error type on ``g`` for the request metrics.
     """
     status, body = error_body(exc)
     response = jsonify(body)
     response.status_code = status
-    if isinstance(exc, QueueFull):
-        response.headers["Retry-After"] = str(exc.retry_after)
+    retry_after = retry_after_of(exc)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
     g.error_type = body["error"]["type"]
     return response
 

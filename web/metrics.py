@@ -8,11 +8,13 @@ worker) aggregates all of them with ``MultiProcessCollector``; gauges use
 hook calls ``mark_process_dead``). Without the variable (tests, ``flask run``) each app
 has its own registry, so several apps in one process never collide.
 
-Latencies are measured here, where the client is: time to first token is from the
-request's arrival to the first text leaving for the client, end-to-end to the last
-event. Queue time comes from the streamer's ``timings`` (arrival until a worker's
-first token). Inter-token latency is observed once per request, as the mean gap
-between its tokens ((last - first) / (tokens per choice - 1)).
+Generation requests are recorded in one place: ``broker.run`` reports each rejection
+(``rejected``) and each run's outcome through ``RunTimer`` (a ``RunObserver``), for
+SSE, JSON and WebSocket alike, with the seed's labels: ``model``, ``endpoint`` and
+``mode`` (``stream`` or ``unary``). Latencies are measured here, where the client is:
+time to first token is from the request's arrival to the first text leaving for the
+client, end-to-end to the last event, inter-token latency once per text delta (the gap
+since the previous one). Queue time comes from the streamer's ``timings``.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from app.errors import error_body
+from app.intake import PreparedRequest
 from broker.celery_app import worker_queues
+from broker.run import RunOutcome
 
 if TYPE_CHECKING:
-    from web.service import GenerationService
+    from broker.run import Runner
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -65,7 +70,7 @@ class ClusterCollector:
     GPU hosts. A Redis error yields no samples rather than a failed scrape.
     """
 
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, service: Runner) -> None:
         self.service = service
 
     def describe(self) -> list[Any]:
@@ -144,16 +149,36 @@ class WebMetrics:
             ["endpoint", "status", "error_type"],
             registry=r,
         )
+        gen = ["model", "endpoint", "mode"]
+        self.generations = Counter(
+            "tokenrelay_generations",
+            "Generation requests by outcome: status (499: the client went away) and error "
+            "type, for SSE, JSON and WebSocket alike.",
+            [*gen, "status", "error_type"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "tokenrelay_requests_rejected",
+            "Generation requests refused before they ran, by reason (the error type).",
+            [*gen, "reason"],
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "tokenrelay_requests_cancelled",
+            "Generation requests whose client went away or cancelled before the end.",
+            gen,
+            registry=r,
+        )
         self.stream_errors = Counter(
             "tokenrelay_stream_errors",
-            "Errors sent as SSE events after a stream had started, by endpoint and type.",
+            "Errors sent as stream events after a stream had started, by endpoint and type.",
             ["endpoint", "error_type"],
             registry=r,
         )
         self.in_flight = Gauge(
             "tokenrelay_requests_in_flight",
-            "Generation requests being answered right now, by endpoint.",
-            ["endpoint"],
+            "Generation requests being answered right now.",
+            gen,
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -166,43 +191,51 @@ class WebMetrics:
         self.ttft = Histogram(
             "tokenrelay_time_to_first_token_seconds",
             "From the request's arrival to its first text sent to the client.",
-            ["endpoint"],
+            gen,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "tokenrelay_inter_token_latency_seconds",
-            "Mean time between tokens of a request (one sample per request).",
-            ["endpoint"],
+            "Time between consecutive text deltas sent to a client (one sample per delta).",
+            gen,
             buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "tokenrelay_e2e_request_latency_seconds",
             "From the request's arrival to its last event.",
-            ["endpoint"],
+            gen,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue = Histogram(
             "tokenrelay_queue_time_seconds",
             "From the request's arrival until a worker published its first token.",
-            ["endpoint"],
+            gen,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
             "tokenrelay_prompt_tokens",
             "Prompt tokens of finished requests.",
-            ["endpoint"],
+            gen,
             registry=r,
         )
         self.completion_tokens = Counter(
             "tokenrelay_completion_tokens",
             "Completion tokens delivered to clients.",
-            ["endpoint"],
+            gen,
             registry=r,
         )
+
+    # -- broker.run.RunMetrics ---------------------------------------------------------
+    def rejected_request(self, model: str, endpoint: str, stream: bool, exc: BaseException) -> None:
+        status, body = error_body(exc)
+        error_type = body["error"]["type"]
+        mode = "stream" if stream else "unary"
+        self.rejected.labels(model, endpoint, mode, error_type).inc()
+        self.generations.labels(model, endpoint, mode, str(status), error_type).inc()
 
     def render(self) -> bytes:
         """The exposition text: all gunicorn workers' samples in multiprocess mode."""
@@ -215,59 +248,73 @@ class WebMetrics:
         return generate_latest(self.registry)
 
 
-class RequestTimer:
-    """Timestamps of one generation request, turned into observations at its end."""
+class RunMetrics:
+    """``broker.run.RunMetrics`` for one served model: rejections and run observers."""
+
+    def __init__(self, metrics: WebMetrics, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+
+    def rejected(self, endpoint: str, stream: bool, exc: BaseException) -> None:
+        self.metrics.rejected_request(self.model, endpoint, stream, exc)
+
+    def observer(self, prepared: PreparedRequest, endpoint: str) -> RunTimer:
+        return RunTimer(self.metrics, (self.model, endpoint, _mode(prepared, endpoint)))
+
+
+def _mode(prepared: PreparedRequest, endpoint: str) -> str:
+    return "stream" if prepared.stream or endpoint == "/v1/ws" else "unary"
+
+
+class RunTimer:
+    """Timestamps of one run, turned into observations as it goes and at its end."""
 
     def __init__(
         self,
         metrics: WebMetrics,
-        endpoint: str,
-        num_choices: int,
+        labels: tuple[str, str, str],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.metrics = metrics
-        self.endpoint = endpoint
-        self.num_choices = max(num_choices, 1)
+        self.labels = labels
         self.clock = clock
         self.started = clock()
-        self.first_text: float | None = None
         self.last_text: float | None = None
-        self._open = False
-
-    def begin(self) -> None:
-        self.metrics.in_flight.labels(self.endpoint).inc()
         self._open = True
+        metrics.in_flight.labels(*labels).inc()
 
     def text_sent(self) -> None:
         now = self.clock()
-        if self.first_text is None:
-            self.first_text = now
-            self.metrics.ttft.labels(self.endpoint).observe(now - self.started)
+        m, lv = self.metrics, self.labels
+        if self.last_text is None:
+            m.ttft.labels(*lv).observe(now - self.started)
+        else:
+            m.itl.labels(*lv).observe(now - self.last_text)
         self.last_text = now
 
-    def end(self, usage: dict[str, Any] | None, *, disconnected: bool = False) -> None:
-        """Record the request's end once (idempotent)."""
+    def ended(self, outcome: RunOutcome) -> None:
+        """Record the run's end once (idempotent)."""
         if not self._open:
             return
         self._open = False
-        m, ep = self.metrics, self.endpoint
-        m.in_flight.labels(ep).dec()
-        if disconnected:
-            m.disconnects.labels(ep).inc()
+        m, lv = self.metrics, self.labels
+        m.in_flight.labels(*lv).dec()
+        m.generations.labels(*lv, str(outcome.status), outcome.error_type).inc()
+        if outcome.cancelled:
+            m.cancelled.labels(*lv).inc()
+            m.disconnects.labels(lv[1]).inc()
+        if outcome.status != 200 and not outcome.cancelled and self.last_text is not None:
+            m.stream_errors.labels(lv[1], outcome.error_type).inc()
+        usage = outcome.usage
         if usage is None:
             return
-        m.e2e.labels(ep).observe(self.clock() - self.started)
-        prompt = int(usage.get("prompt_tokens") or 0)
-        completion = int(usage.get("completion_tokens") or 0)
-        m.prompt_tokens.labels(ep).inc(prompt)
-        m.completion_tokens.labels(ep).inc(completion)
+        m.e2e.labels(*lv).observe(self.clock() - self.started)
+        m.prompt_tokens.labels(*lv).inc(int(usage.get("prompt_tokens") or 0))
+        m.completion_tokens.labels(*lv).inc(int(usage.get("completion_tokens") or 0))
         timings = usage.get("timings") or {}
         queue_s = timings.get("queue_s")
         if isinstance(queue_s, int | float):
-            m.queue.labels(ep).observe(max(float(queue_s), 0.0))
-        per_choice = completion / self.num_choices
-        if self.first_text is not None and self.last_text is not None and per_choice > 1:
-            m.itl.labels(ep).observe((self.last_text - self.first_text) / (per_choice - 1))
+            m.queue.labels(*lv).observe(max(float(queue_s), 0.0))
 
 
 def metrics_of(app: Flask) -> WebMetrics:
@@ -277,9 +324,11 @@ def metrics_of(app: Flask) -> WebMetrics:
 
 def register(app: Flask) -> None:
     """Create the app's metrics, count every response, and serve ``/metrics``."""
-    service = app.extensions.get("tokenrelay.service")
-    metrics = WebMetrics(ClusterCollector(service) if service is not None else None)
+    runner = app.extensions.get("tokenrelay.runner")
+    metrics = WebMetrics(ClusterCollector(runner) if runner is not None else None)
     app.extensions["tokenrelay.metrics"] = metrics
+    if runner is not None:
+        runner.metrics = RunMetrics(metrics, runner.model_name)
 
     @app.after_request
     def _count(response: Response) -> Response:

@@ -1,20 +1,23 @@
 """The OpenAI-compatible HTTP API: completions (SSE or JSON), models, health.
 
-Every generation route does the same four things through ``GenerationService``:
-parse + validate (``app.protocol``), build the request record (template, tokenize,
-context check), submit (admission: 429), then read the output stream and either
-stream it as SSE (``web.responses.ChunkStream``) or fold it into one body
-(``ResponseFold``).
+The generation routes only frame: ``Runner.start`` (``broker.run``) prepares, checks,
+admits and submits the request and returns its ``Run``; the route turns the run's
+items into SSE chunks (``web.responses.ChunkStream``) or one folded body
+(``app.fold.ResponseFold``), and calls ``run.close`` — which frees the slot, cancels
+generation unless the output was read to its end, and records the metrics — from the
+response's close callback (the WSGI server calls it even when it never started
+iterating the body) or as soon as the fold is done.
 
 Streaming responses first wait (at most one keep-alive interval) for the first
 meaningful event, so an error that happens before any output — a worker rejecting the
-prompt, no worker at all — is answered with its HTTP status like a non-streamed
-request, instead of a 200 whose body only says "error". Later errors are SSE error
-events. Whatever happens, the stream ends with ``data: [DONE]``, and the request's
-admission slot is given back: ``finish`` when the output was read to its end,
-``cancel`` otherwise (a client that disconnected, an error mid-way), which also stops
-the worker. That bookkeeping runs in the response's close callback, which the WSGI
-server calls even when it never started iterating the body.
+prompt — is answered with its HTTP status like a non-streamed request, instead of a
+200 whose body only says "error". Later errors are SSE error events. Whatever happens,
+the stream ends with ``data: [DONE]``.
+
+Every SSE event carries an ``id:`` (the output cursor, ``web.resume``): a client that
+lost its connection reconnects to ``GET /v1/streams/<request_id>`` on any web process
+with ``Last-Event-ID`` and gets exactly the remaining events. A non-streaming client
+that hangs up is noticed within a tick and its generation cancelled (499).
 
 Also installs two app-wide hooks: the ``x-request-id`` response header (the client's
 ``X-Request-Id`` when it sent a sane one, else the request's id) and API-key checks on
@@ -27,45 +30,31 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterator
-from itertools import chain
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, request
 
-from app.errors import NotFound, NotImplementedFeature, ServiceUnavailable
+from app.errors import NotFound, ServiceUnavailable
 from app.fold import ResponseFold
-from app.messages import OutputEvent, OutputKind
-from app.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-)
-from app.response_models import (
-    ModelList,
-    ModelObject,
-)
-from app.records import RequestRecord
+from app.intake import Endpoint
+from app.messages import OutputKind
+from app.response_models import ModelList, ModelObject
+from broker.run import Item, Run
 from web import auth, sse
-from web.app import service_of, settings_of
 from web.bodies import json_body
-from web.errors import PipelineError
-from web.metrics import RequestTimer, WebMetrics, metrics_of
-from web.responses import ChunkStream, ResponseShape, event_error
-from web.service import GenerationService
+from web.clients import client_gone_probe
+from web.context import runner_of, settings_of
+from web.responses import ChunkStream
+from web.resume import event_id, parse_event_id
 
 logger = logging.getLogger(__name__)
 
 blueprint = Blueprint("openai", __name__)
 
-# How long past a request's deadline the web tier waits for the streamers' own
-# deadline error before giving up itself (the "no hang" guarantee's last line).
-DEADLINE_GRACE_S = 30.0
+# How often a non-streaming request looks whether its client is still there.
+UNARY_TICK_S = 0.25
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-Item = tuple[str, OutputEvent] | None
-
 
 # -- app-wide hooks ---------------------------------------------------------------------
 
@@ -106,18 +95,18 @@ def health() -> dict[str, str]:
 @blueprint.get("/ready")
 def ready() -> dict[str, str]:
     """503 with the reason unless Redis, a worker for our model and a streamer are up."""
-    ok, reason = service_of(current_app).readiness()
+    ok, reason = runner_of(current_app).readiness()
     if not ok:
-        raise ServiceUnavailable(reason, code="not_ready")
+        raise ServiceUnavailable(reason, code="not_ready", retry_after=1)
     return {"status": "ready"}
 
 
 def _model_object() -> ModelObject:
-    svc = service_of(current_app)
+    runner = runner_of(current_app)
     return ModelObject(
-        id=svc.model_name,
+        id=runner.model_name,
         created=current_app.extensions["tokenrelay.started"],
-        max_model_len=svc.card.context_length,
+        max_model_len=runner.card.context_length,
     )
 
 
@@ -145,212 +134,134 @@ def get_model(model_id: str) -> Response:
 
 @blueprint.post("/v1/chat/completions")
 def chat_completions() -> Response:
-    settings = settings_of(current_app)
-    req = parse_chat_request(
-        json_body(request),
-        max_stop_sequences=settings.max_stop_sequences,
-        max_n=settings.max_n,
-    )
-    if req.uses_deprecated_functions:
-        raise NotImplementedFeature(
-            "The deprecated 'functions' / 'function_call' API is not supported by this server.",
-            param="functions" if req.functions is not None else "function_call",
-            code="unsupported_parameter",
-        )
-    record = service_of(current_app).chat_record(req)
-    return _generate(req, record, chat=True, endpoint="/v1/chat/completions")
+    return _generate(Endpoint.CHAT)
 
 
 @blueprint.post("/v1/completions")
 def completions() -> Response:
-    settings = settings_of(current_app)
-    req = parse_completion_request(
-        json_body(request),
-        max_stop_sequences=settings.max_stop_sequences,
-        max_n=settings.max_n,
+    return _generate(Endpoint.COMPLETIONS)
+
+
+@blueprint.get("/v1/streams/<request_id>")
+def resume_stream(request_id: str) -> Response:
+    """Continue a streamed response after ``Last-Event-ID`` (or ``?last_event_id=``):
+    exactly the events the client has not seen, then ``[DONE]``; from the start when
+    no id is given. Works on any web process until the request's output expires."""
+    cursor = parse_event_id(
+        request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
     )
-    record = service_of(current_app).completion_record(req)
-    return _generate(req, record, chat=False, endpoint="/v1/completions")
+    run = runner_of(current_app).resume(request_id, cursor)
+    return _stream(run, opening=cursor is None)
 
 
-def _generate(
-    req: ChatCompletionRequest | CompletionRequest,
-    record: RequestRecord,
-    *,
-    chat: bool,
-    endpoint: str,
-) -> Response:
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    svc = service_of(app)
-    settings = settings_of(app)
-    rid = record.request_id
+def _generate(endpoint: Endpoint) -> Response:
+    runner = runner_of(current_app)
+    run = runner.start(endpoint, json_body(request))  # 4xx/5xx raised before any output
     if not g.client_request_id:
-        g.request_id = rid
-    svc.submit(record)  # QueueFull -> 429 with Retry-After
-    timer = RequestTimer(metrics_of(app), endpoint, record.num_choices)
-    timer.begin()
-    shape = ResponseShape(
-        chat=chat,
-        response_id=("chatcmpl-" if chat else "cmpl-") + rid,
-        model=record.model,
-        created=int(record.created),
-        num_choices=record.num_choices,
-        logprobs=record.sampling.logprobs is not None,
-        include_usage=req.include_usage,
-    )
-    run = _Run(svc, rid, timer, guard=record.deadline + DEADLINE_GRACE_S)
-    events = svc.events(rid, block_ms=max(int(settings.sse_keepalive_s * 1000), 1))
+        g.request_id = run.request_id
     try:
-        if req.stream:
-            return _stream(run, shape, events, metrics_of(app), endpoint)
-        return _fold(run, shape, events)
-    except BaseException:
-        run.close()
+        if run.prepared.stream:
+            return _stream(run)
+        return _fold(run, client_gone_probe(request.environ))
+    except BaseException as exc:
+        run.close(error=exc)
         raise
 
 
-class _Run:
-    """The end-of-request bookkeeping of one generation, done exactly once."""
-
-    def __init__(
-        self, svc: GenerationService, rid: str, timer: RequestTimer, *, guard: float
-    ) -> None:
-        self.svc = svc
-        self.rid = rid
-        self.timer = timer
-        self.guard = guard  # unix time after which we stop waiting for output
-        self.complete = False  # the terminal event was read: nothing left to stop
-        self.disconnected = False  # the client went away mid-stream
-        self.usage: dict[str, Any] | None = None
-        self._closed = False
-
-    def overdue(self) -> bool:
-        return self.svc.clock() > self.guard
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self.complete:
-                self.svc.finish(self.rid)
-            else:
-                self.svc.cancel(self.rid)
-        except Exception:
-            logger.exception("could not release request %s", self.rid)
-        self.timer.end(self.usage, disconnected=self.disconnected)
-
-
-def _timeout() -> PipelineError:
-    return PipelineError("The request timed out waiting for output.", 504)
-
-
-def _fold(run: _Run, shape: ResponseShape, events: Iterator[Item]) -> Response:
-    """The whole output in one body; any error (even of one choice) is the HTTP status,
-    since a non-streaming client has no other way to learn of it."""
+def _fold(run: Run, client_gone: Callable[[], bool]) -> Response:
+    """The whole output in one body. An error of the request (or of every choice) is
+    the HTTP status, since a non-streaming client has no other way to learn of it."""
+    s = run.shape
     fold = ResponseFold(
-        "chat" if shape.chat else "completion",
-        num_choices=shape.num_choices,
-        model=shape.model,
-        response_id=shape.response_id,
-        created=shape.created,
-        logprobs=shape.logprobs,
+        "chat" if s.chat else "completion",
+        num_choices=s.num_choices,
+        model=s.model,
+        response_id=s.response_id,
+        created=s.created,
+        logprobs=s.logprobs,
     )
-    error: PipelineError | None = None
-    raw_usage: dict[str, Any] | None = None
-    for item in events:
-        if item is None:
-            if run.overdue():
-                error = _timeout()
-                break
-            continue
-        ev = item[1]
-        error = event_error(ev)
-        if error is not None:
-            run.complete = ev.kind is OutputKind.ERROR
-            break
-        if ev.kind is OutputKind.DELTA and ev.text:
-            run.timer.text_sent()
-        elif ev.kind is OutputKind.USAGE:
-            raw_usage = ev.usage
-        fold.feed(ev)
-        if fold.done:
-            run.complete = True
-            break
-    run.usage = raw_usage
+    next_look = time.monotonic() + UNARY_TICK_S
+    while not fold.done:
+        item = run.next(UNARY_TICK_S)
+        if item is not None:
+            fold.feed(item[1])
+        if time.monotonic() >= next_look:
+            next_look = time.monotonic() + UNARY_TICK_S
+            if client_gone():
+                run.close(disconnected=True)
+                return Response(status=499)  # nobody reads it; the WSGI server drops it
     run.close()
-    if error is not None:
-        raise error
+    if fold.failure is not None:
+        raise fold.failure
     return _json(fold.response())
 
 
-def _peek(run: _Run, events: Iterator[Item]) -> list[Item]:
-    """Events up to the first one that shows how the request starts.
+def _opening(run: Run, wait_s: float) -> list[Item]:
+    """Items up to the first one that shows how the request starts.
 
-    Raises the request's error if that comes first; returns [] after one keep-alive
-    interval without output (the stream then starts and keeps the client waiting).
+    Raises the request's error if it fails before any output (a request-level error,
+    or every choice failed); returns what it read after ``wait_s`` without output
+    (the stream then starts and keeps the client waiting).
     """
     seen: list[Item] = []
-    for item in events:
+    while True:
+        item = run.next(wait_s)
         if item is None:
-            break
-        error = event_error(item[1])
-        if error is not None:
-            run.complete = item[1].kind is OutputKind.ERROR
-            raise error
+            return seen
+        if run.failure is not None:
+            raise run.failure
         seen.append(item)
         ev = item[1]
-        if ev.kind is not OutputKind.DELTA or ev.text or ev.logprobs:
-            break
-    return seen
+        if ev.kind is OutputKind.DELTA and not (ev.text or ev.logprobs):
+            continue
+        if ev.kind is OutputKind.FINAL and ev.choice in run.choice_errors:
+            continue  # one choice failed; the others may still start
+        return seen
 
 
-def _stream(
-    run: _Run,
-    shape: ResponseShape,
-    events: Iterator[Item],
-    metrics: WebMetrics,
-    endpoint: str,
-) -> Response:
-    first = _peek(run, events)
+def _stream(run: Run, *, opening: bool = True) -> Response:
+    keepalive_s = max(settings_of(current_app).sse_keepalive_s, 0.001)
+    first = _opening(run, keepalive_s) if opening else []
+    ended_by_client = False
+
+    def items() -> Iterator[Item | None]:
+        yield from first
+        while not run.ended:
+            yield run.next(keepalive_s)
 
     def body() -> Iterator[str]:
-        chunks = ChunkStream(shape)
+        nonlocal ended_by_client
+        chunks = ChunkStream(run.shape)
         try:
-            opening = chunks.opening()
             if opening:
-                yield "".join(sse.data_frame(c.to_json()) for c in opening)
-            for item in chain(first, events):
+                head = chunks.opening()
+                if head:
+                    yield "".join(sse.data_frame(c.to_json()) for c in head)
+            for item in items():
                 if item is None:
-                    if run.overdue():
-                        chunks.error = _timeout()
-                    else:
-                        yield sse.KEEPALIVE
-                        continue
-                else:
-                    ev = item[1]
-                    out = chunks.feed(ev)
-                    if out:
-                        if ev.kind is OutputKind.DELTA and ev.text:
-                            run.timer.text_sent()
-                        yield "".join(sse.data_frame(c.to_json()) for c in out)
+                    yield sse.KEEPALIVE
+                    continue
+                eid = event_id(item)
+                out = chunks.feed(item[1])
+                if out:
+                    yield "".join(sse.data_frame(c.to_json(), eid) for c in out)
                 if chunks.error is not None:
-                    metrics.stream_errors.labels(endpoint, chunks.error.type).inc()
-                    yield sse.error_frame(chunks.error)
+                    yield sse.error_frame(chunks.error, eid)
                     break
                 if chunks.ended:
                     break
-            run.complete = chunks.ended and chunks.error is None
-            run.usage = chunks.usage
         except GeneratorExit:  # the WSGI server closed us: the client is gone
-            run.disconnected = True
+            ended_by_client = True
             raise
         except Exception as exc:
-            logger.exception("stream of request %s failed", run.rid)
-            metrics.stream_errors.labels(endpoint, "internal_error").inc()
+            logger.exception("stream of request %s failed", run.request_id)
+            run.close(error=exc)
             yield sse.error_frame(exc)
         yield sse.DONE
 
     response = Response(body(), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
-    response.call_on_close(run.close)
+    response.headers["x-request-id"] = g.request_id if g.client_request_id else run.request_id
+    response.call_on_close(
+        lambda: run.close(disconnected=ended_by_client or not run.ended, resumable=True)
+    )
     return response

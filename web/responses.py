@@ -2,25 +2,26 @@
 
 Pure (no Flask, no Redis), so the framing rules are tested without a server.
 Non-streamed responses fold the same ``OutputEvent`` sequence (docs/streams.md) with
-``app.fold.ResponseFold``, which the batch API shares, so a streamed, a plain and a
+``app.fold.ResponseFold``, which the batch driver shares, so a streamed, a plain and a
 batched request cannot disagree.
 
 ``ChunkStream`` sends the role chunk of every choice first (chat), then one chunk per
-delta, one per choice's ``final`` (``finish_reason`` + vLLM's ``stop_reason``), and the
-usage chunk (``choices: []``) when the client asked for ``include_usage``. It stops at
-the first error (a choice ``final`` with ``finish_reason: error`` or a request-level
-``error``; ``event_error`` recognizes both) and exposes it as ``.error``: a
-``PipelineError`` whose status is the event's code. The caller decides what an error
-means at that point (an HTTP status before any output, an SSE error event after).
+delta, one per choice's ``final`` (``finish_reason`` + vLLM's ``stop_reason``; a choice
+that failed gets ``finish_reason: "error"`` and its ``error`` while the other choices go
+on), and the usage chunk (``choices: []``, with llama.cpp's ``timings``) when the
+client asked for ``include_usage``. A request-level error ends the chunks and is exposed
+as ``.error`` (``app.errors.StreamError``); the caller frames it (an HTTP status before
+any output, an SSE error event after).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from app.fold import usage_from_event
-from app.messages import FinishReason, OutputEvent, OutputKind
+from app.errors import StreamError, event_error
+from app.fold import choice_error_body, usage_from_event
+from app.intake import ResponseShape
+from app.messages import OutputEvent, OutputKind
 from app.response_models import (
     ChatChoiceLogprobs,
     ChatCompletionChunk,
@@ -30,31 +31,8 @@ from app.response_models import (
     CompletionChunk,
     CompletionLogprobs,
 )
-from web.errors import PipelineError
 
 Chunk = ChatCompletionChunk | CompletionChunk
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseShape:
-    """What a response looks like, fixed when the request is accepted."""
-
-    chat: bool
-    response_id: str
-    model: str
-    created: int
-    num_choices: int
-    logprobs: bool = False
-    include_usage: bool = False
-
-
-def event_error(ev: OutputEvent) -> PipelineError | None:
-    """The error an event reports (a choice ended in error, or the request failed)."""
-    if ev.kind is OutputKind.ERROR or (
-        ev.kind is OutputKind.FINAL and ev.finish_reason is FinishReason.ERROR
-    ):
-        return PipelineError(ev.error or "The request failed.", ev.code)
-    return None
 
 
 class ChunkStream:
@@ -62,7 +40,7 @@ class ChunkStream:
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
-        self.error: PipelineError | None = None
+        self.error: StreamError | None = None
         self.usage: dict[str, Any] | None = None  # raw, timings included (for metrics)
         self.ended = False  # the terminal event was seen
         self._offsets = [0] * shape.num_choices  # legacy logprobs' text_offset per choice
@@ -92,12 +70,11 @@ class ChunkStream:
         """The chunks for one event; none once an error or the end was seen."""
         if self.error is not None or self.ended:
             return []
-        error = event_error(ev)
-        if error is not None:
-            self.error = error
-            self.ended = ev.kind is OutputKind.ERROR
-            return []
         kind = ev.kind
+        if kind is OutputKind.ERROR:
+            self.error = event_error(ev)
+            self.ended = True
+            return []
         if kind is OutputKind.DELTA:
             return [self._delta(ev)]
         if kind is OutputKind.FINAL:
@@ -143,6 +120,8 @@ class ChunkStream:
 
     def _final(self, ev: OutputEvent) -> Chunk:
         index = ev.choice or 0
+        failed = event_error(ev)
+        error = choice_error_body(failed) if failed is not None else None
         if self.shape.chat:
             return self._chat(
                 [
@@ -151,6 +130,7 @@ class ChunkStream:
                         delta=ChatDelta(),
                         finish_reason=ev.finish_reason,
                         stop_reason=ev.stop_reason,
+                        error=error,
                     )
                 ]
             )
@@ -161,6 +141,7 @@ class ChunkStream:
                     text="",
                     finish_reason=ev.finish_reason,
                     stop_reason=ev.stop_reason,
+                    error=error,
                 )
             ]
         )

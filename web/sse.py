@@ -23,12 +23,15 @@ HEADERS = {
 MIMETYPE = "text/event-stream"
 
 
-def data_frame(payload_json: str) -> str:
-    """One event; ``payload_json`` must be single-line JSON (json/pydantic escape newlines)."""
+def data_frame(payload_json: str, event_id: str | None = None) -> str:
+    """One event; ``payload_json`` must be single-line JSON (json/pydantic escape
+    newlines). ``event_id`` (the resume cursor) becomes its ``id:`` line."""
+    if event_id:
+        return f"id: {event_id}\ndata: {payload_json}\n\n"
     return f"data: {payload_json}\n\n"
 
 
-def error_frame(exc: BaseException) -> str:
+def error_frame(exc: BaseException, event_id: str | None = None) -> str:
     """The error event for ``exc``: its OpenAI body (a generic one unless it is ours)."""
     _status, body = error_body(exc)
-    return data_frame(json.dumps(body, ensure_ascii=False))
+    return data_frame(json.dumps(body, ensure_ascii=False), event_id)

@@ -3,22 +3,20 @@
 One socket carries many chat requests at once, each tagged with an id the client
 chooses; the protocol is documented for client writers in ``docs/websocket.md``.
 
-The module has a pure half and a thin I/O half, so the protocol can be tested without a
-socket:
+The module frames; it decides nothing about requests:
 
-- ``parse_client_message`` turns one received message into a ``ChatStart``,
-  ``CancelChat`` or ``Ping``, or raises ``RejectedMessage`` carrying the OpenAI error to
-  answer with (and the id, when the message had a usable one).
-- ``server_message`` turns one output-stream event into the message a client gets.
-- ``ChatSocket`` is the I/O: it reads messages on the connection's own thread (under
-  gunicorn's gthread workers that is one pool thread per socket), runs one reader thread
-  per request that follows its output stream, and serializes every write with a lock
-  because wsproto's connection state is not thread-safe. A cancel message, or the
-  socket closing for any reason, cancels generation upstream.
-
-Requests go through ``GenerationService`` exactly as HTTP requests do (same validation,
-templating, admission and output stream), so the text a WebSocket client receives is the
-text an SSE or non-streaming client receives for the same request.
+- ``parse_client_message`` reads one received message's envelope into a ``ChatStart``
+  (its body still raw: ``Runner.start`` validates it exactly as the HTTP route does),
+  ``ResumeChat``, ``CancelChat`` or ``Ping``, or raises ``RejectedMessage`` carrying the
+  OpenAI error to answer with (and the id, when the message had a usable one).
+- ``server_message`` turns one run item into the message a client gets; each carries
+  the event ``cursor`` a client sends back in a ``resume`` message after a dropped
+  socket, on any web process.
+- ``ChatSocket`` is the I/O: it reads messages on the connection's own thread, runs one
+  reader thread per request that follows its ``Run``, and serializes every write with a
+  lock because wsproto's connection state is not thread-safe. A ``cancel`` message
+  cancels at once; a socket that closes leaves its requests running for
+  ``resume_grace_s`` so the client can resume them, then they are cancelled.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,39 +35,28 @@ from simple_websocket import ConnectionClosed
 from app.errors import (
     AuthenticationFailed,
     InvalidRequest,
-    NotImplementedFeature,
     PayloadTooLarge,
+    StreamError,
     TokenRelayError,
     error_body,
 )
 from app.fold import usage_from_event
+from app.intake import Endpoint
+from app.lenient_json import loads_lenient
 from app.messages import OutputEvent, OutputKind
-from app.protocol import (
-    ChatCompletionRequest,
-    parse_chat_request,
-)
-from app.response_models import (
-    ChatChoiceLogprobs,
-)
+from app.response_models import ChatChoiceLogprobs
 from app.settings import Settings
-from broker.streams import is_terminal
-from web.app import service_of, settings_of
+from broker.run import Run, Runner
 from web.auth import bearer_key, exempt, key_ok
-from web.bodies import loads_repaired
-from web.errors import PipelineError
-from web.metrics import RequestTimer, WebMetrics, metrics_of
-from web.service import GenerationService, Submitted
+from web.context import runner_of, settings_of
+from web.resume import parse_event_id
 
 logger = logging.getLogger(__name__)
 
 WS_PATH = "/v1/ws"
 MAX_ID_LENGTH = 256
-# A request's reader gives up this long after the request's own deadline: the streamer
-# ends a late request with a 504 itself, so this only matters when no streamer is left.
-READER_GRACE_S = 30.0
-# How often a blocked reader wakes to notice a closed socket (the close itself already
-# cancelled generation, so this bounds only how long the thread lingers).
-READ_BLOCK_MS = 1000
+# How often a blocked reader wakes to notice a closed socket.
+READ_BLOCK_S = 1.0
 # Close code for a refused connection (RFC 6455 "policy violation").
 CLOSE_POLICY_VIOLATION = 1008
 
@@ -82,10 +68,21 @@ CLOSE_POLICY_VIOLATION = 1008
 
 @dataclass(frozen=True, slots=True)
 class ChatStart:
-    """``{"type": "chat", "id": ..., <chat-completions body>}``, validated."""
+    """``{"type": "chat", "id": ..., <chat-completions body>}``; the body is validated
+    by ``Runner.start``, as an HTTP body is."""
 
     id: str
-    request: ChatCompletionRequest
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeChat:
+    """``{"type": "resume", "id": ..., "request_id": ..., "cursor"?: ...}``: continue a
+    request started on another socket (or process) after its last seen event."""
+
+    id: str
+    request_id: str
+    cursor: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +99,8 @@ class Ping:
     id: str | None = None
 
 
-ClientMessage = ChatStart | CancelChat | Ping
+ClientMessage = ChatStart | ResumeChat | CancelChat | Ping
+_KINDS = ("chat", "resume", "cancel", "ping")
 
 
 class RejectedMessage(Exception):
@@ -120,18 +118,8 @@ class RejectedMessage(Exception):
         self.final = final
 
 
-def parse_client_message(
-    raw: str | bytes,
-    *,
-    max_bytes: int,
-    max_stop_sequences: int,
-    max_n: int,
-) -> ClientMessage:
-    """Decode and validate one received message.
-
-    Chat bodies go through ``parse_chat_request`` (the HTTP route's validation, with the
-    same limits), so the error a client gets names the offending field in ``param``.
-    """
+def parse_client_message(raw: str | bytes, *, max_bytes: int) -> ClientMessage:
+    """Read one received message's envelope (the lenient JSON reader of HTTP bodies)."""
     size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
     too_large = (
         PayloadTooLarge(f"Message of {size} bytes is over the limit of {max_bytes} bytes.")
@@ -139,8 +127,7 @@ def parse_client_message(
         else None
     )
     try:
-        # Repaired as HTTP bodies are: broken UTF-8 and raw control characters are kept.
-        body = loads_repaired(raw)
+        body = loads_lenient(raw)
     except InvalidRequest as exc:
         exc.code = "invalid_json"
         raise RejectedMessage(too_large or exc) from None
@@ -148,19 +135,18 @@ def parse_client_message(
         raise RejectedMessage(
             too_large or InvalidRequest("Message must be a JSON object.", code="invalid_json")
         )
-
     kind = body.pop("type", None)
     msg_id = _valid_id(body.pop("id", None))
     if too_large is not None:
-        # Still parsed (it is under the hard limit) so the client learns which request
+        # Still read (it is under the hard limit) so the client learns which request
         # failed, and a chat gets its done like any other rejected request.
-        raise RejectedMessage(too_large, msg_id, final=kind == "chat")
+        raise RejectedMessage(too_large, msg_id, final=kind in ("chat", "resume"))
     if kind == "ping":
         return Ping(msg_id)
-    if kind not in ("chat", "cancel"):
+    if kind not in _KINDS:
         raise RejectedMessage(
             InvalidRequest(
-                f"Unknown message type {kind!r}; expected 'chat', 'cancel' or 'ping'.",
+                f"Unknown message type {kind!r}; expected one of {', '.join(_KINDS)}.",
                 param="type",
                 code="unknown_message_type",
             ),
@@ -178,22 +164,27 @@ def parse_client_message(
         )
     if kind == "cancel":
         return CancelChat(msg_id)
+    if kind == "resume":
+        return _resume_message(msg_id, body)
+    return ChatStart(msg_id, body)
 
-    # The socket always streams; stream_options is accepted as it is on a streaming POST.
-    body["stream"] = True
-    try:
-        req = parse_chat_request(body, max_stop_sequences=max_stop_sequences, max_n=max_n)
-    except InvalidRequest as exc:
-        raise RejectedMessage(exc, msg_id) from None
-    if req.uses_deprecated_functions:
+
+def _resume_message(msg_id: str, body: dict[str, Any]) -> ResumeChat:
+    rid = body.get("request_id")
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LENGTH:
         raise RejectedMessage(
-            NotImplementedFeature(
-                "The deprecated 'functions' / 'function_call' API is not supported.",
-                param="functions",
+            InvalidRequest(
+                "A 'resume' message needs the 'request_id' its chat was started with.",
+                param="request_id",
             ),
             msg_id,
         )
-    return ChatStart(msg_id, req)
+    cursor = body.get("cursor")
+    try:
+        return ResumeChat(msg_id, rid, parse_event_id(cursor if isinstance(cursor, str) else None))
+    except InvalidRequest as exc:
+        exc.param = "cursor"
+        raise RejectedMessage(exc, msg_id) from None
 
 
 def _valid_id(value: Any) -> str | None:
@@ -220,20 +211,20 @@ def error_message(exc: BaseException, id: str | None = None) -> dict[str, Any]:
 def stream_error_body(message: str | None, status: int | None) -> dict[str, Any]:
     """The OpenAI error body for an error event of an output stream: the same body an
     HTTP client gets for it (its message is written to be shown, docs/streams.md)."""
-    _, body = error_body(PipelineError(message or "", status))
+    _, body = error_body(StreamError(message, status))
     error: dict[str, Any] = body["error"]
     return error
 
 
-def server_message(id: str, event: OutputEvent) -> dict[str, Any]:
-    """The message a client receives for one output-stream event of request ``id``."""
+def server_message(id: str, event: OutputEvent, cursor: str | None = None) -> dict[str, Any]:
+    """The message a client receives for one output event of request ``id``;
+    ``cursor`` (the event's resume point) is added when given."""
+    out: dict[str, Any]
     if event.kind is OutputKind.DELTA:
-        out: dict[str, Any] = {"type": "delta", "id": id, "choice": event.choice}
-        out["text"] = event.text
+        out = {"type": "delta", "id": id, "choice": event.choice, "text": event.text}
         if event.logprobs is not None:
             out["logprobs"] = ChatChoiceLogprobs.from_entries(event.logprobs).to_dict()
-        return out
-    if event.kind is OutputKind.FINAL:
+    elif event.kind is OutputKind.FINAL:
         out = {
             "type": "final",
             "id": id,
@@ -243,11 +234,14 @@ def server_message(id: str, event: OutputEvent) -> dict[str, Any]:
         }
         if event.error is not None:
             out["error"] = stream_error_body(event.error, event.code)
-        return out
-    if event.kind is OutputKind.USAGE:
+    elif event.kind is OutputKind.USAGE:
         usage = usage_from_event(event.usage)  # without the streamer's internal keys
-        return {"type": "usage", "id": id, "usage": usage.to_dict()}
-    return {"type": "error", "id": id, "error": stream_error_body(event.error, event.code)}
+        out = {"type": "usage", "id": id, "usage": usage.to_dict()}
+    else:
+        out = {"type": "error", "id": id, "error": stream_error_body(event.error, event.code)}
+    if cursor:
+        out["cursor"] = cursor
+    return out
 
 
 def done_message(id: str) -> dict[str, Any]:
@@ -270,35 +264,16 @@ def presented_key(req: Request) -> str | None:
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Running:
-    submitted: Submitted
-    timer: RequestTimer | None
-
-
 class ChatSocket:
-    """One client connection: reads messages, runs its requests, writes their output.
+    """One client connection: reads messages, runs its requests, writes their output."""
 
-    ``metrics`` (optional) records each request as the HTTP routes do, under the
-    endpoint label ``/v1/ws``; ``tokenrelay_requests`` counts each chat request with
-    the HTTP status its outcome would have had.
-    """
-
-    def __init__(
-        self,
-        ws: Any,
-        service: GenerationService,
-        settings: Settings,
-        *,
-        metrics: WebMetrics | None = None,
-    ) -> None:
+    def __init__(self, ws: Any, runner: Runner, settings: Settings) -> None:
         self.ws = ws
-        self.service = service
+        self.runner = runner
         self.settings = settings
-        self.metrics = metrics
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, Run] = {}
         self._closed = threading.Event()
 
     # -- writing ----------------------------------------------------------------------------
@@ -317,34 +292,24 @@ class ChatSocket:
 
     # -- reading ----------------------------------------------------------------------------
     def serve(self) -> None:
-        """Handle messages until the client goes; then cancel what is still running."""
+        """Handle messages until the client goes; its runs' readers then close them."""
         try:
             while not self._closed.is_set():
-                raw = self.ws.receive(timeout=READ_BLOCK_MS / 1000)
+                raw = self.ws.receive(timeout=READ_BLOCK_S)
                 if raw is not None:
                     self.handle(raw)
         except ConnectionClosed:
             pass
         finally:
             self._closed.set()
-            with self._state_lock:
-                orphans = [r.submitted.request_id for r in self._running.values()]
-            for rid in orphans:
-                self._cancel_quietly(rid)
 
     def handle(self, raw: str | bytes) -> None:
         """Answer one message; nothing a client sends can end the connection here."""
         try:
-            msg = parse_client_message(
-                raw,
-                max_bytes=self.settings.ws_max_message_bytes,
-                max_stop_sequences=self.settings.max_stop_sequences,
-                max_n=self.settings.max_n,
-            )
+            msg = parse_client_message(raw, max_bytes=self.settings.ws_max_message_bytes)
         except RejectedMessage as rej:
             self.send(error_message(rej.error, rej.id))
             if rej.id is not None and rej.final:
-                self._count(rej.error)
                 self.send(done_message(rej.id))
             return
         if isinstance(msg, Ping):
@@ -354,7 +319,7 @@ class ChatSocket:
         else:
             self.start(msg)
 
-    def start(self, msg: ChatStart) -> None:
+    def start(self, msg: ChatStart | ResumeChat) -> None:
         with self._state_lock:
             duplicate = msg.id in self._running
         if duplicate:
@@ -363,100 +328,58 @@ class ChatSocket:
                 param="id",
                 code="duplicate_id",
             )
-            self._count(rej)
             self.send(error_message(rej, msg.id))
             return
         try:
-            submitted = self.service.submit(self.service.chat_record(msg.request))
+            if isinstance(msg, ChatStart):
+                run = self.runner.start(Endpoint.CHAT, msg.body, route=WS_PATH, stream=True)
+            else:
+                run = self.runner.resume(msg.request_id, msg.cursor, route=WS_PATH)
         except Exception as exc:
             if not (isinstance(exc, TokenRelayError) and exc.public):
                 logger.exception("WebSocket chat request %r failed to start", msg.id)
-            self._count(exc)
             self.send(error_message(exc, msg.id))
             self.send(done_message(msg.id))
             return
-        timer = None
-        if self.metrics is not None:
-            timer = RequestTimer(self.metrics, WS_PATH, submitted.record.num_choices)
-            timer.begin()
-        running = _Running(submitted, timer)
         with self._state_lock:
-            self._running[msg.id] = running
+            self._running[msg.id] = run
+        self.send({"type": "started", "id": msg.id, "request_id": run.request_id})
         threading.Thread(
             target=self._follow,
-            args=(msg.id, running),
-            name=f"ws-reader-{submitted.request_id[:8]}",
+            args=(msg.id, run),
+            name=f"ws-reader-{run.request_id[:8]}",
             daemon=True,
         ).start()
 
-    def _count(self, outcome: BaseException | None) -> None:
-        """Count one chat request by the HTTP status its outcome maps to."""
-        if self.metrics is None:
-            return
-        status, error_type = 200, ""
-        if outcome is not None:
-            status, body = error_body(outcome)
-            error_type = body["error"]["type"]
-        self.metrics.requests.labels(WS_PATH, str(status), error_type).inc()
-
     def cancel(self, id: str) -> None:
-        """Cancel request ``id``; its stream still ends with finals (``abort``), usage
-        and ``done``. An id that is not running is ignored: a cancel racing the end of
-        its request is normal."""
+        """Cancel request ``id`` now; its stream still ends with finals (``abort``),
+        usage and ``done``. An id that is not running is ignored: a cancel racing the
+        end of its request is normal."""
         with self._state_lock:
-            running = self._running.get(id)
-        if running is not None:
-            self._cancel_quietly(running.submitted.request_id)
-
-    def _cancel_quietly(self, rid: str) -> None:
-        try:
-            self.service.cancel(rid)
-        except Exception:
-            logger.exception("cancelling request %s failed", rid)
+            run = self._running.get(id)
+        if run is not None:
+            try:
+                self.runner.cancel(run.request_id)
+            except Exception:
+                logger.exception("cancelling request %s failed", run.request_id)
 
     # -- one request's output ---------------------------------------------------------------
-    def _follow(self, id: str, running: _Running) -> None:
-        """Relay request ``id``'s output stream to the socket until its terminal event."""
-        submitted, timer = running.submitted, running.timer
-        rid = submitted.request_id
-        give_up_at = submitted.record.deadline + READER_GRACE_S
-        complete = False
-        failure: BaseException | None = None
-        usage: dict[str, Any] | None = None
+    def _follow(self, id: str, run: Run) -> None:
+        """Relay one run to the socket until its terminal event or the socket's end."""
+        error: BaseException | None = None
         try:
-            for item in self.service.events(rid, block_ms=READ_BLOCK_MS):
-                if self._closed.is_set():
+            while not run.ended and not self._closed.is_set():
+                item = run.next(READ_BLOCK_S)
+                if item is not None and not self.send(server_message(id, item[1], item[0])):
                     break
-                if item is None:
-                    if time.time() > give_up_at:
-                        failure = PipelineError("The request timed out waiting for output.", 504)
-                        self.send(error_message(failure, id))
-                        break
-                    continue
-                _, event = item
-                if not self.send(server_message(id, event)):
-                    break
-                if event.kind is OutputKind.DELTA and event.text and timer is not None:
-                    timer.text_sent()
-                elif event.kind is OutputKind.USAGE:
-                    usage = event.usage
-                elif event.kind is OutputKind.ERROR:
-                    failure = PipelineError(event.error or "", event.code)
-                complete = is_terminal(event)
         except Exception as exc:
-            logger.exception("relaying request %s to a WebSocket failed", rid)
-            failure = exc
+            logger.exception("relaying request %s to a WebSocket failed", run.request_id)
+            error = exc
             self.send(error_message(exc, id))
         finally:
-            if complete:
-                self.service.finish(rid)
-            else:
-                self._cancel_quietly(rid)
+            run.close(disconnected=self._closed.is_set(), resumable=True, error=error)
             with self._state_lock:
                 self._running.pop(id, None)
-            if timer is not None:
-                timer.end(usage, disconnected=self._closed.is_set() and not complete)
-            self._count(failure)
             # After the id is free again, so a client may reuse it as soon as it sees done.
             self.send(done_message(id))
 
@@ -505,4 +428,4 @@ def register(sock: Sock) -> None:
             except ConnectionClosed:
                 pass
             return
-        ChatSocket(ws, service_of(current_app), settings, metrics=metrics_of(current_app)).serve()
+        ChatSocket(ws, runner_of(current_app), settings).serve()

@@ -8,16 +8,18 @@ the work. One loop per process (several may run, on any host):
    cancels and expired completion windows, heartbeat, and take any batch on the work
    list whose lock is free (new batches, or those of a driver that died);
 2. a newly taken batch is planned: every line of its input file is validated and built
-   into a request record up front (``app.batches.plan_batch`` + the web tier's own
-   ``RecordBuilder``); bad lines are recorded as failed; a file that is unusable as a
-   whole fails the batch; otherwise it moves to ``in_progress``;
+   into a request up front (``app.batches.plan_batch`` + ``app.intake.Intake``, the
+   HTTP routes' own intake); bad lines are recorded as failed; a file that is unusable
+   as a whole fails the batch; otherwise it moves to ``in_progress``;
 3. lines are submitted in order on the ``batch`` Celery queue (interactive requests go
    first), at most ``batch_max_in_flight`` of a batch at once. Line ``i`` of batch ``b``
    is request ``b-i``; its record and the batch's ``submitted`` counter are written in
    one transaction fenced by the lock;
-4. ONE blocking XREAD over the output streams of every running line; each line's events
-   are folded (``app.fold.ResponseFold``) into the body the non-streaming endpoint would
-   return, and its result is recorded exactly once (Lua: HSETNX + counter);
+4. every running line is a ``broker.run.Run`` followed by the process's one output hub
+   (the reader the web tier uses); the loop waits on one event the hub sets for any of
+   them; each line's events are folded (``app.fold.ResponseFold``) into the body the
+   non-streaming endpoint would return, and its result is recorded exactly once (Lua:
+   HSETNX + counter);
 5. when every line has a result (or a cancel/expiry has wound the batch down), the output
    and error files are written and the batch ends: completed, cancelled or expired.
 
@@ -31,7 +33,6 @@ every write is fenced by the lock, a takeover neither loses nor duplicates a lin
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -42,14 +43,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
-from celery import Celery
 
 from app.batches import (
-    CHAT_ENDPOINT,
     NOT_RUN_MESSAGES,
     BatchError,
     BatchErrors,
@@ -63,32 +62,26 @@ from app.batches import (
     rejected_line,
     success_line,
 )
-from app.chat_template import PromptBuilder
-from app.errors import NotImplementedFeature
 from app.fold import ResponseFold
-from app.model_card import load_model_card
-from app.protocol import parse_chat_request, parse_completion_request
+from app.intake import Endpoint, PreparedRequest, shape_of
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
-from broker.celery_app import create_celery, send_generate
-from broker.connection import redis_client
+from broker.celery_app import send_generate
 from broker.keys import Keys
-from app.records import RecordBuilder, RequestRecord
 from broker.registry import BatcherInfo, batcher_registry
-from broker.requests import RequestStore
-from broker.streams import decode_events
+from broker.run import Run, Runner
 from workers.service_main import run_service
 
 logger = logging.getLogger(__name__)
 
 MAINTAIN_S = 0.5
 HEARTBEAT_S = 2.0
-READ_BLOCK_MS = 100
+READ_BLOCK_S = 0.1
 # After a cancel or expiry, in-flight lines get this long to end (a cancelled request
 # ends within an engine step; one still waiting in the Celery queue never reports).
 WIND_DOWN_S = 10.0
 
-Plan = list[PlannedLine[RequestRecord] | RejectedLine]
+Plan = list[PlannedLine[PreparedRequest] | RejectedLine]
 
 
 def line_request_id(batch_id: str, index: int) -> str:
@@ -103,13 +96,16 @@ def result_file_id(batch_id: str, kind: str) -> str:
 
 @dataclass(slots=True)
 class LineRun:
-    """A line whose request was submitted: its output stream is being folded."""
+    """A line whose request was submitted: its run's events are being folded."""
 
     index: int
     custom_id: str
-    request_id: str
+    run: Run
     fold: ResponseFold
-    cursor: str = "0-0"
+
+    @property
+    def request_id(self) -> str:
+        return self.run.request_id
 
 
 @dataclass
@@ -118,7 +114,7 @@ class DrivenBatch:
 
     body: BatchBody
     custom_ids: dict[int, str] = field(default_factory=dict)  # valid lines
-    pending: deque[PlannedLine[RequestRecord]] = field(default_factory=deque)
+    pending: deque[PlannedLine[PreparedRequest]] = field(default_factory=deque)
     running: dict[str, LineRun] = field(default_factory=dict)  # by request id
     ending: str | None = None  # "batch_cancelled" / "batch_expired" while winding down
     wind_down_since: float = 0.0
@@ -136,25 +132,22 @@ class BatchDriver:
     def __init__(
         self,
         settings: Settings,
-        client: redis.Redis,
-        builder: RecordBuilder,
-        celery_app: Celery,
+        runner: Runner,
         *,
         driver_id: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
-        self.redis = client
-        self.builder = builder
-        self.celery = celery_app
+        self.runner = runner
+        client = runner.redis
         self.clock = clock
         self.driver_id = driver_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         keys = Keys(settings.key_prefix)
-        self.keys = keys
         self.batches = BatchStore(client, keys, ttl_s=settings.batch_ttl_s)
         self.files = FileStore(client, keys, ttl_s=settings.batch_file_ttl_s)
-        self.requests = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
+        self.requests = runner.store
         self.registry = batcher_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
+        self.output_ready = threading.Event()  # set by the hub for any line's output
         self.driven: dict[str, DrivenBatch] = {}
         self.stopping = threading.Event()
         self.started = clock()
@@ -184,7 +177,7 @@ class BatchDriver:
             self.maintain()
         for b in list(self.driven.values()):
             self._guarded(b, self._submit)
-        self.read(block_ms=READ_BLOCK_MS)
+        self.read(block_s=READ_BLOCK_S)
 
     def _guarded(self, b: DrivenBatch, step: Callable[[DrivenBatch], None]) -> None:
         """Run one step for one batch; a lost lock or a bug drops only that batch."""
@@ -192,13 +185,21 @@ class BatchDriver:
             step(b)
         except LockLost:
             logger.warning("lost the lock of batch %s; another driver has it", b.id)
-            self.driven.pop(b.id, None)
+            self._drop(b.id)
         except redis.RedisError:
             raise
         except Exception:
             logger.exception("batch %s: unexpected error; releasing it", b.id)
-            self.driven.pop(b.id, None)
+            self._drop(b.id)
             self.batches.release(b.id, self.driver_id)
+
+    def _drop(self, bid: str) -> None:
+        """Stop driving a batch: stop following its lines, end none of them (whoever
+        drives it next follows them again)."""
+        b = self.driven.pop(bid, None)
+        if b is not None:
+            for line in b.running.values():
+                line.run.detach()
 
     # -- locks, cancels, expiry, new batches -----------------------------------------------
     def maintain(self) -> None:
@@ -207,7 +208,7 @@ class BatchDriver:
         for b in list(self.driven.values()):
             if not self.batches.refresh(b.id, self.driver_id, ttl):
                 logger.warning("lost the lock of batch %s; another driver has it", b.id)
-                self.driven.pop(b.id, None)
+                self._drop(b.id)
                 continue
             self._guarded(b, self._check)
         for bid in self.batches.active():
@@ -228,7 +229,7 @@ class BatchDriver:
     def _check(self, b: DrivenBatch) -> None:
         progress = self.batches.progress(b.id)
         if progress is None:  # the batch itself expired from Redis
-            self.driven.pop(b.id, None)
+            self._drop(b.id)
             self.batches.forget(b.id)
             return
         status, _submitted = progress
@@ -251,7 +252,7 @@ class BatchDriver:
         b.wind_down_since = time.monotonic()
         b.pending.clear()
         for rid in b.running:
-            self.requests.cancel(rid)
+            self.runner.cancel(rid)
 
     # -- taking a batch ----------------------------------------------------------------------
     def _adopt(self, bid: str) -> None:
@@ -325,27 +326,16 @@ class BatchDriver:
         if status is BatchStatus.CANCELLING:
             self._wind_down(b, "batch_cancelled")
         elif status is BatchStatus.FINALIZING:
-            ending: Any = self.redis.hget(self.keys.batch(b.id), "ending")
-            b.ending = ending.decode() if ending else None
+            b.ending = self.batches.ending(b.id)
             b.pending.clear()
             self._finalize(b)
 
-    def _builder(self, endpoint: str) -> Callable[[dict[str, Any]], RequestRecord]:
-        s = self.settings
+    def _builder(self, endpoint: str) -> Callable[[dict[str, Any]], PreparedRequest]:
+        target = Endpoint(endpoint)
 
-        def build(body: dict[str, Any]) -> RequestRecord:
+        def build(body: dict[str, Any]) -> PreparedRequest:
             self._keep_locks()  # planning a big file takes longer than a lock lives
-            limits = {"max_stop_sequences": s.max_stop_sequences, "max_n": s.max_n}
-            if endpoint == CHAT_ENDPOINT:
-                chat = parse_chat_request(body, **limits)
-                if chat.uses_deprecated_functions:
-                    raise NotImplementedFeature(
-                        "The 'functions' and 'function_call' parameters are deprecated and "
-                        "not supported; use 'tools'.",
-                        param="functions",
-                    )
-                return self.builder.chat(chat, queue="batch")
-            return self.builder.completion(parse_completion_request(body, **limits), queue="batch")
+            return self.runner.intake.prepare(target, body, queue="batch", stream=False)
 
         return build
 
@@ -359,36 +349,42 @@ class BatchDriver:
         for bid in list(self.driven):
             self.batches.refresh(bid, self.driver_id, self.settings.batch_lock_ttl_s)
 
-    def _follow(self, b: DrivenBatch, lines: list[PlannedLine[RequestRecord]]) -> None:
-        """Resume lines a previous driver submitted: read their output from ``0-0``."""
-        if not lines:
-            return
-        pipe = self.redis.pipeline(transaction=False)
+    def _follow(self, b: DrivenBatch, lines: list[PlannedLine[PreparedRequest]]) -> None:
+        """Resume lines a previous driver submitted: read their output from the start."""
         for line in lines:
             rid = line_request_id(b.id, line.index)
-            pipe.exists(self.keys.request(rid), self.keys.output(rid))
-        for line, exists in zip(lines, pipe.execute(), strict=True):
-            rid = line_request_id(b.id, line.index)
-            if not exists:  # record and output both expired: it can only fail now
+            if self.runner.outputs.lost(rid):  # record and output expired: it failed
                 msg = "The request expired before its result was collected."
                 self._record(b, line.index, failed_line(line.custom_id, rid, msg, 504))
                 continue
-            b.running[rid] = self._line_run(b, line.index, line.custom_id, line.request, rid)
-        logger.info("batch %s: following %d lines already submitted", b.id, len(b.running))
+            b.running[rid] = self._line_run(line, self._for_line(line.request, rid))
+        if lines:
+            logger.info("batch %s: following %d lines already submitted", b.id, len(b.running))
 
-    def _line_run(
-        self, b: DrivenBatch, index: int, custom_id: str, record: RequestRecord, rid: str
-    ) -> LineRun:
-        chat = b.body.endpoint == CHAT_ENDPOINT
-        fold = ResponseFold(
-            "chat" if chat else "completion",
-            num_choices=record.num_choices,
-            model=record.model,
-            response_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-            created=int(self.clock()),
-            logprobs=record.sampling.logprobs is not None,
+    def _for_line(self, prepared: PreparedRequest, rid: str) -> PreparedRequest:
+        """Line ``rid``'s request: its deterministic id, created now."""
+        now = self.clock()
+        record = prepared.record.model_copy(
+            update={
+                "request_id": rid,
+                "created": now,
+                "deadline": now + self.settings.request_timeout_s,
+            }
         )
-        return LineRun(index, custom_id, rid, fold)
+        return replace(prepared, record=record, shape=shape_of(record))
+
+    def _line_run(self, line: PlannedLine[PreparedRequest], prepared: PreparedRequest) -> LineRun:
+        s = prepared.shape
+        fold = ResponseFold(
+            "chat" if s.chat else "completion",
+            num_choices=s.num_choices,
+            model=s.model,
+            response_id=s.response_id,
+            created=s.created,
+            logprobs=s.logprobs,
+        )
+        run = self.runner.follow(prepared, notify=self.output_ready)
+        return LineRun(line.index, line.custom_id, run, fold)
 
     # -- running lines ---------------------------------------------------------------------
     def _submit(self, b: DrivenBatch) -> None:
@@ -397,52 +393,35 @@ class BatchDriver:
         most = self.settings.batch_max_in_flight
         while b.pending and len(b.running) < most:
             line = b.pending[0]
-            now = self.clock()
             rid = line_request_id(b.id, line.index)
-            record = line.request.model_copy(
-                update={
-                    "request_id": rid,
-                    "created": now,
-                    "deadline": now + self.settings.request_timeout_s,
-                }
-            )
+            prepared = self._for_line(line.request, rid)
+            record = prepared.record
             if not self.batches.submit_line(
                 b.id, self.driver_id, line.index, record, self.requests
             ):
                 if not self.batches.refresh(b.id, self.driver_id, self.settings.batch_lock_ttl_s):
                     raise LockLost
-                if not self.redis.exists(self.keys.request(rid)):
+                if self.runner.outputs.lost(rid):
                     return  # a concurrent write touched a watched key: retry next loop
                 # Already written (by us before a hiccup): follow it, do not resend.
             else:
-                send_generate(self.celery, rid, 0, queue=record.queue, model=record.model)
+                send_generate(self.runner.celery, rid, 0, queue=record.queue, model=record.model)
             b.pending.popleft()
-            b.running[rid] = self._line_run(b, line.index, line.custom_id, record, rid)
+            b.running[rid] = self._line_run(line, prepared)
 
-    def read(self, block_ms: int) -> None:
-        """One blocking read over every running line's output stream; fold; record."""
-        streams: dict[Any, Any] = {}
-        owners: dict[str, tuple[DrivenBatch, LineRun]] = {}
-        for b in self.driven.values():
-            for run in b.running.values():
-                key = self.keys.output(run.request_id)
-                streams[key] = run.cursor
-                owners[key] = (b, run)
-        if not streams:
-            self.stopping.wait(block_ms / 1000)
-            return
-        res: Any = self.redis.xread(streams, count=256, block=block_ms)
-        for key_raw, entries in res or []:
-            key = key_raw.decode() if isinstance(key_raw, bytes) else key_raw
-            b, run = owners[key]
-            for eid, fields in entries:
-                run.cursor = eid.decode() if isinstance(eid, bytes) else eid
-                for ev in decode_events(fields[b"e"]):
+    def read(self, block_s: float) -> None:
+        """Fold what every running line's run has; wait for the hub when nothing had."""
+        self.output_ready.clear()
+        progressed = False
+        for b in list(self.driven.values()):
+            for run in list(b.running.values()):
+                for _cursor, ev in run.run.poll():
+                    progressed = True
                     run.fold.feed(ev)
-                if run.fold.done:
-                    break
-            if run.fold.done and b.id in self.driven:
-                self._guarded(b, functools.partial(self._complete, run=run))
+                if run.fold.done and b.id in self.driven:
+                    self._guarded(b, lambda b, run=run: self._complete(b, run))  # type: ignore[misc]
+        if not progressed:
+            self.output_ready.wait(block_s)
 
     def _complete(self, b: DrivenBatch, run: LineRun) -> None:
         fold = run.fold
@@ -458,6 +437,7 @@ class BatchDriver:
             line = success_line(run.custom_id, run.request_id, fold.response().to_dict())
         self._record(b, run.index, line)
         b.running.pop(run.request_id, None)
+        run.run.close()
 
     def _record(self, b: DrivenBatch, index: int, line: BatchOutputLine) -> None:
         if line.ok:
@@ -488,38 +468,67 @@ class BatchDriver:
             driver=self.driver_id,
             fields={"errors": errors.model_dump_json()},
         )
-        self.driven.pop(b.id, None)
+        self._drop(b.id)
         if done is Transition.NOT_LOCKED:
             raise LockLost
 
     def _finalize(self, b: DrivenBatch) -> None:
         """Write the output and error files and end the batch."""
         now = self.clock()
-        if b.ending != "batch_cancelled":
-            done = self.batches.transition(
-                b.id,
-                BatchStatus.FINALIZING,
-                now,
-                allowed_from=(BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),
-                driver=self.driver_id,
-                fields={"ending": b.ending or ""},
-            )
-            if done is Transition.NOT_LOCKED:
-                raise LockLost
-            if done is not Transition.DONE:
-                # A client's cancel came in just now: end the batch as cancelled.
-                if b.ending is None:
-                    self._wind_down(b, "batch_cancelled")
-                else:
-                    b.ending = "batch_cancelled"
-                return
+        if b.ending != "batch_cancelled" and not self._enter_finalizing(b, now):
+            return
         if b.ending is not None:
-            recorded = self.batches.recorded(b.id)
-            for index, custom_id in b.custom_ids.items():
-                if index not in recorded:
-                    self._record(
-                        b, index, not_run_line(custom_id, b.ending, NOT_RUN_MESSAGES[b.ending])
-                    )
+            self._record_not_run(b)
+        fields = self._write_result_files(b, now)
+        final, previous = {
+            None: (BatchStatus.COMPLETED, BatchStatus.FINALIZING),
+            "batch_expired": (BatchStatus.EXPIRED, BatchStatus.FINALIZING),
+            "batch_cancelled": (BatchStatus.CANCELLED, BatchStatus.CANCELLING),
+        }[b.ending]
+        done = self.batches.transition(
+            b.id, final, now, allowed_from=(previous,), driver=self.driver_id, fields=fields
+        )
+        if done is Transition.NOT_LOCKED:
+            raise LockLost
+        logger.info("batch %s %s", b.id, final.value)
+        for line in b.running.values():  # wound down: what still runs is cancelled
+            line.run.close()
+        b.running.clear()
+        self._drop(b.id)
+
+    def _enter_finalizing(self, b: DrivenBatch, now: float) -> bool:
+        """Move to ``finalizing``; False when a client's cancel came first (the batch
+        then winds down as cancelled)."""
+        done = self.batches.transition(
+            b.id,
+            BatchStatus.FINALIZING,
+            now,
+            allowed_from=(BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING),
+            driver=self.driver_id,
+            fields={"ending": b.ending or ""},
+        )
+        if done is Transition.NOT_LOCKED:
+            raise LockLost
+        if done is Transition.DONE:
+            return True
+        if b.ending is None:
+            self._wind_down(b, "batch_cancelled")
+        else:
+            b.ending = "batch_cancelled"
+        return False
+
+    def _record_not_run(self, b: DrivenBatch) -> None:
+        """Lines a cancel or expiry left without a result go to the error file."""
+        assert b.ending is not None
+        recorded = self.batches.recorded(b.id)
+        for index, custom_id in b.custom_ids.items():
+            if index not in recorded:
+                self._record(
+                    b, index, not_run_line(custom_id, b.ending, NOT_RUN_MESSAGES[b.ending])
+                )
+
+    def _write_result_files(self, b: DrivenBatch, now: float) -> dict[str, str | int]:
+        """The output and error files (ids derived from the batch: rewriting is harmless)."""
         output: list[str] = []
         errors: list[str] = []
         for _index, line in self.batches.results(b.id):
@@ -535,37 +544,12 @@ class BatchDriver:
                     file_id=result_file_id(b.id, kind),
                 )
                 fields[f"{kind}_file_id"] = f.id
-        final, previous = {
-            None: (BatchStatus.COMPLETED, BatchStatus.FINALIZING),
-            "batch_expired": (BatchStatus.EXPIRED, BatchStatus.FINALIZING),
-            "batch_cancelled": (BatchStatus.CANCELLED, BatchStatus.CANCELLING),
-        }[b.ending]
-        done = self.batches.transition(
-            b.id, final, now, allowed_from=(previous,), driver=self.driver_id, fields=fields
-        )
-        if done is Transition.NOT_LOCKED:
-            raise LockLost
-        logger.info(
-            "batch %s %s: %d output lines, %d error lines",
-            b.id,
-            final.value,
-            len(output),
-            len(errors),
-        )
-        self.driven.pop(b.id, None)
+        logger.info("batch %s: %d output lines, %d error lines", b.id, len(output), len(errors))
+        return fields
 
 
 def build_driver(settings: Settings) -> BatchDriver:
-    card = load_model_card(settings.model_path())
-    builder = RecordBuilder(
-        card,
-        PromptBuilder.from_card(card),
-        model_name=settings.served_name,
-        request_timeout_s=settings.request_timeout_s,
-        clock=time.time,
-    )
-    client = redis_client(settings.redis_url, max_connections=16)
-    return BatchDriver(settings, client, builder, create_celery(settings))
+    return BatchDriver(settings, Runner(settings, max_connections=16))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,8 @@ SLOW_RATE = 20.0  # echo tokens per second on the slow stack
 @pytest.fixture(scope="session")
 def slow_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose echo engine makes 20 tokens/s and whose web admits one request:
-    for disconnects, admission and anything that must stay in flight for a while."""
+    for disconnects, admission and anything that must stay in flight for a while. A
+    disconnect cancels at once here (no resume grace)."""
     settings = isolated_settings(
         "redis://unused",
         models_dir,
@@ -59,6 +60,7 @@ def slow_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         web_workers=1,
         web_threads=8,
         sse_keepalive_s=0.5,
+        resume_grace_s=0.0,
     )
     with full_stack(settings, tmp_path_factory.mktemp("slow-logs")) as running:
         yield running

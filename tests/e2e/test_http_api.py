@@ -33,6 +33,9 @@ def read_sse(resp: requests.Response) -> list[Any]:
     for block in raw.split("\n\n")[:-1]:
         if block.startswith(":"):  # a keep-alive comment
             continue
+        if block.startswith("id: "):  # the resume cursor (docs/api.md)
+            event_id, _, block = block.partition("\n")
+            assert re.fullmatch(r"id: \d+-\d+/\d+", event_id), event_id
         assert block.startswith("data: ") and "\n" not in block, block
         data = block[len("data: ") :]
         payloads.append(data if data == "[DONE]" else json.loads(data))
@@ -188,6 +191,46 @@ def test_disconnect_stops_the_worker_within_a_second(slow_stack: Stack) -> None:
         'endpoint="/v1/chat/completions"',
     )
     assert disconnects >= 1
+
+
+def test_a_non_streaming_client_that_hangs_up_cancels_within_a_second(
+    slow_stack: Stack,
+) -> None:
+    """Seed 001 watches a unary request's connection too: the generation is cancelled
+    and counted as 499."""
+    import socket
+
+    settings = slow_stack.settings
+    model = settings.served_name
+    labels = f'endpoint="/v1/chat/completions",mode="unary",model="{model}"'
+    before = metric_value(slow_stack.base_url, "tokenrelay_requests_cancelled_total", labels)
+    body = json.dumps({"messages": [{"role": "user", "content": "word " * 200}]}).encode()
+    host, port = settings.host, settings.port
+    sock = socket.create_connection((host, port), timeout=10)
+    sock.sendall(
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    r = redis.Redis.from_url(settings.redis_url)
+    keys = Keys(settings.key_prefix)
+    store = RequestStore(r, keys)
+    wait_for(lambda: in_flight(settings) == 1, 10, "the request to be admitted")
+    (rid,) = [m.decode() for m in r.zrange(keys.inflight, 0, -1)]
+    time.sleep(0.5)  # generating
+    sock.close()  # the client hangs up without reading a byte
+    closed_at = time.monotonic()
+    wait_for(lambda: store.is_cancelled(rid), 2, "the hang-up to cancel the request")
+    assert time.monotonic() - closed_at < 1.0
+    wait_for(lambda: in_flight(settings) == 0, 3, "the slot to be released")
+    wait_for(
+        lambda: (
+            metric_value(slow_stack.base_url, "tokenrelay_requests_cancelled_total", labels)
+            > before
+        ),
+        3,
+        "the cancel to be counted",
+    )
 
 
 def test_metrics_show_the_workers_and_queues(stack: Stack) -> None:

@@ -15,11 +15,11 @@ from app.batches import BatchStatus, not_run_line, success_line
 from app.chat_template import PromptBuilder
 from app.messages import StopConditions
 from app.model_card import load_model_card
+from app.records import RecordBuilder, RequestRecord
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from app.records import RecordBuilder, RequestRecord
 from broker.requests import RequestStore
 from tests.stack import streamer_process, wait_for, worker_process
 from workers.batcher import BatchDriver

@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from app.messages import SamplingParams, StopConditions
+from app.records import RequestRecord, RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from app.records import RequestRecord, RequestState
 from broker.requests import RequestStore
 from broker.server import free_port
 from tests.stack import Proc, child_env, wait_for, worker_process

@@ -1,11 +1,14 @@
 """Fixtures for the web tier's unit tests: the real Flask app with a real
-``GenerationService`` on a real redis-server, and no worker or streamer.
+``broker.run.Runner`` on a real redis-server, and no worker or streamer processes.
 
 Instead of a streamer, a test writes a request's output events itself
 (``ScriptedOutput``) through ``broker.streams.OutputStreams`` — the same entries a
 streamer writes — so every framing rule is tested on the real read path. Request ids
-are chosen by the test (the service's ``new_id``), so it can write a request's output
-before sending the request: the web tier reads output streams from ``0-0``.
+are chosen by the test (the runner's ``new_id``), so it can write a request's output
+before sending the request: the web tier reads output streams from ``0-0``. Since the
+runner refuses requests when no worker or streamer is alive (fail fast), the fixtures
+register one of each in the registry, as those processes' heartbeats would
+(``LiveFleet``); a test removes them to see the 503.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from flask.testing import FlaskClient
 from app.messages import FinishReason, OutputEvent, OutputKind
 from app.settings import Settings
 from broker.keys import Keys
+from broker.registry import StreamerInfo, WorkerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStore
+from broker.run import Runner
 from broker.streams import OutputEntry, OutputStreams
 from tests.integration.conftest import models_dir, redis_server  # noqa: F401
 from tests.stack import isolated_settings
 from web.app import create_app
-from web.service import GenerationService
 
 
 class RequestIds:
@@ -109,14 +113,48 @@ def ids() -> RequestIds:
     return RequestIds()
 
 
-@pytest.fixture
-def service(settings: Settings, ids: RequestIds) -> GenerationService:
-    return GenerationService(settings, new_id=ids)
+class LiveFleet:
+    """A worker for the served model and a streamer, as their heartbeats register them
+    (registration entries only: these tests script the output themselves)."""
+
+    def __init__(self, settings: Settings) -> None:
+        client = redis.Redis.from_url(settings.redis_url)
+        keys = Keys(settings.key_prefix)
+        self.workers = worker_registry(client, keys, ttl_s=3600)
+        self.streamers = streamer_registry(client, keys, ttl_s=3600)
+        self.worker = WorkerInfo(
+            worker_id="w-test",
+            model=settings.served_name,
+            engine="scripted",
+            capacity=8,
+            hostname="test",
+            pid=0,
+            started=0.0,
+        )
+        self.streamer = StreamerInfo(streamer_id="s-test", hostname="test", pid=0, started=0.0)
+        self.workers.heartbeat(self.worker)
+        self.streamers.heartbeat(self.streamer)
+
+    def stop_workers(self) -> None:
+        self.workers.unregister(self.worker.member_id)
+
+    def stop_streamers(self) -> None:
+        self.streamers.unregister(self.streamer.member_id)
 
 
 @pytest.fixture
-def app(settings: Settings, service: GenerationService) -> Flask:
-    flask_app = create_app(settings, service=service)
+def fleet(settings: Settings) -> LiveFleet:
+    return LiveFleet(settings)
+
+
+@pytest.fixture
+def service(settings: Settings, ids: RequestIds, fleet: LiveFleet) -> Runner:
+    return Runner(settings, new_id=ids)
+
+
+@pytest.fixture
+def app(settings: Settings, service: Runner) -> Flask:
+    flask_app = create_app(settings, runner=service)
     flask_app.testing = True
     return flask_app
 

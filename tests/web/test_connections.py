@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import threading
 
+from app.intake import Endpoint
 from app.messages import FinishReason, OutputEvent, OutputKind
+from broker.run import Run, Runner
 from broker.streams import OutputEntry
-from web.service import GenerationService
 
 
-def test_many_open_streams_share_one_reader(service: GenerationService) -> None:
+def follow(runner: Runner, rid: str) -> Run:
+    """A run over request ``rid`` (never submitted: the test writes its output)."""
+    prepared = runner.intake.prepare(Endpoint.COMPLETIONS, {"prompt": "x"}, request_id=rid)
+    return runner.follow(prepared)
+
+
+def test_many_open_streams_share_one_reader(service: Runner) -> None:
     streams = 150
     firsts: list[object] = []
     lock = threading.Lock()
@@ -20,11 +27,11 @@ def test_many_open_streams_share_one_reader(service: GenerationService) -> None:
     release = threading.Event()
 
     def reader(i: int) -> None:
-        events = service.events(f"nobody-{i}", block_ms=300)
-        first = next(events)  # nothing written: a keep-alive tick
+        run = follow(service, f"nobody-{i}")
+        first = run.next(0.3)  # nothing written: a keep-alive tick
         started.wait()
         release.wait(10)
-        events.close()
+        run.detach()
         with lock:
             firsts.append(first)
 
@@ -40,9 +47,9 @@ def test_many_open_streams_share_one_reader(service: GenerationService) -> None:
     assert service.hub.followed == 0
 
 
-def test_each_subscriber_gets_its_own_entries_in_order(service: GenerationService) -> None:
+def test_each_subscriber_gets_its_own_entries_in_order(service: Runner) -> None:
     rids = [f"req-{i}" for i in range(3)]
-    readers = {rid: service.events(rid, block_ms=2000) for rid in rids}
+    readers = {rid: follow(service, rid) for rid in rids}
     for n in range(5):
         service.outputs.write(
             [
@@ -63,8 +70,13 @@ def test_each_subscriber_gets_its_own_entries_in_order(service: GenerationServic
             for rid in rids
         ]
     )
-    for rid, events in readers.items():
-        got = [item[1] for item in events if item is not None]
+    for rid, run in readers.items():
+        got = []
+        while not run.ended:
+            item = run.next(2.0)
+            assert item is not None
+            got.append(item[1])
+        run.close()
         assert "".join(e.text for e in got) == "".join(f"{rid}:{n} " for n in range(5))
         assert got[-1].kind is OutputKind.USAGE
     assert service.hub.followed == 0

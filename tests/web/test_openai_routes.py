@@ -1,9 +1,10 @@
-"""The OpenAI routes with Flask's test client, a real GenerationService on a real
+"""The OpenAI routes with Flask's test client, a real Runner on a real
 redis-server, and output streams written by the test (no worker, no streamer)."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -14,14 +15,14 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from app.messages import FinishReason, LogprobEntry
+from app.records import RequestRecord
 from app.settings import Settings
 from broker.keys import Keys
-from app.records import RequestRecord
 from broker.requests import RequestStore
+from broker.run import Run, Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, error, final, usage
 from web.app import create_app
 from web.bodies import loads_repaired
-from web.service import GenerationService
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +40,9 @@ def sse_payloads(body: str) -> list[Any]:
     for block in body.split("\n\n")[:-1]:
         if block.startswith(":"):
             continue
+        if block.startswith("id: "):  # the resume cursor (docs/api.md)
+            event_id, _, block = block.partition("\n")
+            assert re.fullmatch(r"id: \d+-\d+/\d+", event_id), event_id
         assert block.startswith("data: ") and "\n" not in block, block
         data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
@@ -56,14 +60,14 @@ def error_of(resp: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def make_client(
-    settings: Settings, ids: RequestIds
-) -> Callable[..., tuple[FlaskClient, GenerationService]]:
+    settings: Settings, ids: RequestIds, fleet: Any
+) -> Callable[..., tuple[FlaskClient, Runner]]:
     """A client for an app with some settings changed."""
 
-    def make(**overrides: Any) -> tuple[FlaskClient, GenerationService]:
+    def make(**overrides: Any) -> tuple[FlaskClient, Runner]:
         s = settings.model_copy(update=overrides)
-        svc = GenerationService(s, new_id=ids)
-        flask_app = create_app(s, service=svc)
+        svc = Runner(s, new_id=ids)
+        flask_app = create_app(s, runner=svc)
         flask_app.testing = True
         return flask_app.test_client(), svc
 
@@ -281,22 +285,79 @@ def test_error_after_output_is_an_sse_event_and_the_stream_ends(
     assert 'tokenrelay_stream_errors_total{endpoint="/v1/chat/completions",' in metrics
 
 
-def test_one_failed_choice_fails_a_non_streamed_request(
+def test_one_failed_choice_ends_that_choice_only(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    """n>1 as backend.rs: an error ends its choice (finish_reason "error" + its error);
+    the others go on, in the JSON body and in the stream alike."""
+    events = (
+        delta(0, "fine"),
+        delta(1, "x"),
+        error("engine failed", 500, choice=1),
+        delta(0, " still"),
+        final(0),
+        usage(),
+    )
+    rid = ids.peek()
+    scripted.write(rid, *events)
+    resp = client.post(CHAT, json=chat(n=2))
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    choices = resp.get_json()["choices"]
+    assert choices[0]["message"]["content"] == "fine still"
+    assert choices[0]["finish_reason"] == "stop" and "error" not in choices[0]
+    assert choices[1]["finish_reason"] == "error"
+    assert choices[1]["error"]["message"] == "engine failed"
+    assert choices[1]["error"]["type"] == "internal_error"
+
+    rid = ids.peek()
+    scripted.write(rid, *events)
+    chunks = sse_payloads(client.post(CHAT, json=chat(n=2, stream=True)).get_data(as_text=True))
+    finals = {
+        c["choices"][0]["index"]: c["choices"][0]
+        for c in chunks
+        if c["choices"][0].get("finish_reason")
+    }
+    assert (
+        finals[1]["finish_reason"] == "error" and finals[1]["error"]["message"] == "engine failed"
+    )
+    assert finals[0]["finish_reason"] == "stop"
+    text0 = "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in chunks
+        if c["choices"][0]["index"] == 0
+    )
+    assert text0 == "fine still"
+    assert not any("error" in c and "choices" not in c for c in chunks)
+
+
+def test_every_choice_failing_is_the_http_status(
     client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
 ) -> None:
     rid = ids.peek()
     scripted.write(
-        rid, delta(0, "fine"), final(0), delta(1, "x"), error("engine failed", 500, choice=1)
+        rid, error("prompt too long", 400, choice=0), error("prompt too long", 400, choice=1)
     )
-    resp = client.post(CHAT, json=chat(n=2))
-    assert resp.status_code == 500
-    assert error_of(resp)["message"] == "engine failed"
-    assert scripted.cancelled(rid)  # the other choices must not run on for nothing
+    for stream in (False, True):
+        rid = ids.peek()
+        scripted.write(
+            rid,
+            error("prompt too long", 400, choice=0),
+            error("prompt too long", 400, choice=1),
+            usage(),
+        )
+        resp = client.post(CHAT, json=chat(n=2, stream=stream))
+        assert resp.status_code == 400
+        assert error_of(resp)["message"] == "prompt too long"
 
 
 def test_disconnect_cancels_and_frees_the_slot(
-    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+    make_client: Callable[..., tuple[FlaskClient, Runner]],
+    ids: RequestIds,
+    scripted: ScriptedOutput,
 ) -> None:
+    """A lost stream's generation goes on for resume_grace_s (the client may resume
+    it), then is cancelled since nobody follows it."""
+    client, _ = make_client(resume_grace_s=0.5)
     rid = ids.peek()
     scripted.write(rid, delta(0, "first"))  # ... and nothing more: still generating
     resp = client.post(CHAT, json=chat(stream=True), buffered=False)
@@ -305,11 +366,83 @@ def test_disconnect_cancels_and_frees_the_slot(
     assert b"first" in next(stream)
     assert rid in scripted.in_flight() and not scripted.cancelled(rid)
     resp.close()  # what the WSGI server does when the client's socket is gone
-    assert scripted.cancelled(rid)
+    assert not scripted.cancelled(rid)  # not yet: the client may resume
+    deadline = time.monotonic() + 5
+    while not scripted.cancelled(rid):
+        assert time.monotonic() < deadline, "the abandoned request was never cancelled"
+        time.sleep(0.05)
     assert scripted.in_flight() == []
     metrics = client.get("/metrics").get_data(as_text=True)
     assert 'tokenrelay_client_disconnects_total{endpoint="/v1/chat/completions"} 1.0' in metrics
-    assert 'tokenrelay_requests_in_flight{endpoint="/v1/chat/completions"} 0.0' in metrics
+    labels = 'endpoint="/v1/chat/completions",mode="stream",model="'
+    assert "tokenrelay_requests_cancelled_total{" + labels in metrics
+    assert "tokenrelay_requests_in_flight{" + labels in metrics
+    assert 'status="499"' in metrics
+
+
+def test_resume_after_a_lost_connection_gets_exactly_the_rest(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "one "), delta(0, "two "))
+    resp = client.post(CHAT, json=chat(stream=True), buffered=False)
+    stream = iter(resp.response)
+    next(stream)  # role
+    seen = next(stream).decode() + next(stream).decode()
+    assert "one " in seen and "two " in seen
+    resp.close()  # the connection drops after "one two " was sent
+    last_id = re.findall(r"^id: (\S+)$", seen, re.M)[-1]
+    scripted.write(rid, delta(0, "three"), final(0), usage())
+    again = client.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": last_id})
+    assert again.status_code == 200
+    chunks = sse_payloads(again.get_data(as_text=True))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "three"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # A finished request replays from the start, role chunk included.
+    replay = sse_payloads(client.get(f"/v1/streams/{rid}").get_data(as_text=True))
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in replay if c["choices"])
+        == "one two three"
+    )
+    assert client.get("/v1/streams/nope").status_code == 404
+    bad = client.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": "garbage"})
+    assert bad.status_code == 400
+
+
+def test_a_resume_in_the_middle_of_an_entry_skips_exactly_what_was_seen(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "a"), delta(0, "b"), delta(0, "c"), final(0), usage())
+    full = client.post(CHAT, json=chat(stream=True)).get_data(as_text=True)
+    ids_seen = re.findall(r"^id: (\S+)$", full, re.M)
+    after_a = ids_seen[0]  # the delta "a"
+    chunks = sse_payloads(
+        client.get(f"/v1/streams/{rid}", headers={"Last-Event-ID": after_a}).get_data(as_text=True)
+    )
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "bc"
+
+
+def test_fail_fast_without_workers_or_streamers(
+    client: FlaskClient, fleet: Any, scripted: ScriptedOutput
+) -> None:
+    fleet.stop_workers()
+    started = time.monotonic()
+    for stream in (False, True):
+        resp = client.post(CHAT, json=chat(stream=stream))
+        assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
+        assert "No live worker" in error_of(resp)["message"]
+    assert time.monotonic() - started < 1.0
+    assert scripted.in_flight() == []
+    fleet.workers.heartbeat(fleet.worker)
+    fleet.stop_streamers()
+    time.sleep(1.1)  # past the positive readiness cache
+    resp = client.post(CHAT, json=chat())
+    assert resp.status_code == 503 and "No live streamer" in error_of(resp)["message"]
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert "tokenrelay_requests_rejected_total{" in metrics
+    assert 'reason="service_unavailable_error"' in metrics
 
 
 # -- request errors -------------------------------------------------------------------------
@@ -352,7 +485,7 @@ def test_raw_control_characters_and_bad_utf8_are_repaired(
     ids: RequestIds,
     scripted: ScriptedOutput,
     settings: Settings,
-    service: GenerationService,
+    service: Runner,
 ) -> None:
     rid = ids.peek()
     scripted.write(rid, delta(0, "ok"), final(0), usage())
@@ -364,7 +497,7 @@ def test_raw_control_characters_and_bad_utf8_are_repaired(
     assert loaded is not None
     record: RequestRecord = loaded[0]
     assert record.echo_ids is not None
-    echoed = service.tokenizer.decode(record.echo_ids[0])
+    echoed = service.intake.builder.tokenizer.decode(record.echo_ids[0])
     assert echoed == "tab\there\nline \ufffd\ufffd end"
 
 
@@ -444,9 +577,9 @@ def _boom(*_a: Any, **_k: Any) -> Any:
 
 
 def test_a_bug_is_a_generic_500(
-    client: FlaskClient, service: GenerationService, monkeypatch: pytest.MonkeyPatch
+    client: FlaskClient, service: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(service, "chat_record", _boom)
+    monkeypatch.setattr(service.intake.builder, "chat", _boom)
     resp = client.post(CHAT, json=chat())
     assert resp.status_code == 500
     text = resp.get_data(as_text=True)
@@ -458,19 +591,22 @@ def test_a_bug_mid_stream_is_a_generic_error_event(
     client: FlaskClient,
     ids: RequestIds,
     scripted: ScriptedOutput,
-    service: GenerationService,
+    service: Runner,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rid = ids.peek()
     scripted.write(rid, delta(0, "a"))
-    real_events = service.events
+    real_next = Run.next
+    calls = 0
 
-    def first_then_boom(*args: Any, **kw: Any) -> Any:
-        it = real_events(*args, **kw)
-        yield next(it)
-        _boom()
+    def first_then_boom(self: Run, timeout_s: float) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            _boom()
+        return real_next(self, timeout_s)
 
-    monkeypatch.setattr(service, "events", first_then_boom)
+    monkeypatch.setattr(Run, "next", first_then_boom)
     resp = client.post(CHAT, json=chat(stream=True))
     text = resp.get_data(as_text=True)
     resp.close()
@@ -496,8 +632,10 @@ def test_models(make_client: Callable[..., Any]) -> None:
     assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
 
 
-def test_health_and_ready(client: FlaskClient, app: Flask) -> None:
+def test_health_and_ready(client: FlaskClient, app: Flask, fleet: Any) -> None:
     assert client.get("/health").get_json() == {"status": "ok"}
+    assert client.get("/ready").status_code == 200
+    fleet.stop_workers()
     resp = client.get("/ready")
-    assert resp.status_code == 503
+    assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
     assert "No live worker" in error_of(resp)["message"]

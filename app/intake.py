@@ -1,0 +1,181 @@
+"""Intake: one request body -> everything a run needs, the same for every transport.
+
+HTTP (SSE or JSON), WebSocket messages and batch lines all arrive as a JSON body for
+one of two endpoints. ``Intake.prepare`` is the one place that reads it leniently,
+validates it against the server's ``Limits``, refuses what we do not implement (501),
+checks the model, renders and tokenizes the prompt, checks the context and builds the
+``RequestRecord`` plus the ``ResponseShape`` the framers need. Pure: no I/O, so the
+web tier and the batch driver (and the tests) share it and cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from app.chat_template import PromptBuilder
+from app.errors import InvalidRequest, NotImplementedFeature
+from app.lenient_json import loads_lenient
+from app.model_card import ModelCard
+from app.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from app.records import QueueName, RecordBuilder, RequestRecord
+from app.settings import Settings
+
+
+class Endpoint(str, Enum):
+    """The generation endpoints; a batch line names one of them in its ``url``."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the server accepts, read once from settings and passed down."""
+
+    max_stop_sequences: int = 16
+    max_n: int = 16
+    max_logprobs: int = 20
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(
+            max_stop_sequences=settings.max_stop_sequences,
+            max_n=settings.max_n,
+            max_logprobs=settings.max_logprobs,
+            request_timeout_s=settings.request_timeout_s,
+        )
+
+    def parse_args(self) -> dict[str, int]:
+        return {
+            "max_stop_sequences": self.max_stop_sequences,
+            "max_n": self.max_n,
+            "max_logprobs": self.max_logprobs,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShape:
+    """What a response looks like, fixed when the request is accepted."""
+
+    chat: bool
+    response_id: str
+    model: str
+    created: int
+    num_choices: int
+    logprobs: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request that passed every check: ready to be admitted and submitted."""
+
+    endpoint: Endpoint
+    record: RequestRecord
+    shape: ResponseShape
+    stream: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+
+FUNCTIONS_NOT_SUPPORTED = (
+    "The deprecated 'functions' / 'function_call' API is not supported by this server."
+)
+
+
+class Intake:
+    """Request bodies -> ``PreparedRequest`` for the one model this process serves."""
+
+    def __init__(self, builder: RecordBuilder, limits: Limits) -> None:
+        self.builder = builder
+        self.limits = limits
+
+    @classmethod
+    def for_model(
+        cls,
+        settings: Settings,
+        card: ModelCard,
+        *,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> Intake:
+        limits = Limits.from_settings(settings)
+        builder = RecordBuilder(
+            card,
+            PromptBuilder.from_card(card),
+            model_name=settings.served_name,
+            request_timeout_s=limits.request_timeout_s,
+            clock=clock,
+            new_id=new_id,
+        )
+        return cls(builder, limits)
+
+    @property
+    def model_name(self) -> str:
+        return self.builder.model_name
+
+    def prepare(
+        self,
+        endpoint: Endpoint,
+        body: Any,
+        *,
+        queue: QueueName = "interactive",
+        request_id: str | None = None,
+        stream: bool | None = None,
+    ) -> PreparedRequest:
+        """Validate ``body`` (raw bytes/text are read leniently) and build its record.
+
+        ``stream`` overrides the body's own ``stream`` (a WebSocket always streams; a
+        batch line never does). Raises a ``TokenRelayError`` naming what is wrong.
+        """
+        if isinstance(body, bytes | str):
+            body = loads_lenient(body)
+        if not isinstance(body, dict):
+            raise InvalidRequest("The request body must be a JSON object.")
+        if stream is not None:
+            body = {**body, "stream": stream}
+        req: ChatCompletionRequest | CompletionRequest
+        if endpoint is Endpoint.CHAT:
+            req = parse_chat_request(body, **self.limits.parse_args())
+            if req.uses_deprecated_functions:
+                raise NotImplementedFeature(
+                    FUNCTIONS_NOT_SUPPORTED,
+                    param="functions" if req.functions is not None else "function_call",
+                    code="unsupported_parameter",
+                )
+            record = self.builder.chat(req, queue=queue, request_id=request_id)
+        else:
+            req = parse_completion_request(body, **self.limits.parse_args())
+            record = self.builder.completion(req, queue=queue, request_id=request_id)
+        return PreparedRequest(endpoint, record, shape_of(record), stream=bool(req.stream))
+
+    def restore(self, record: RequestRecord) -> PreparedRequest:
+        """A stored request again (a client resuming its stream on another process)."""
+        return PreparedRequest(Endpoint(record.endpoint), record, shape_of(record), stream=True)
+
+
+def shape_of(record: RequestRecord) -> ResponseShape:
+    """A request's response shape, from its record alone."""
+    chat = record.endpoint == Endpoint.CHAT.value
+    return ResponseShape(
+        chat=chat,
+        response_id=("chatcmpl-" if chat else "cmpl-") + record.request_id,
+        model=record.model,
+        created=int(record.created),
+        num_choices=record.num_choices,
+        logprobs=record.sampling.logprobs is not None,
+        include_usage=record.include_usage,
+    )
