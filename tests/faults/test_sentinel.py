@@ -177,17 +177,25 @@ def read_stream(base_url: str, model: str, stream: Stream) -> None:
         stream.ended.set()
 
 
-def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
-    """A non-streaming request; its text, or None when it did not succeed."""
+def chat_status(
+    base_url: str, model: str, content: str, timeout: float = 10
+) -> tuple[str, str | None]:
+    """A non-streaming request: its HTTP status (or the exception's name), and its text
+    when it succeeded."""
     body = {"model": model, "messages": [{"role": "user", "content": content}]}
     try:
         resp = requests.post(base_url + CHAT, json=body, timeout=timeout)
-    except requests.RequestException:
-        return None
+    except requests.RequestException as exc:
+        return type(exc).__name__, None
     if resp.status_code != 200:
-        return None
+        return str(resp.status_code), None
     text: str = resp.json()["choices"][0]["message"]["content"]
-    return text
+    return "200", text
+
+
+def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
+    """A non-streaming request; its text, or None when it did not succeed."""
+    return chat_status(base_url, model, content, timeout)[1]
 
 
 def children(pid: int) -> set[int]:
@@ -302,16 +310,31 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
         old_master = group.master_port()
         assert old_master is not None
         killed = group.kill_master()
-        group.wait_failover(old_master, 30)
-        failover_s = time.monotonic() - killed
+        promoted: list[float] = []
 
+        def watch() -> None:
+            group.wait_failover(old_master, 30)
+            promoted.append(time.monotonic() - killed)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+
+        # New requests from the moment of the kill: what they get while there is no
+        # master, and when the first one succeeds with its exact text.
         probe = "new request after the failover"
         first_ok: float | None = None
+        attempts: list[str] = []
         while time.monotonic() - killed < NEW_REQUEST_WITHIN_S:
-            if chat_once(base, model, probe) == probe:
+            sent = time.monotonic()
+            status, text = chat_status(base, model, probe)
+            attempts.append(f"{sent - killed:.1f}s: {status} in {time.monotonic() - sent:.1f}s")
+            if text == probe:
                 first_ok = time.monotonic() - killed
                 break
             time.sleep(0.5)
+        watcher.join(30)
+        assert promoted, f"the sentinels did not fail over\n{group.logs()}"
+        failover_s = promoted[0]
 
         end_by = killed + STREAMS_END_WITHIN_S
         for s in streams:
@@ -321,11 +344,12 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
         last_end = max((s.ended_at or end_by) - killed for s in streams)
         logger.warning(
             "sentinel failover: promoted %.1f s after the kill; first new request ok at %s s; "
-            "streams %s, the last ended %.1f s after the kill",
+            "streams %s, the last ended %.1f s after the kill; new requests: %s",
             failover_s,
             f"{first_ok:.1f}" if first_ok is not None else "never",
             summary,
             last_end,
+            "; ".join(attempts),
         )
         details = "\n".join(
             f"{o}: finish={s.finish} error={s.error} failure={s.failure} "
