@@ -214,6 +214,10 @@ class Streamer:
             streams[key] = t.cursor
             by_key[key] = t
         res: Any = self.redis.xread(streams, count=512, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+        if self.clock() - self._last_heartbeat > self.settings.streamer_takeover_s / 2:
+            # We were stalled (a pause, a slow round trip): another streamer may own
+            # some of these requests now, and writing them too would repeat text.
+            self._drop_taken_over()
         outputs: list[OutputEntry] = []
         ended: list[Tracked] = []
         failed: list[Tracked] = []
@@ -223,7 +227,7 @@ class Streamer:
                 self._handoff_cursor = _s(entries[-1][0])
                 continue
             t = by_key.get(key)
-            if t is None or not entries:
+            if t is None or not entries or t.record.request_id not in self.tracked:
                 continue
             try:
                 out = self._decode_entries(t, entries)

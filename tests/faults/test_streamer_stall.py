@@ -1,0 +1,62 @@
+"""A streamer stalls (SIGSTOP) longer than the takeover time while it decodes a request,
+then wakes up (SIGCONT). Another streamer has taken the request over meanwhile; the one
+that wakes must notice and drop it rather than write it too: the client gets the text
+exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from broker.server import RedisServer
+from broker.streams import GROUP
+from tests.pipeline import Client, OutageReader, classify, reference
+from tests.stack import isolated_settings, make_record, streamer_process, worker_process
+
+pytestmark = pytest.mark.integration
+
+TAKEOVER_S = 2.0
+LONG_TEXT = " ".join(f"word{i}" for i in range(40))  # ~80 tokens: ~8 s at 10 tokens/s
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_streamer_does_not_repeat_text(
+    models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    with RedisServer() as server:
+        settings = isolated_settings(
+            server.url, models_dir, echo_tokens_per_second=10.0, streamer_takeover_s=TAKEOVER_S
+        )
+        client = Client(settings)
+        reader = OutageReader(settings)
+        ids = tokenizer.encode(LONG_TEXT, add_special_tokens=False).ids
+        record = make_record(settings, [ids], max_tokens=200)
+        with (
+            worker_process(settings, tmp_path),
+            streamer_process(settings, tmp_path, name="s1") as s1,
+            streamer_process(settings, tmp_path, name="s2") as s2,
+        ):
+            client.submit(record)
+            f = reader.follow(record)
+            reader.poll(time.monotonic() + 20, stop=lambda: any(e.text for e in f.events))
+            (pending,) = client.redis.xpending_range(
+                client.store.keys.new_requests, GROUP, min="-", max="+", count=10
+            )
+            owner = pending["consumer"].decode()
+            stalled = {s1.pid: s1, s2.pid: s2}[int(owner.rsplit("-", 2)[-2])]
+            os.kill(stalled.pid, signal.SIGSTOP)
+            try:
+                time.sleep(TAKEOVER_S + 2.5)
+            finally:
+                os.kill(stalled.pid, signal.SIGCONT)
+            reader.poll(time.monotonic() + 20)
+            assert s1.alive() and s2.alive()
+            logs = stalled.output()
+        assert classify(f, reference(tokenizer, record)) == "exact", logs
+        assert f.result.usage is not None and f.result.usage["streamer"] != owner
+        assert "taken over by another streamer" in logs
