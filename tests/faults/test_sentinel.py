@@ -188,7 +188,9 @@ def chat_status(
     except requests.RequestException as exc:
         return type(exc).__name__, None
     if resp.status_code != 200:
-        return str(resp.status_code), None
+        retry_after = resp.headers.get("Retry-After")
+        hint = f" (Retry-After {retry_after})" if retry_after else ""
+        return f"{resp.status_code}{hint}", None
     text: str = resp.json()["choices"][0]["message"]["content"]
     return "200", text
 
@@ -359,6 +361,9 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
         dead = [n for n, p in procs.items() if not p.alive()]
         assert not dead, f"{dead} died\n{details}\n{report()}"
         assert first_ok is not None, f"no new request succeeded within 30 s\n{details}\n{report()}"
+        # While there is no master, a new request is refused at once (never a 500, a hang).
+        refused_badly = [a for a in attempts if not (": 503 " in a or ": 200 " in a)]
+        assert not refused_badly, f"{attempts}\n{report()}"
         assert summary["hung"] == 0, f"{details}\n{report()}"
         assert summary["wrong"] == summary["broken"] == 0, f"{details}\n{report()}"
 
