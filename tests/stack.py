@@ -211,7 +211,7 @@ def web_process(
                     raise RuntimeError(f"web server exited early:\n{proc.output()}")
                 try:
                     return requests.get(f"{base_url}/health", timeout=2).status_code == 200
-                except requests.ConnectionError:
+                except requests.RequestException:  # refused, or still booting (timeout)
                     return False
 
             wait_for(healthy, 60, "the web server to answer /health", interval=0.2)

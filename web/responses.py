@@ -31,6 +31,7 @@ from app.response_models import (
     CompletionChunk,
     CompletionLogprobs,
 )
+from app.timings import timings_from_usage
 
 Chunk = ChatCompletionChunk | CompletionChunk
 
@@ -93,6 +94,7 @@ class ChunkStream:
                     model=s.model,
                     choices=[],
                     usage=usage_from_event(ev.usage),
+                    timings=timings_from_usage(ev.usage),
                 )
             ]
         return []

@@ -46,6 +46,7 @@ from app.lenient_json import loads_lenient
 from app.messages import OutputEvent, OutputKind
 from app.response_models import ChatChoiceLogprobs
 from app.settings import Settings
+from app.timings import timings_from_usage
 from broker.run import Run, Runner
 from web.auth import bearer_key, exempt, key_ok
 from web.context import runner_of, settings_of
@@ -237,6 +238,9 @@ def server_message(id: str, event: OutputEvent, cursor: str | None = None) -> di
     elif event.kind is OutputKind.USAGE:
         usage = usage_from_event(event.usage)  # without the streamer's internal keys
         out = {"type": "usage", "id": id, "usage": usage.to_dict()}
+        timings = timings_from_usage(event.usage)
+        if timings is not None:
+            out["timings"] = timings.to_dict()
     else:
         out = {"type": "error", "id": id, "error": stream_error_body(event.error, event.code)}
     if cursor:

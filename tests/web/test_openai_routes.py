@@ -639,3 +639,21 @@ def test_health_and_ready(client: FlaskClient, app: Flask, fleet: Any) -> None:
     resp = client.get("/ready")
     assert resp.status_code == 503 and resp.headers["Retry-After"] == "1"
     assert "No live worker" in error_of(resp)["message"]
+
+
+def test_timings_as_llama_cpp_names_them(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    """llama.cpp's ``timings`` in the JSON body and in the streamed usage chunk;
+    ``predicted_n`` is the completion's token count."""
+    for stream in (False, True):
+        rid = ids.peek()
+        scripted.write(rid, delta(0, "ab"), final(0), usage(5, 2))
+        body = chat(stream=stream, stream_options={"include_usage": True} if stream else None)
+        resp = client.post(CHAT, json={k: v for k, v in body.items() if v is not None})
+        last = sse_payloads(resp.get_data(as_text=True))[-1] if stream else resp.get_json()
+        timings = last["timings"]
+        assert timings["predicted_n"] == last["usage"]["completion_tokens"] == 2
+        assert timings["prompt_n"] == 5
+        for name in ("prompt_ms", "predicted_ms", "predicted_per_second", "queue_ms", "ttft_ms"):
+            assert name in timings
