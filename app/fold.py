@@ -12,7 +12,7 @@ it, so a batch line and a plain request return the same object.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from app.errors import StreamError, error_body, event_error
 from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind
@@ -30,6 +30,9 @@ from app.response_models import (
     Usage,
 )
 from app.timings import timings_from_usage
+
+if TYPE_CHECKING:
+    from app.intake import ResponseShape
 
 FoldKind = Literal["chat", "completion"]
 
@@ -90,6 +93,18 @@ class ResponseFold:
         self.usage: Usage | None = None
         self.timings: Timings | None = None  # llama.cpp's, from the usage event
         self.request_error: StreamError | None = None
+
+    @classmethod
+    def for_shape(cls, shape: ResponseShape) -> ResponseFold:
+        """The fold for a prepared request's response shape."""
+        return cls(
+            "chat" if shape.chat else "completion",
+            num_choices=shape.num_choices,
+            model=shape.model,
+            response_id=shape.response_id,
+            created=shape.created,
+            logprobs=shape.logprobs,
+        )
 
     @property
     def done(self) -> bool:

@@ -171,15 +171,7 @@ def _generate(endpoint: Endpoint) -> Response:
 def _fold(run: Run, client_gone: Callable[[], bool]) -> Response:
     """The whole output in one body. An error of the request (or of every choice) is
     the HTTP status, since a non-streaming client has no other way to learn of it."""
-    s = run.shape
-    fold = ResponseFold(
-        "chat" if s.chat else "completion",
-        num_choices=s.num_choices,
-        model=s.model,
-        response_id=s.response_id,
-        created=s.created,
-        logprobs=s.logprobs,
-    )
+    fold = ResponseFold.for_shape(run.shape)
     next_look = time.monotonic() + UNARY_TICK_S
     while not fold.done:
         item = run.next(UNARY_TICK_S)

@@ -374,15 +374,7 @@ class BatchDriver:
         return replace(prepared, record=record, shape=shape_of(record))
 
     def _line_run(self, line: PlannedLine[PreparedRequest], prepared: PreparedRequest) -> LineRun:
-        s = prepared.shape
-        fold = ResponseFold(
-            "chat" if s.chat else "completion",
-            num_choices=s.num_choices,
-            model=s.model,
-            response_id=s.response_id,
-            created=s.created,
-            logprobs=s.logprobs,
-        )
+        fold = ResponseFold.for_shape(prepared.shape)
         run = self.runner.follow(prepared, notify=self.output_ready)
         return LineRun(line.index, line.custom_id, run, fold)
 
