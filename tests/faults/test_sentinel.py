@@ -56,15 +56,6 @@ NEW_REQUEST_WITHIN_S = 30.0
 STREAMS_END_WITHIN_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.prepare import prepare_bundled_model
-
-    root = tmp_path_factory.mktemp("models")
-    prepare_bundled_model(root, progress=lambda _msg: None)
-    return root
-
-
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[SentinelGroup]:
     with SentinelGroup(tmp_path / "redis") as running:
