@@ -171,22 +171,20 @@ class RequestHandoff:
                 self.keys.new_requests, GROUP, consumer, 0, list(entry_ids), justid=True
             )
 
-    def owned(self, consumer: str, entry_ids: Sequence[str]) -> set[str]:
-        """Which of ``entry_ids`` are still pending for ``consumer``: the others were
-        taken over by another streamer (``touch`` would claim them back), so their
-        requests are no longer ours to decode."""
+    def owners(self, entry_ids: Sequence[str]) -> dict[str, str | None]:
+        """The consumer each entry is pending for (None: pending for no one, e.g. the
+        group was recreated after Redis lost its data). A streamer whose entry another
+        streamer now holds must stop decoding that request (``touch`` would claim it
+        back, and two streamers would write one output stream)."""
         if not entry_ids:
-            return set()
-        ours = set(entry_ids)
-        pending: Any = self.redis.xpending_range(
-            self.keys.new_requests,
-            GROUP,
-            min="-",
-            max="+",
-            count=2 * len(ours) + 1000,
-            consumername=consumer,
-        )
-        return {_s(p["message_id"]) for p in pending} & ours
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for eid in entry_ids:
+            pipe.xpending_range(self.keys.new_requests, GROUP, min=eid, max=eid, count=1)
+        out: dict[str, str | None] = {}
+        for eid, pending in zip(entry_ids, pipe.execute(), strict=True):
+            out[eid] = _s(pending[0]["consumer"]) if pending else None
+        return out
 
     def take_over(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[tuple[str, str]]:
         """Claim entries a dead streamer left pending for longer than ``min_idle_ms``."""

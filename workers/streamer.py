@@ -397,11 +397,11 @@ class Streamer:
     def _drop_taken_over(self) -> None:
         """Stop decoding requests another streamer took over (we were silent too long,
         e.g. stalled): two streamers writing one output stream would repeat text."""
-        entries = [t.entry_id for t in self.tracked.values()]
-        owned = self.handoff.owned(self.consumer, entries)
+        owners = self.handoff.owners([t.entry_id for t in self.tracked.values()])
         for rid, t in list(self.tracked.items()):
-            if t.entry_id not in owned:
-                logger.warning("request %s was taken over by another streamer; dropping it", rid)
+            owner = owners.get(t.entry_id)
+            if owner is not None and owner != self.consumer:
+                logger.warning("request %s was taken over by streamer %s; dropping it", rid, owner)
                 del self.tracked[rid]
 
     def _check_requests(self, now: float) -> None:

@@ -59,4 +59,4 @@ def test_a_stalled_streamer_does_not_repeat_text(
             logs = stalled.output()
         assert classify(f, reference(tokenizer, record)) == "exact", logs
         assert f.result.usage is not None and f.result.usage["streamer"] != owner
-        assert "taken over by another streamer" in logs
+        assert "was taken over by streamer" in logs
