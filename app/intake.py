@@ -18,7 +18,7 @@ from enum import Enum
 from typing import Any
 
 from app.chat_template import PromptBuilder
-from app.errors import InvalidRequest, NotImplementedFeature
+from app.errors import ContextLengthExceeded, InvalidRequest, NotFound, NotImplementedFeature
 from app.lenient_json import loads_lenient
 from app.model_card import ModelCard
 from app.protocol import (
@@ -26,8 +26,10 @@ from app.protocol import (
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
+    to_sampling_params,
+    to_stop_conditions,
 )
-from app.records import QueueName, RecordBuilder, RequestRecord
+from app.records import QueueName, RequestRecord
 from app.settings import Settings
 
 
@@ -89,6 +91,116 @@ class PreparedRequest:
     @property
     def request_id(self) -> str:
         return self.record.request_id
+
+
+class RecordBuilder:
+    """OpenAI requests -> ``RequestRecord`` for one served model (pure: no I/O).
+
+    ``clock`` and ``new_id`` are parameters so callers (and tests) control creation
+    times, deadlines and request ids.
+    """
+
+    def __init__(
+        self,
+        card: ModelCard,
+        prompts: PromptBuilder,
+        *,
+        model_name: str,
+        request_timeout_s: float,
+        clock: Callable[[], float],
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self.card = card
+        self.prompts = prompts
+        self.tokenizer = prompts.tokenizer
+        self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+        self.clock = clock
+        self.new_id = new_id
+
+    def check_model(self, model: str | None) -> None:
+        """Only the served model exists here (a missing model field means ours)."""
+        if model is not None and model != self.model_name:
+            raise NotFound(
+                f"The model '{model}' does not exist.", param="model", code="model_not_found"
+            )
+
+    def chat(
+        self,
+        req: ChatCompletionRequest,
+        *,
+        queue: QueueName = "interactive",
+        request_id: str | None = None,
+    ) -> RequestRecord:
+        self.check_model(req.model)
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        prompt = self.prompts.encode_chat(messages)
+        last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
+        echo = (
+            [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
+        )
+        return self._record(req, [prompt], echo_ids=echo, queue=queue, request_id=request_id)
+
+    def completion(
+        self,
+        req: CompletionRequest,
+        *,
+        queue: QueueName = "interactive",
+        request_id: str | None = None,
+    ) -> RequestRecord:
+        self.check_model(req.model)
+        prompts = [p if isinstance(p, list) else self.prompts.encode(p) for p in req.prompts]
+        vocab = self.card.vocab_size
+        for ids in prompts:
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+        return self._record(req, prompts, echo_ids=None, queue=queue, request_id=request_id)
+
+    def _record(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        *,
+        echo_ids: list[list[int]] | None,
+        queue: QueueName,
+        request_id: str | None,
+    ) -> RequestRecord:
+        ctx = self.card.context_length
+        longest = max(len(p) for p in prompts)
+        if longest >= ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"prompt has {longest} tokens. Please reduce the length of the prompt.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        asked = req.max_new_tokens
+        if asked is not None and longest + asked > ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you "
+                f"requested {longest + asked} tokens ({longest} in the prompt, {asked} for "
+                f"the completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+            )
+        stop = to_stop_conditions(
+            req, eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
+        )
+        now = self.clock()
+        chat = isinstance(req, ChatCompletionRequest)
+        return RequestRecord(
+            request_id=request_id or self.new_id(),
+            model=self.model_name,
+            prompts=prompts,
+            n=req.n,
+            sampling=to_sampling_params(req),
+            stop=stop,
+            echo_ids=echo_ids,
+            skip_special_tokens=req.skip_special_tokens,
+            created=now,
+            deadline=now + self.request_timeout_s,
+            queue=queue,
+            endpoint="/v1/chat/completions" if chat else "/v1/completions",
+            include_usage=req.include_usage,
+        )
 
 
 FUNCTIONS_NOT_SUPPORTED = (

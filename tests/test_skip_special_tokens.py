@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from app.chat_template import PromptBuilder
+from app.intake import RecordBuilder
 from app.messages import OutputKind, TokenDelta, TokenLogprob
 from app.model_card import load_model_card
 from app.protocol import parse_chat_request, parse_completion_request
-from app.records import RecordBuilder
 from workers.streamer import request_decoder
 
 EOS = 2  # SmolLM2's <|im_end|>

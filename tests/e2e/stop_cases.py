@@ -17,10 +17,10 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from app.chat_template import PromptBuilder
+from app.intake import RecordBuilder
 from app.messages import OutputEvent, OutputKind
 from app.model_card import load_model_card
 from app.protocol import parse_chat_request
-from app.records import RecordBuilder
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
 from workers.streamer import request_decoder

@@ -13,9 +13,10 @@ import redis
 
 from app.batches import BatchStatus, not_run_line, success_line
 from app.chat_template import PromptBuilder
+from app.intake import RecordBuilder
 from app.messages import StopConditions
 from app.model_card import load_model_card
-from app.records import RecordBuilder, RequestRecord
+from app.records import RequestRecord
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
 from broker.celery_app import create_celery
