@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,7 @@ class FinishReason(str, Enum):
 
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"  # the choice called tools and ended (EOS / stop)
     ERROR = "error"
     CANCELLED = "abort"
 
@@ -61,6 +62,24 @@ class StopConditions(BaseModel):
     ignore_eos: bool = Field(default=False, description="Do not stop on the model's EOS ids.")
 
 
+class OutputConstraint(BaseModel):
+    """What a choice's output must be, enforced by the engine while sampling (a grammar
+    per sequence): ``prefix`` + one JSON value + ``suffix``, then EOS.
+
+    ``kind``: ``json_object`` (any JSON object; ``json_schema`` None), ``json_schema``
+    (``response_format`` with a schema), ``tool_call`` (``tool_choice`` required or
+    named: one call object ``{"name", "arguments"}`` in the model's tool-call syntax,
+    whose ``prefix``/``suffix`` are that syntax's tags).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["json_object", "json_schema", "tool_call"]
+    json_schema: str | None = Field(default=None, description="The JSON schema, as JSON text.")
+    prefix: str = ""
+    suffix: str = ""
+
+
 class SamplingParams(BaseModel):
     """Sampling settings with OpenAI's neutral defaults (engines map them explicitly)."""
 
@@ -81,6 +100,7 @@ class SamplingParams(BaseModel):
         le=20,
         description="None: no logprobs; 0: the sampled token's only; k: plus the top k.",
     )
+    constraint: OutputConstraint | None = None
 
 
 @dataclass(slots=True)
@@ -184,10 +204,31 @@ class LogprobEntry:
 
 
 @dataclass(slots=True)
+class ToolCallDelta:
+    """A fragment of one tool call of a choice, as OpenAI streams it: the first fragment
+    of call ``index`` carries its ``id`` and ``name``; ``arguments`` fragments concatenate
+    to the call's JSON arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def encode(self) -> list[Any]:
+        return [self.index, self.id, self.name, self.arguments]
+
+    @classmethod
+    def decode(cls, raw: list[Any]) -> ToolCallDelta:
+        return cls(int(raw[0]), raw[1], raw[2], str(raw[3]))
+
+
+@dataclass(slots=True)
 class OutputEvent:
     """One event on a request's output stream.
 
-    - DELTA: ``text`` (never empty unless it carries logprobs) for ``choice``.
+    - DELTA: ``text`` for ``choice`` (never empty unless it carries logprobs, reasoning
+      or tool calls); ``reasoning``: text of the model's thinking (``reasoning_content``);
+      ``tool_calls``: fragments of the tool calls the model made.
     - FINAL: ``finish_reason`` and ``stop_reason`` (the user's stop string or token id).
     - USAGE: ``usage`` dict (prompt_tokens, completion_tokens, total_tokens, ...).
     - ERROR: ``error`` message and ``code`` (an HTTP status the web tier may use);
@@ -203,6 +244,8 @@ class OutputEvent:
     usage: dict[str, Any] | None = None
     error: str | None = None
     code: int | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] | None = None
 
     def encode(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.kind.value}
@@ -222,12 +265,17 @@ class OutputEvent:
             out["e"] = self.error
         if self.code is not None:
             out["n"] = self.code
+        if self.reasoning:
+            out["r"] = self.reasoning
+        if self.tool_calls is not None:
+            out["tc"] = [c.encode() for c in self.tool_calls]
         return out
 
     @classmethod
     def decode(cls, raw: dict[str, Any]) -> OutputEvent:
         lps = raw.get("l")
         fin = raw.get("f")
+        calls = raw.get("tc")
         return cls(
             kind=OutputKind(raw["k"]),
             choice=raw.get("c"),
@@ -238,4 +286,6 @@ class OutputEvent:
             usage=raw.get("u"),
             error=raw.get("e"),
             code=raw.get("n"),
+            reasoning=raw.get("r", ""),
+            tool_calls=[ToolCallDelta.decode(c) for c in calls] if calls is not None else None,
         )

@@ -59,6 +59,11 @@ class RequestRecord(BaseModel):
     # How its response is framed, so a client can resume the stream on any process.
     endpoint: EndpointPath = "/v1/chat/completions"
     include_usage: bool = False
+    # Tool calls and reasoning (parsed per choice beside the Decoder, app.toolcalls and
+    # app.reasoning): the parsers' names, and whether tool syntax is parsed at all.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    tools_enabled: bool = False
 
     @property
     def give_up_at(self) -> float:
