@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
+import redis
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 from pydantic import BaseModel, ConfigDict
@@ -124,3 +125,12 @@ def send_generate(app: Celery, request_id: str, attempt: int, *, queue: str, mod
         queue=queue_name(queue, model),
         task_id=f"{request_id}.{attempt}",
     )
+
+
+def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:
+    """Tasks waiting in each of ``model``'s queues (Celery's queues are Redis lists)."""
+    queues = worker_queues(model)
+    pipe = client.pipeline(transaction=False)
+    for q in queues:
+        pipe.llen(q)
+    return {q: int(n) for q, n in zip(queues, pipe.execute(), strict=True)}

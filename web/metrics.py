@@ -39,7 +39,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.errors import error_body
 from app.intake import PreparedRequest
-from broker.celery_app import worker_queues
+from broker.celery_app import queue_depths
 from broker.run import RunOutcome
 
 if TYPE_CHECKING:
@@ -81,11 +81,7 @@ class ClusterCollector:
         try:
             workers = svc.workers.live()
             streamers = svc.streamers.live()
-            queues = worker_queues(svc.model_name)
-            pipe = svc.redis.pipeline(transaction=False)
-            for q in queues:
-                pipe.llen(q)
-            depths = pipe.execute()
+            depths = queue_depths(svc.redis, svc.model_name)
         except redis.RedisError:
             return
         labels = ["worker", "model", "engine"]
@@ -127,7 +123,7 @@ class ClusterCollector:
             "Generation tasks waiting in a Celery queue.",
             labels=["queue"],
         )
-        for q, n in zip(queues, depths, strict=True):
+        for q, n in depths.items():
             depth.add_metric([q], float(n))
         live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
         live.add_metric([], len(streamers))
