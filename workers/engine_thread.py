@@ -122,12 +122,16 @@ class EngineThread(threading.Thread):
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
+        faults = Backoff(initial_s=0.1, max_s=2.0)  # a bug that repeats must not spin
         while not self._stopping.is_set():
             try:
                 self.iterate()
             except Exception:  # pragma: no cover - last resort, keep serving
                 logger.exception("engine loop iteration failed")
-                time.sleep(0.1)
+                faults.failed(time.monotonic())
+                self._stopping.wait(faults.delay_s)
+            else:
+                faults.recovered()
         self._abandon_all("worker shutting down")
 
     def iterate(self) -> None:
