@@ -150,3 +150,32 @@ def test_worker_without_its_engine_exits_with_a_clear_message(
     assert proc.returncode == 3
     assert "cannot start the exllamav2 engine" in proc.stderr
     assert "no safetensors weights" in proc.stderr
+
+
+def test_command_line_settings_win_over_the_environment(
+    redis_server: RedisServer, models_dir: Path, tmp_path: Path
+) -> None:
+    """``tokenrelay worker --engine echo --slots 2`` passes its settings to the app
+    explicitly: the environment says exllamav2 (which cannot start here) and 7 slots."""
+    import sys
+
+    from broker.registry import worker_registry
+    from tests.stack import Proc, child_env
+
+    settings = isolated_settings(redis_server.url, models_dir, engine="exllamav2", worker_slots=7)
+    proc = Proc(
+        [sys.executable, "-m", "workers", "--engine", "echo", "--slots", "2"],
+        child_env(settings),
+        tmp_path / "worker.log",
+    )
+    registry = worker_registry(redis.Redis.from_url(redis_server.url), Keys(settings.key_prefix))
+    try:
+
+        def registered() -> list[object]:
+            assert proc.alive(), proc.output()
+            return [w for w in registry.live() if w.pid == proc.pid]
+
+        (info,) = wait_for(registered, 60, "the worker to register")  # type: ignore[misc]
+        assert (info.engine, info.capacity) == ("echo", 2)
+    finally:
+        proc.stop()
