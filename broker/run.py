@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from app.errors import (
     NotFound,
@@ -50,7 +51,7 @@ from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import RequestStore
-from broker.streams import OutputHub, OutputStreams, is_terminal
+from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,21 @@ OUTAGE_GIVE_UP_S = 30.0
 # Positive readiness answers are reused this long (one registry read per burst).
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1
+
+# What "Redis is away" looks like to a client library: refused or dropped connections,
+# timeouts, a Redis still loading its append-only file (BusyLoadingError is a
+# ConnectionError), a former master turned replica (ReadOnlyError), a full Redis under
+# noeviction (OutOfMemoryError), and kombu's own error when it cannot publish a task.
+# Each is answered 503 + Retry-After: the client should retry, nothing is wrong with
+# its request. Any other RedisError is a bug (500).
+BACKBONE_DOWN: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    OperationalError,
+)
+UNAVAILABLE_MESSAGE = "The server cannot reach its queue right now; please retry shortly."
 
 TIMEOUT_MESSAGE = "The request timed out waiting for output."
 LOST_MESSAGE = "The request was lost: the server's state was reset while it ran. Please retry it."
@@ -120,6 +136,10 @@ class Run:
         entry, skip = split_cursor(cursor)
         self.observer = observer
         self.ended = False  # the terminal event was handed out
+        # The terminal event was made here (the guard's deadline/lost/outage error, or
+        # the hub's stand-in for an unreadable entry), not by a streamer: generation
+        # may still be running upstream, so ``close`` cancels it.
+        self.ended_here = False
         self.usage: dict[str, Any] | None = None
         self.request_error: StreamError | None = None
         self.choice_errors: dict[int, StreamError] = {}
@@ -185,6 +205,7 @@ class Run:
             self.usage = ev.usage
         if is_terminal(ev):
             self.ended = True
+            self.ended_here = not eid or ev is MALFORMED_OUTPUT
             self._pending.clear()
         return self.cursor, ev
 
@@ -244,8 +265,10 @@ class Run:
         runner, rid = self.runner, self.request_id
         try:
             left = runner.followers(rid, -1)
-            if self.ended:
+            if self.ended and not self.ended_here:
                 runner.store.release(rid)
+            elif self.ended:
+                runner.cancel(rid)
             elif resumable and disconnected and runner.settings.resume_grace_s > 0:
                 runner.cancel_later(rid)
             elif left <= 0:
@@ -392,7 +415,7 @@ class Runner:
         try:
             loaded = self.store.load(request_id)
         except redis.RedisError as exc:
-            raise _redis_unavailable() from exc
+            raise backbone_unavailable() from exc
         if loaded is None:
             raise NotFound(
                 f"No stream with id '{request_id}' exists (or it has expired).",
@@ -446,11 +469,16 @@ class Runner:
             try:
                 self.store.submit(record, self.celery)
             except Exception:
+                # The record may be written without its task (Redis went away between
+                # the two): cancel it, or a streamer would send the task again for a
+                # client that was told 503.
+                with contextlib.suppress(redis.RedisError):
+                    self.store.cancel(record.request_id)
                 self.store.release(record.request_id)
                 raise
-        except redis.RedisError as exc:
+        except (redis.RedisError, OperationalError) as exc:
             self._ready_until = 0.0
-            raise _redis_unavailable() from exc
+            raise backbone_unavailable() from exc
 
     # -- readiness -----------------------------------------------------------------------
     def readiness(self) -> tuple[bool, str]:
@@ -477,12 +505,9 @@ class Runner:
         self._ready_until = now + READY_CACHE_S
 
 
-def _redis_unavailable() -> ServiceUnavailable:
-    return ServiceUnavailable(
-        "The server cannot reach its queue right now; please retry shortly.",
-        code="not_ready",
-        retry_after=RETRY_AFTER_S,
-    )
+def backbone_unavailable() -> ServiceUnavailable:
+    """The 503 a client gets while Redis is away (``BACKBONE_DOWN``)."""
+    return ServiceUnavailable(UNAVAILABLE_MESSAGE, code="not_ready", retry_after=RETRY_AFTER_S)
 
 
 def _wants_stream(body: Any, stream: bool | None) -> bool:

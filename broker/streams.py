@@ -249,6 +249,10 @@ class OutputHub:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._down_since: float | None = None  # monotonic time of the first failed read
+        # Cuts a reconnect backoff short: a new subscription means a request was just
+        # admitted, so Redis is probably back and its client should not wait for the
+        # rest of the backoff (up to 2 s) before its first event.
+        self._kick = threading.Event()
         self.stopping = threading.Event()
 
     def subscribe(
@@ -265,6 +269,7 @@ class OutputHub:
             if self._thread is None:  # started lazily: after gunicorn forked us
                 self._thread = threading.Thread(target=self._run, name="output-hub", daemon=True)
                 self._thread.start()
+        self._kick.set()
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(self.wake_key, {"r": rid}, maxlen=16, approximate=True)
@@ -309,8 +314,9 @@ class OutputHub:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     logger.warning("output hub: redis error (%s); reconnecting", exc)
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._kick.clear()
+                kicked = self._kick.wait(backoff)
+                backoff = 0.1 if kicked else min(backoff * 2, 2.0)
             except Exception:  # never let the reader die: one bad entry is skipped
                 logger.exception("output hub: unexpected error")
                 self.stopping.wait(0.5)

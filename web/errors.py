@@ -6,6 +6,9 @@ wrong method, body too large) or a bug — becomes ``{"error": {"message", "type
 "param", "code"}}`` with the right status. Only our own public messages reach a client:
 werkzeug's descriptions and any other exception's text are replaced (a bug is logged
 here with its traceback and answered with ``app.errors.error_body``'s generic 500).
+Redis being away (``broker.run.BACKBONE_DOWN``: refused connections, timeouts, a Redis
+still loading its data, a read-only former master) is not a bug: any route that meets
+it answers 503 + Retry-After, as the generation routes' fail-fast check does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from app.errors import (
     error_body,
     retry_after_of,
 )
+from broker.run import BACKBONE_DOWN, backbone_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,13 @@ def register(app: Flask) -> None:
         if exc.code is not None and exc.code < 400:  # redirects are not errors
             return exc
         return error_response(translate_http_exception(exc))
+
+    def _backbone_down(exc: Exception) -> Response:
+        logger.warning("%s %s: redis unavailable (%s)", request.method, request.path, exc)
+        return error_response(backbone_unavailable())
+
+    for outage in BACKBONE_DOWN:
+        app.register_error_handler(outage, _backbone_down)
 
     @app.errorhandler(Exception)
     def _bug(exc: Exception) -> Response:
