@@ -38,7 +38,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +58,7 @@ from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStatus, RequestStore, decode_deltas
-from broker.streams import OutputEntry, OutputStreams, RequestHandoff
+from broker.streams import OutputEntry, OutputStreams, RequestHandoff, encode_events
 from workers.backoff import Backoff
 from workers.service_main import run_service
 
@@ -115,6 +116,20 @@ class Tracked:
     claimed_by_worker: float | None = None  # when a worker first started it (queue time)
 
 
+@dataclass
+class _Commit:
+    """One cycle's output entries and the requests they end. Written first, then the
+    requests ended; if Redis goes away in between, the rest is done once it is back,
+    before anything else is written (the decoders have moved on: dropping the entries
+    would lose text)."""
+
+    outputs: list[OutputEntry]
+    ended: list[Tracked]  # ended normally (usage written)
+    failed: list[Tracked]  # ended with an error event
+    written: bool = False
+    tries: int = 0
+
+
 class Streamer:
     def __init__(
         self,
@@ -146,6 +161,7 @@ class Streamer:
         self._set_up = False  # hand-off group ensured since the last outage
         self._resend_queued = False  # after an outage: resend queued requests at once
         self._take_over_from = 0.0  # no takeovers before (set after an outage)
+        self._commits: deque[_Commit] = deque()
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
@@ -181,6 +197,7 @@ class Streamer:
         was away; taking any over before their owners are back to touch them would have
         two streamers decode one request. So takeovers wait one takeover period."""
         self.handoff.ensure_group()
+        self._flush()  # what the outage interrupted comes first
         self._handoff_cursor = self.handoff.last_id()
         if self._resend_queued:  # set by an outage
             self._take_over_from = self.clock() + self.settings.streamer_takeover_s
@@ -199,6 +216,7 @@ class Streamer:
         self.stopping.wait(self._outage.delay_s)
 
     def iterate(self) -> None:
+        self._flush()
         for entry_id, rid in self.handoff.claim_new(self.consumer):
             self._adopt(entry_id, rid)
         self._read_and_decode()
@@ -244,11 +262,43 @@ class Streamer:
                 ended.append(t)
             if out is not None:
                 outputs.append(out)
-        self.outputs.write(outputs)
-        for t in ended:
-            self._end(t)
-        for t in failed:
-            self._end_failed(t)
+        self._commit(outputs, ended, failed)
+
+    def _commit(
+        self,
+        outputs: Sequence[OutputEntry],
+        ended: Sequence[Tracked] = (),
+        failed: Sequence[Tracked] = (),
+    ) -> None:
+        """Write ``outputs`` in one round trip, then end the requests they end."""
+        self._commits.append(_Commit(list(outputs), list(ended), list(failed)))
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._commits:
+            c = self._commits[0]
+            if not c.written:
+                c.tries += 1
+                self.outputs.write(c.outputs if c.tries == 1 else self._unwritten(c.outputs))
+                c.written = True
+            for t in c.ended:  # ending is idempotent: safe to redo after an outage
+                self._end(t)
+            for t in c.failed:
+                self._end_failed(t)
+            self._commits.popleft()
+
+    def _unwritten(self, entries: Sequence[OutputEntry]) -> list[OutputEntry]:
+        """On a retry: the entries the failed round trip did not write after all (Redis
+        may have run it and died before answering)."""
+        out = []
+        for e in entries:
+            last: Any = self.redis.xrevrange(self.keys.output(e.request_id), count=1)
+            if last:
+                fields = last[0][1]
+                if _s(fields[b"s"]) == e.source and fields[b"e"] == encode_events(e.events):
+                    continue
+            out.append(e)
+        return out
 
     def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
         """One request's new token entries -> its output entry for this cycle."""
@@ -336,7 +386,7 @@ class Streamer:
             logger.exception("request %s: cannot adopt it; ending it with an error", rid)
             self.tracked.pop(rid, None)
             error = OutputEvent(OutputKind.ERROR, error=REQUEST_FAULT, code=500)
-            self.outputs.write([OutputEntry(rid, [error], "0-0", first=True)])
+            self._commit([OutputEntry(rid, [error], "0-0", first=True)])
             self.store.cancel(rid)
             self.handoff.ack(entry_id)
 
@@ -423,11 +473,8 @@ class Streamer:
             if ending is not None:
                 endings.append(ending)
         self._resend_queued = False
-        self.outputs.write([e for e in endings if e.events])
-        for e in endings:
-            t = self.tracked.get(e.request_id)
-            if t is not None:
-                self._end_failed(t)
+        ended = [self.tracked[e.request_id] for e in endings]
+        self._commit([e for e in endings if e.events], failed=ended)
 
     def _check(
         self, t: Tracked, status: RequestStatus | None, now: float, live: _LiveModels

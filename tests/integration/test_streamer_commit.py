@@ -1,0 +1,89 @@
+"""The streamer in-process, against a real redis-server, when Redis fails the round trip
+that writes a cycle's output: the decoders have already moved on, so the entries must
+be written once Redis answers again, exactly once, whether the failed round trip was
+lost before Redis ran it or after (Redis ran it, then died before answering)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import redis
+from tokenizers import Tokenizer
+
+from app.messages import EngineFinish, TokenDelta
+from app.model_card import load_model_card, load_tokenizer
+from app.settings import Settings
+from broker.celery_app import create_celery
+from broker.keys import Keys
+from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
+from broker.streams import OutputEntry, OutputStreams
+from tests.pipeline import EOS, TEXT, collect
+from tests.stack import make_record
+from workers.streamer import Streamer
+
+pytestmark = pytest.mark.integration
+
+
+class FlakyOutputs(OutputStreams):
+    """Real output streams whose first non-empty write fails like a dying Redis: before
+    running it (``ran=False``) or after (``ran=True``)."""
+
+    def __init__(self, inner: OutputStreams, *, ran: bool) -> None:
+        super().__init__(inner.redis, inner.keys, ttl_s=inner.ttl_s)
+        self.ran = ran
+        self.failures = 0
+
+    def write(self, entries: Sequence[OutputEntry]) -> None:
+        if entries and self.failures == 0:
+            self.failures += 1
+            if self.ran:
+                super().write(entries)
+            raise redis.ConnectionError("Connection reset by peer")
+        super().write(entries)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models_dir: Path) -> Tokenizer:
+    return load_tokenizer(load_model_card(models_dir / "SmolLM2-135M-Instruct"))
+
+
+@pytest.mark.parametrize("ran", [False, True], ids=["lost-before-running", "lost-after"])
+def test_output_of_a_failed_write_is_written_once(
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, ran: bool
+) -> None:
+    keys = Keys(settings.key_prefix)
+    store = RequestStore(redis_client, keys, stream_ttl_s=600)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    record = make_record(settings, [ids], max_tokens=200)
+    rid = record.request_id
+    store.create(record)
+    assert store.claim(rid, 0, "w", 30.0, 0.0) is ClaimResult.OK
+    lease = lease_value("w", 0)
+    steps = [
+        ([TokenDelta(0, ids[:10])], True, False),
+        ([TokenDelta(0, ids[10:])], False, False),
+        ([TokenDelta(0, [EOS], finish=EngineFinish.EOS)], False, True),
+    ]
+    for deltas, first, done in steps:
+        store.publish([PublishItem(rid, lease, 0, encode_deltas(deltas), first, done)], 30.0)
+
+    streamer = Streamer(settings, redis_client, tokenizer, create_celery(settings))
+    streamer.handoff.ensure_group()
+    flaky = FlakyOutputs(streamer.outputs, ran=ran)
+    streamer.outputs = flaky
+    for _ in range(10):
+        try:
+            streamer.iterate()
+        except redis.ConnectionError:
+            continue  # as the run loop does: pause, then go on
+        if rid not in streamer.tracked:
+            break
+    assert flaky.failures == 1 and rid not in streamer.tracked
+    events = [ev for _eid, ev in OutputStreams(redis_client, keys).follow(rid, timeout_s=5)]
+    got = collect(iter(events))
+    assert got.texts == {0: TEXT}
+    assert got.usage is not None and not got.errors
+    entries = redis_client.xrange(keys.output(rid))
+    assert len(entries) == 1, "the cycle's entry was written once"
