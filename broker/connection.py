@@ -19,6 +19,12 @@ import redis
 from broker.sentinel import is_sentinel_url, parse_sentinel_url, sentinel_client
 
 POOL_WAIT_S = 20.0
+# Connecting to a reachable Redis takes milliseconds; a refused connection fails at once.
+# This bounds the case in between (a host that drops packets, a Redis that cannot accept),
+# so a request thread that needs a new connection answers 503 within about a second
+# instead of redis-py's default 5 s. Reads keep redis-py's 5 s socket timeout: blocking
+# XREADs wait up to 1 s for data on the same connections.
+CONNECT_TIMEOUT_S = 1.0
 
 
 def redis_client(url: str, *, max_connections: int = 64, **connection_kwargs: Any) -> redis.Redis:
@@ -26,7 +32,9 @@ def redis_client(url: str, *, max_connections: int = 64, **connection_kwargs: An
 
     ``url`` is ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://``;
     ``connection_kwargs`` (e.g. ``socket_timeout``) go to every connection.
+    ``socket_connect_timeout`` is ``CONNECT_TIMEOUT_S`` unless given.
     """
+    connection_kwargs.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
     if is_sentinel_url(url):
         return sentinel_client(
             parse_sentinel_url(url),

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
+from kombu.exceptions import OperationalError
 
 from app.batches import (
     NOT_RUN_MESSAGES,
@@ -64,8 +65,9 @@ from app.batches import (
 )
 from app.fold import ResponseFold
 from app.intake import Endpoint, PreparedRequest, shape_of
+from app.records import RequestRecord, RequestState
 from app.settings import Settings
-from broker.batches import BatchBody, BatchStore, FileStore, Transition
+from broker.batches import BatchBody, BatchStore, FileQuota, FileStore, Transition
 from broker.celery_app import send_generate
 from broker.keys import Keys
 from broker.registry import BatcherInfo, batcher_registry
@@ -144,7 +146,12 @@ class BatchDriver:
         self.driver_id = driver_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         keys = Keys(settings.key_prefix)
         self.batches = BatchStore(client, keys, ttl_s=settings.batch_ttl_s)
-        self.files = FileStore(client, keys, ttl_s=settings.batch_file_ttl_s)
+        self.files = FileStore(
+            client,
+            keys,
+            ttl_s=settings.batch_file_ttl_s,
+            quota=FileQuota(settings.key_max_files, settings.key_max_file_bytes),
+        )
         self.requests = runner.store
         self.registry = batcher_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.output_ready = threading.Event()  # set by the hub for any line's output
@@ -157,12 +164,26 @@ class BatchDriver:
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
+        """Drive batches until stopped. Redis going away pauses the loop (backoff
+        0.1 s doubling to 2 s, one log line when it goes and one when it is back);
+        nothing a batch or a line does ends it."""
+        backoff = 0.0
+        down_since: float | None = None
         while not self.stopping.is_set():
             try:
                 self.iterate()
-            except redis.RedisError:
-                logger.exception("redis error in the batch driver loop; retrying")
-                self.stopping.wait(0.5)
+                if down_since is not None:
+                    logger.info("redis is back after %.1fs", time.monotonic() - down_since)
+                    down_since, backoff = None, 0.0
+            except (redis.RedisError, OperationalError) as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    logger.warning("redis unavailable (%s); retrying with backoff", exc)
+                backoff = min(max(backoff * 2, 0.1), 2.0)
+                self.stopping.wait(backoff)
+            except Exception:  # a bug outside any one batch: log it, keep serving
+                logger.exception("unexpected error in the batch driver loop")
+                self.stopping.wait(1.0)
         with contextlib.suppress(redis.RedisError):
             for bid in list(self.driven):
                 self.batches.release(bid, self.driver_id)  # let another take over at once
@@ -186,8 +207,8 @@ class BatchDriver:
         except LockLost:
             logger.warning("lost the lock of batch %s; another driver has it", b.id)
             self._drop(b.id)
-        except redis.RedisError:
-            raise
+        except (redis.RedisError, OperationalError):
+            raise  # an outage: the loop waits it out; the batch stays ours
         except Exception:
             logger.exception("batch %s: unexpected error; releasing it", b.id)
             self._drop(b.id)
@@ -212,7 +233,13 @@ class BatchDriver:
                 continue
             self._guarded(b, self._check)
         for bid in self.batches.active():
-            if bid not in self.driven and self.batches.acquire(bid, self.driver_id, ttl):
+            if bid in self.driven:
+                continue
+            # Ours already when adopting it was cut short by an outage (the lock
+            # outlived the attempt): take it up again now, not after the lock expires.
+            if self.batches.acquire(bid, self.driver_id, ttl) or self.batches.refresh(
+                bid, self.driver_id, ttl
+            ):
                 self._adopt(bid)
         if now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
@@ -273,7 +300,14 @@ class BatchDriver:
         b = DrivenBatch(body)
         self.driven[bid] = b
         logger.info("driving batch %s (status %s)", bid, batch.status.value)
-        self._guarded(b, lambda b: self._plan(b, batch.status))
+        try:
+            self._guarded(b, lambda b: self._plan(b, batch.status))
+        except (redis.RedisError, OperationalError):
+            # A plan cut short would look like a batch with nothing left to run (and
+            # be finalized with lines missing): forget it; the next ``maintain``
+            # adopts it again from what Redis holds.
+            self._drop(bid)
+            raise
 
     def _plan(self, b: DrivenBatch, status: BatchStatus) -> None:
         now = self.clock()
@@ -393,13 +427,25 @@ class BatchDriver:
             ):
                 if not self.batches.refresh(b.id, self.driver_id, self.settings.batch_lock_ttl_s):
                     raise LockLost
-                if self.runner.outputs.lost(rid):
+                state = self.requests.state(rid)
+                if state is None:
                     return  # a concurrent write touched a watched key: retry next loop
-                # Already written (by us before a hiccup): follow it, do not resend.
+                # Already written (by us before an outage cut the send short): follow
+                # it; send its task again while it is still queued (a duplicate is
+                # harmless: only one worker can claim an attempt).
+                if state == (RequestState.QUEUED, 0):
+                    self._send(record)
             else:
-                send_generate(self.runner.celery, rid, 0, queue=record.queue, model=record.model)
+                self._send(record)
             b.pending.popleft()
             b.running[rid] = self._line_run(line, prepared)
+
+    def _send(self, record: RequestRecord) -> None:
+        """Queue the line's ``generate`` task; Redis away is an outage, not a bug of
+        this batch (kombu raises its own error when it cannot publish)."""
+        send_generate(
+            self.runner.celery, record.request_id, 0, queue=record.queue, model=record.model
+        )
 
     def read(self, block_s: float) -> None:
         """Fold what every running line's run has; wait for the hub when nothing had."""
@@ -526,6 +572,7 @@ class BatchDriver:
         for _index, line in self.batches.results(b.id):
             (output if line.ok else errors).append(line.to_line() + "\n")
         fields: dict[str, str | int] = {}
+        owner = self.batches.owner(b.id)  # the results belong to whoever made the batch
         for kind, lines in (("output", output), ("error", errors)):
             if lines:
                 f = self.files.create(
@@ -534,6 +581,8 @@ class BatchDriver:
                     content="".join(lines).encode(),
                     now=now,
                     file_id=result_file_id(b.id, kind),
+                    owner=owner,
+                    enforce_quota=False,  # counted, never refused: the batch is done
                 )
                 fields[f"{kind}_file_id"] = f.id
         logger.info("batch %s: %d output lines, %d error lines", b.id, len(output), len(errors))
