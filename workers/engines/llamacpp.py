@@ -13,7 +13,11 @@ llama.cpp's batch API through the low-level bindings (``llama_cpp.llama_*``):
 * sampling is llama.cpp's own sampler chain, one per choice (logit bias, penalties,
   temperature, top-k, top-p, min-p, then greedy or a seeded draw);
 * logprobs are the log-softmax of the raw logits (before any sampling transform, as vLLM
-  reports them), read straight from llama.cpp's logits buffer with numpy.
+  reports them), read straight from llama.cpp's logits buffer with numpy;
+* a constrained choice (``SamplingParams.constraint``) has its own llguidance grammar
+  state: before its sample the tokens the grammar forbids are set to -inf in the logits
+  buffer (which the sampler chain copies), after it the token is fed back, and the
+  choice ends as by EOS once the grammar is complete (workers/engines/constraint.py).
 
 Function names and signatures are those of llama-cpp-python 0.3.36 (``llama_memory_*``,
 ``llama_sampler_init_penalties`` taking ``n_vocab`` first, ``kv_unified`` in the context
@@ -34,6 +38,7 @@ import numpy as np
 
 from app.messages import EngineFinish, SamplingParams, TokenDelta, TokenLogprob
 from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
+from workers.engines.constraint import ConstraintError, JobGrammar, SequenceGrammar
 
 if TYPE_CHECKING:
     from app.model_card import ModelCard
@@ -68,6 +73,7 @@ class _Seq:
     last: int = -1  # sampled token not yet decoded (-1 while prefilling)
     own_cells: int = 0  # KV cells only this sequence holds
     done: bool = False
+    grammar: SequenceGrammar | None = None  # a constrained choice's grammar state
 
 
 @dataclass(slots=True, eq=False)
@@ -88,6 +94,8 @@ class _Job:
     shared_cells: int = 0  # KV cells of a prompt shared by sibling sequences
     admitted: bool = False
     cancelled: bool = False
+    # Constrained jobs: each choice's grammar state, built at submit (index -> state).
+    grammars: dict[int, SequenceGrammar] = field(default_factory=dict)
 
     @property
     def live(self) -> int:
@@ -168,6 +176,7 @@ class LlamaCppEngine(Engine):
         self._order = 0
         self._kv_used = 0
         self._closed = False
+        self._llg_tokenizer: Any = None  # built on the first constrained job (~0.5 s)
         logger.info(
             "llama.cpp engine: %s, n_ctx %d, %d sequences, %d threads",
             Path(model_path).name,
@@ -219,8 +228,9 @@ class LlamaCppEngine(Engine):
                     f"prompt ({prompt} tokens) + max_tokens ({c.max_new_tokens}) exceeds "
                     f"the context ({self.context_limit} tokens)"
                 )
+        grammars = self._grammars(job)
         self._order += 1
-        self._jobs[job.job_id] = _Job(job, self._order)
+        self._jobs[job.job_id] = _Job(job, self._order, grammars=grammars)
 
     def cancel(self, job_id: str) -> None:
         found = self._jobs.get(job_id)
@@ -315,6 +325,7 @@ class LlamaCppEngine(Engine):
                     chain=self._sampler_chain(ej, c.index, c.prefix_ids),
                     max_new=c.max_new_tokens,
                     generated=len(c.prefix_ids),
+                    grammar=job.grammars.get(c.index),
                 )
                 for c in choices
             ]
@@ -395,6 +406,31 @@ class LlamaCppEngine(Engine):
 
     # -- sampling ---------------------------------------------------------------------
 
+    def _grammars(self, job: EngineJob) -> dict[int, SequenceGrammar]:
+        """Each choice's grammar state when the job is constrained, else nothing.
+
+        Compiled here so that a grammar that cannot be built (a schema the web tier did
+        not check, a resumed prefix that does not fit it) rejects the job as a 400
+        instead of failing later inside a step.
+        """
+        constraint = job.sampling.constraint
+        if constraint is None:
+            return {}
+        try:
+            if self._llg_tokenizer is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                vocab = lc.llama_model_get_vocab(self._model)
+                eos = sorted({lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)} - {-1})
+                self._llg_tokenizer = lltokenizer_from_vocab(vocab, eos_token=eos)
+            compiled = JobGrammar(self._llg_tokenizer, constraint)
+            return {c.index: compiled.start(c.prefix_ids) for c in job.choices}
+        except ConstraintError as exc:
+            raise JobRejected(str(exc)) from exc
+        except Exception as exc:
+            logger.exception("cannot build the output grammar of job %s", job.job_id)
+            raise JobRejected("the output grammar could not be built") from exc
+
     def _sampler_chain(self, job: EngineJob, index: int, prefix: list[int]) -> Any:
         """llama.cpp's sampler chain for one choice, in vLLM's order of transforms.
 
@@ -447,7 +483,11 @@ class LlamaCppEngine(Engine):
         job = seqs[0].job.job
         k = job.sampling.logprobs
         stops = job.all_stop_ids
-        needs_mask = bool(stops) and any(s.generated < job.min_tokens for s in seqs)
+        # The grammar decides where a constrained output ends: min_tokens does not apply.
+        constrained = seqs[0].grammar is not None
+        needs_mask = constrained or (
+            bool(stops) and any(s.generated < job.min_tokens for s in seqs)
+        )
         row: np.ndarray | None = None
         lse = 0.0
         top: list[tuple[int, float]] = []
@@ -455,18 +495,39 @@ class LlamaCppEngine(Engine):
             ptr = lc.llama_get_logits_ith(self._ctx, idx)
             row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         if k is not None and row is not None:
-            # Raw logits, before bias, penalties or the min_tokens mask below.
+            # Raw logits, before bias, penalties, the grammar or the min_tokens mask.
             lse, top = _log_softmax_top(row, k)
-        for s in seqs:
-            masked = stops and s.generated < job.min_tokens
-            if masked and row is not None:
-                # The sampler copies the logits buffer: editing it bans the stop ids.
-                row[list(stops)] = -np.inf
-            tok = int(lc.llama_sampler_sample(s.chain, self._ctx, idx))
+        # Siblings share the row and each grammar masks it differently after the first.
+        raw = row.copy() if constrained and row is not None and len(seqs) > 1 else None
+        for i, s in enumerate(seqs):
+            if raw is not None and row is not None and i:
+                row[:] = raw
+            grammar = s.grammar
+            try:
+                if grammar is not None and row is not None:
+                    # The sampler copies the logits buffer: editing it is the mask.
+                    grammar.mask_logits(row)
+                elif stops and s.generated < job.min_tokens and row is not None:
+                    row[list(stops)] = -np.inf  # min_tokens bans the stop ids
+                tok = int(lc.llama_sampler_sample(s.chain, self._ctx, idx))
+                if grammar is not None and tok not in stops:
+                    grammar.consume(tok)
+            except ConstraintError as exc:
+                logger.warning("job %s choice %d: %s", job.job_id, s.index, exc)
+                delta = TokenDelta(
+                    s.index, [], finish=EngineFinish.ERROR, error=str(exc), error_code=400
+                )
+                out.append(EngineStep(job.job_id, delta))
+                self._free_seq(s)
+                continue
             lps = None
             if k is not None and row is not None:
+                # The sampled token is never masked: row[tok] is its raw logit.
                 lps = [TokenLogprob(tok, float(row[tok]) - lse, list(top))]
-            ends = tok in stops and s.generated >= job.min_tokens
+            if grammar is not None:
+                ends = tok in stops or grammar.complete
+            else:
+                ends = tok in stops and s.generated >= job.min_tokens
             s.generated += 1
             s.new += 1
             finish = (
