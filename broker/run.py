@@ -188,6 +188,11 @@ class Run:
     def _queue(self, eid: str, events: list[OutputEvent]) -> None:
         self._last_seen = self.runner.clock()
         first = self._skip[1] if eid == self._skip[0] else 0
+        if any(is_terminal(ev) for ev in events[:first]):
+            # Resumed after the terminal event: the client has seen it all; without
+            # this the run would wait for an event that never comes, until the deadline.
+            self.ended = True
+            return
         self._pending.extend((eid, i, ev) for i, ev in enumerate(events) if i >= first)
 
     def _deliver(self, pending: tuple[str, int, OutputEvent]) -> Item:
