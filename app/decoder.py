@@ -5,7 +5,9 @@ A ``Decoder`` turns one choice's generated token ids into released text, applyin
 detokenization (``DecodeStream``), ``min_tokens``, stop token ids, stop strings that may
 span tokens and split characters, and withholding of text that could still become a
 hidden stop string. A ``RequestDecoder`` holds one ``Decoder`` per choice and turns
-``TokenDelta`` values into ``OutputEvent`` values.
+``TokenDelta`` values into ``OutputEvent`` values; when the request parses reasoning or
+tool calls, each choice's released text then goes through a ``ChoiceParser``
+(app.choice_parser), after stop handling.
 
 This is the relay's hot path: ``Decoder.step`` does a few attribute reads per token
 unless the new text could touch a stop string (it contains a stop string's first
@@ -14,13 +16,13 @@ character, or a possible stop prefix is pending), and only then searches a small
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import ByteLevel, DecodeStream
+from tokenizers.decoders import DecodeStream
 
+from app.choice_parser import ChoiceParser, Parsed
 from app.messages import (
     EngineFinish,
     FinishReason,
@@ -29,8 +31,10 @@ from app.messages import (
     OutputKind,
     StopConditions,
     TokenDelta,
-    TokenLogprob,
 )
+from app.reasoning import REASONING_PARSERS, prompt_opens_block
+from app.token_texts import TokenTexts
+from app.toolcalls import TOOL_PARSERS, new_call_id
 
 __all__ = ["Decoder", "RequestDecoder", "TokenTexts"]
 
@@ -45,77 +49,6 @@ _ENGINE_FINISH = {
     EngineFinish.CANCELLED: FinishReason.CANCELLED,
     EngineFinish.ERROR: FinishReason.ERROR,
 }
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte -> printable character map, inverted (character -> byte)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
-class TokenTexts:
-    """The text and raw bytes of single tokens, cached; shareable between choices.
-
-    A token's text is ``tokenizer.decode([id], skip_special_tokens=...)`` with the
-    request's ``skip_special_tokens`` (true by default, as vLLM and the seed's top-logprob
-    repair do), so a special token such as EOS has the text ``""`` unless the client
-    asked for special tokens; a lone byte of a multi-byte character decodes to U+FFFD.
-    Its bytes are the raw bytes it contributes to the output (for byte-level BPE and
-    ``<0xNN>`` byte-fallback tokens), not the UTF-8 of U+FFFD, so a client can
-    reassemble split characters as OpenAI's ``bytes`` field intends.
-    """
-
-    __slots__ = ("_added", "_alphabet", "_cache", "_skip_special", "_tokenizer")
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-        self._added = frozenset(tokenizer.get_added_tokens_decoder())
-        self._alphabet = (
-            _byte_level_alphabet() if isinstance(tokenizer.decoder, ByteLevel) else None
-        )
-
-    def text(self, token_id: int) -> str:
-        return self._lookup(token_id)[0]
-
-    def bytes(self, token_id: int) -> list[int]:
-        return list(self._lookup(token_id)[1])
-
-    def entry(self, lp: TokenLogprob) -> LogprobEntry:
-        text, raw = self._lookup(lp.token_id)
-        top = [(self._lookup(t)[0], v) for t, v in lp.top]
-        return LogprobEntry(lp.token_id, text, lp.logprob, list(raw), top)
-
-    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        hit = self._cache.get(token_id)
-        if hit is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=self._skip_special)
-            hit = (text, self._raw_bytes(token_id, text))
-            self._cache[token_id] = hit
-        return hit
-
-    def _raw_bytes(self, token_id: int, text: str) -> list[int]:
-        piece = self._tokenizer.id_to_token(token_id)
-        if piece is None or token_id in self._added:
-            return list(text.encode())
-        if self._alphabet is not None:
-            alphabet = self._alphabet
-            if all(c in alphabet for c in piece):
-                return [alphabet[c] for c in piece]
-            return list(text.encode())
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
-        if fallback is not None:
-            return [int(fallback.group(1), 16)]
-        return list(text.encode())
 
 
 class Decoder:
@@ -312,13 +245,28 @@ class RequestDecoder:
     """The ``n`` choices of one request, each with its own ``Decoder``.
 
     ``feed`` turns a worker's ``TokenDelta`` into output events: a DELTA when there is
-    text or logprobs to send, then a FINAL when that choice ended. Logprob entries ride
-    on the DELTA of the delta that brought their tokens (a DELTA may carry logprobs and
-    no text), and stop at the token that ended the choice. Once ``all_done``, the
-    request can be cancelled upstream.
+    text, reasoning, tool calls or logprobs to send, then a FINAL when that choice
+    ended. Logprob entries ride on the DELTA of the delta that brought their tokens (a
+    DELTA may carry logprobs and no text), and stop at the token that ended the choice.
+    Once ``all_done``, the request can be cancelled upstream.
+
+    ``reasoning_parser`` / ``tool_parser`` (the record's parser names; tool calls only
+    when ``tools_enabled``) give each choice a ``ChoiceParser`` on the released text. A
+    choice that made a tool call and ended by EOS or a stop ends with ``tool_calls``.
+    Tool-call tags that are special tokens (Mistral's ``[TOOL_CALLS]``, Llama's
+    ``<|python_tag|>``) only appear in text decoded with special tokens, so with such a
+    parser the choices' text keeps them, as vLLM does for these parsers.
     """
 
-    __slots__ = ("_cached_tokens", "_choices", "_open", "_prompt_tokens", "_texts")
+    __slots__ = (
+        "_cached_tokens",
+        "_choices",
+        "_open",
+        "_parsers",
+        "_prompt_tokens",
+        "_reasoning",
+        "_texts",
+    )
 
     def __init__(
         self,
@@ -330,17 +278,55 @@ class RequestDecoder:
         skip_special_tokens: bool = True,
         logprobs: bool = False,
         more_prompts: Sequence[Sequence[int]] = (),
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        tools_enabled: bool = False,
+        new_call_id: Callable[[], str] = new_call_id,
     ) -> None:
         """``more_prompts``: the completions endpoint's list of prompts after the first;
-        choice ``c`` then runs on prompt ``c // n`` (OpenAI's index = prompt_index*n + i)."""
+        choice ``c`` then runs on prompt ``c // n`` (OpenAI's index = prompt_index*n + i).
+        ``new_call_id``: the tool call id factory (tests pass a deterministic one)."""
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
         prompts = [prompt_ids, *more_prompts]
+        tools = tool_parser if tools_enabled else None
+        if tools is not None and tools not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {tools!r}")
+        keep_special = tools is not None and TOOL_PARSERS[tools].special_tags
         self._choices = [
-            Decoder(tokenizer, prompt, stop, skip_special_tokens=skip_special_tokens)
+            Decoder(
+                tokenizer,
+                prompt,
+                stop,
+                skip_special_tokens=skip_special_tokens and not keep_special,
+            )
             for prompt in prompts
             for _ in range(n)
         ]
+        if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
+        self._reasoning = bool(reasoning_parser)
+        self._parsers: list[ChoiceParser] | None = None
+        if tools is not None or reasoning_parser:
+            # A template may open the think block in the prompt (the output starts in it).
+            opens = [
+                prompt_opens_block(
+                    tokenizer.decode(list(p[-PROMPT_CONTEXT:]), skip_special_tokens=False),
+                    reasoning_parser,
+                )
+                if reasoning_parser
+                else False
+                for p in prompts
+            ]
+            self._parsers = [
+                ChoiceParser(
+                    reasoning_parser=reasoning_parser,
+                    start_in_reasoning=opens[c // n],
+                    tool_parser=tools,
+                    new_id=new_call_id,
+                )
+                for c in range(len(self._choices))
+            ]
         self._texts = (
             TokenTexts(tokenizer, skip_special_tokens=skip_special_tokens) if logprobs else None
         )
@@ -361,6 +347,13 @@ class RequestDecoder:
         return sum(d.completion_tokens for d in self._choices)
 
     @property
+    def reasoning_tokens(self) -> int | None:
+        """Tokens of the choices' think blocks; None without a reasoning parser."""
+        if self._parsers is None or not self._reasoning:
+            return None
+        return sum(p.reasoning_tokens for p in self._parsers)
+
+    @property
     def usage(self) -> dict[str, Any]:
         """OpenAI's usage object for the tokens accepted so far."""
         completion = self.completion_tokens
@@ -371,6 +364,9 @@ class RequestDecoder:
         }
         if self._cached_tokens is not None:
             out["prompt_tokens_details"] = {"cached_tokens": self._cached_tokens}
+        reasoning = self.reasoning_tokens
+        if reasoning is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return out
 
     def feed(self, delta: TokenDelta) -> list[OutputEvent]:
@@ -384,22 +380,26 @@ class RequestDecoder:
         if decoder.done:
             return []
         logprobs = delta.logprobs
+        before = decoder.completion_tokens
         if logprobs is None or self._texts is None:
             text = decoder.step(delta.token_ids)
             entries = None
         else:
             if len(logprobs) != len(delta.token_ids):
                 raise ValueError(f"{len(logprobs)} logprobs for {len(delta.token_ids)} token ids")
-            before = decoder.completion_tokens
             text = decoder.step(delta.token_ids)
             entry = self._texts.entry
             entries = [entry(lp) for lp in logprobs[: decoder.completion_tokens - before]]
         if delta.finish is not None and not decoder.done:
             text += decoder.finish(delta.finish, delta.error)
+        if self._parsers is not None:
+            tokens = decoder.completion_tokens - before
+            parsed = self._parse(self._parsers[choice], decoder, text, tokens)
+            return self._events(choice, decoder, parsed, entries, delta.error_code)
         if entries is None and not decoder.done:
             # The common case: text only, no allocation beyond the event itself.
             return [OutputEvent(OutputKind.DELTA, choice, text)] if text else []
-        return self._events(choice, decoder, text, entries, delta.error_code)
+        return self._events(choice, decoder, (text, "", None), entries, delta.error_code)
 
     def finish_all(
         self, reason: EngineFinish, error: str | None = None, code: int | None = None
@@ -410,30 +410,65 @@ class RequestDecoder:
         events: list[OutputEvent] = []
         for i, decoder in enumerate(self._choices):
             if not decoder.done:
-                events += self._events(i, decoder, decoder.finish(reason, error), None, code)
+                text = decoder.finish(reason, error)
+                parsed: Parsed = (
+                    (text, "", None)
+                    if self._parsers is None
+                    else self._parse(self._parsers[i], decoder, text, 0)
+                )
+                events += self._events(i, decoder, parsed, None, code)
         return events
+
+    @staticmethod
+    def _parse(parser: ChoiceParser, decoder: Decoder, text: str, tokens: int) -> Parsed:
+        """The choice's parser on released text; everything held is flushed at its end."""
+        content, reasoning, calls = parser.feed(text, tokens)
+        if decoder.done:
+            more_content, more_reasoning, more_calls = parser.flush()
+            content += more_content
+            reasoning += more_reasoning
+            if more_calls:
+                calls = [*(calls or []), *more_calls]
+        return content, reasoning, calls
 
     def _events(
         self,
         choice: int,
         decoder: Decoder,
-        text: str,
+        parsed: Parsed,
         entries: list[LogprobEntry] | None,
         code: int | None = None,
     ) -> list[OutputEvent]:
         events: list[OutputEvent] = []
-        if text or entries:
-            events.append(OutputEvent(OutputKind.DELTA, choice, text, logprobs=entries))
+        text, reasoning, calls = parsed
+        if text or reasoning or calls or entries:
+            events.append(
+                OutputEvent(
+                    OutputKind.DELTA,
+                    choice,
+                    text,
+                    logprobs=entries,
+                    reasoning=reasoning,
+                    tool_calls=calls,
+                )
+            )
         if decoder.done:
             self._open -= 1
+            finish = decoder.finish_reason
+            if (
+                finish is FinishReason.STOP
+                and self._parsers is not None
+                and self._parsers[choice].calls
+            ):
+                finish = FinishReason.TOOL_CALLS
             events.append(
                 OutputEvent(
                     OutputKind.FINAL,
                     choice,
-                    finish_reason=decoder.finish_reason,
+                    finish_reason=finish,
                     stop_reason=decoder.stop_reason,
                     error=decoder.error,
-                    code=code if decoder.finish_reason is FinishReason.ERROR else None,
+                    code=code if finish is FinishReason.ERROR else None,
                 )
             )
         return events
