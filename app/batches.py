@@ -259,7 +259,7 @@ def plan_batch(
     max_line_bytes: int,
     max_requests: int,
 ) -> BatchPlan[T]:
-    """Validate every line of an input file (blank lines are skipped).
+    """Validate every line of an input file (blank lines and a leading BOM are skipped).
 
     ``build`` turns a line's ``body`` into a runnable request and raises a
     ``TokenRelayError`` for a body the endpoint would reject; anything else it raises is
@@ -267,7 +267,9 @@ def plan_batch(
     """
     plan: BatchPlan[T] = BatchPlan()
     seen: dict[str, int] = {}
-    physical = content.split(b"\n")
+    # Editors on Windows save UTF-8 with a BOM; like an HTTP body, the file may start
+    # with one (it is not part of line 1's JSON).
+    physical = content.removeprefix(b"\xef\xbb\xbf").split(b"\n")
     if sum(1 for raw in physical if raw.strip()) > max_requests:
         plan.errors.append(
             BatchError(

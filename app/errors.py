@@ -8,6 +8,7 @@
     ├── PayloadTooLarge                  413
     ├── UnsupportedMediaType             415
     ├── QueueFull                        429 rate_limit_error (carries Retry-After)
+    ├── QuotaExceeded                    429 rate_limit_error, a per-key quota (named)
     ├── NotImplementedFeature            501
     ├── ServiceUnavailable               503 (carries Retry-After)
     ├── StreamError                      an error reported on a request's output stream,
@@ -107,6 +108,16 @@ class QueueFull(TokenRelayError):
     def __init__(self, message: str, *, retry_after: int = 1):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class QuotaExceeded(TokenRelayError):
+    """One API key's quota is used up; the message names the quota and its setting.
+    No Retry-After: waiting does not help until the key frees what it holds."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "quota_exceeded"
+    public = True
 
 
 class NotImplementedFeature(TokenRelayError):

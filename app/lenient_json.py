@@ -12,8 +12,11 @@ user loses their prompt; like the seed (Dynamo's ``openai.rs``), we repair inste
 - a lone surrogate from a ``\\ud800``-style escape becomes U+FFFD, since the tokenizer
   could not encode it.
 
-Text that is not JSON at all, an empty body, or nesting too deep for the parser raises
-``InvalidRequest`` (400) with our own message, never the parser's.
+Text that is not JSON at all, an empty body, or nesting deeper than ``MAX_DEPTH`` raises
+``InvalidRequest`` (400) with our own message, never the parser's. The depth bound is
+checked without recursion right after parsing, so no later step (the surrogate repair,
+validation, ``json.dumps`` of the record) can meet a ``RecursionError``: a hostile body
+of a thousand nested lists is one 400, never a 500 or a traceback in the log.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from typing import Any
 
 from app.errors import InvalidRequest
 
-__all__ = ["escape_control_chars_in_strings", "loads_lenient"]
+__all__ = ["MAX_DEPTH", "escape_control_chars_in_strings", "loads_lenient"]
+
+# Deepest nesting of arrays and objects accepted. Real requests nest a handful of levels
+# (a JSON schema in a tool or response_format a few dozen at most).
+MAX_DEPTH = 128
 
 # One JSON string from its opening quote: plain characters or backslash pairs (a pair
 # may be a backslash and a raw control character), then the closing quote if any.
@@ -80,10 +87,32 @@ def loads_lenient(raw: bytes | str) -> Any:
             f"The request body is not valid JSON (line {exc.lineno}, column {exc.colno})."
         ) from exc
     except RecursionError as exc:
-        raise InvalidRequest("The request body is nested too deeply.") from exc
+        raise _too_deep() from exc
+    # Only text with more brackets than the bound can nest past it: most bodies skip
+    # the walk after two fast counts.
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth_exceeds(value, MAX_DEPTH):
+        raise _too_deep()
     if "\\ud" in text or "\\uD" in text:
         value = _replace_lone_surrogates(value)
     return value
+
+
+def _too_deep() -> InvalidRequest:
+    return InvalidRequest(f"The request body is nested too deeply (at most {MAX_DEPTH} levels).")
+
+
+def _depth_exceeds(value: Any, most: int) -> bool:
+    """Whether arrays/objects in ``value`` nest deeper than ``most`` (iterative)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > most:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _loads(text: str) -> Any:
@@ -110,10 +139,25 @@ def _fix(s: str) -> str:
 
 
 def _replace_lone_surrogates(value: Any) -> Any:
+    """``value`` with every string (keys included) repaired, walked with an explicit
+    stack rather than recursion, so no nesting depth can raise ``RecursionError``."""
     if isinstance(value, str):
         return _fix(value)
-    if isinstance(value, list):
-        return [_replace_lone_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {_fix(k): _replace_lone_surrogates(v) for k, v in value.items()}
-    return value
+    if not isinstance(value, dict | list):
+        return value
+    root: list[Any] = [value]
+    stack: list[tuple[Any, Any]] = [(root, 0)]  # (container, key or index) to repair
+    while stack:
+        parent, slot = stack.pop()
+        item = parent[slot]
+        if isinstance(item, str):
+            parent[slot] = _fix(item)
+        elif isinstance(item, list):
+            copy = list(item)
+            parent[slot] = copy
+            stack.extend((copy, i) for i in range(len(copy)))
+        elif isinstance(item, dict):
+            copy_d = {_fix(k): v for k, v in item.items()}
+            parent[slot] = copy_d
+            stack.extend((copy_d, k) for k in copy_d)
+    return root[0]

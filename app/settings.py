@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EngineName = Literal["llamacpp", "exllamav2", "echo"]
@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(
         default=16, ge=1, description="Most stop strings per request (OpenAI allows 4)."
     )
+    max_stop_token_ids: int = Field(
+        default=64, ge=1, description="Most stop_token_ids per request (400 above it)."
+    )
     max_n: int = Field(default=16, ge=1, description="Largest n (choices per prompt) accepted.")
     max_logprobs: int = Field(
         default=20,
@@ -124,6 +127,11 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(
         default_factory=list,
         description="Bearer keys accepted (JSON list); empty means no authentication.",
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys (each also in api_keys) that see, download, delete and cancel "
+        "every key's files and batches; other keys see only their own (404 otherwise).",
     )
     max_queue: int = Field(
         default=256, ge=1, description="Admission limit: requests in flight before 429."
@@ -174,6 +182,18 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest file accepted by POST /v1/files (413 above it); files live in Redis.",
     )
+    key_max_files: int = Field(
+        default=1000,
+        ge=0,
+        description="Quota: files one API key may store at once, uploads and batch "
+        "output/error files together (429 above it on upload). 0 = no limit.",
+    )
+    key_max_file_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=0,
+        description="Quota: bytes of files one API key may store at once (429 above it "
+        "on upload). 0 = no limit.",
+    )
     batch_max_requests: int = Field(
         default=50_000, ge=1, description="Most request lines in one batch's input file."
     )
@@ -205,6 +225,14 @@ class Settings(BaseSettings):
     flower_basic_auth: str | None = Field(
         default=None, description="Flower basic auth as user:password."
     )
+
+    @model_validator(mode="after")
+    def _admin_keys_are_keys(self) -> Settings:
+        """An admin key that is not an API key could never authenticate: say so at start."""
+        missing = [k for k in self.admin_api_keys if k not in self.api_keys]
+        if missing:
+            raise ValueError("every key in admin_api_keys must also be listed in api_keys")
+        return self
 
     def to_env(self) -> dict[str, str]:
         """These settings as TOKENRELAY_* variables, to hand to a child process."""

@@ -1,7 +1,16 @@
 """Files and batches on Redis, typed, with TTLs; the batch lock and per-line progress.
 
-Files (``Keys.file``): a hash with ``meta`` (``FileObject`` JSON) and ``content`` (the
-bytes), expiring ``batch_file_ttl_s`` after upload; ``Keys.files`` indexes them by time.
+Files (``Keys.file``): a hash with ``meta`` (``FileObject`` JSON) and ``owner``, and the
+bytes in ``Keys.file_data`` (a string, so a download reads it in ranges instead of
+holding a whole file in a web process), both expiring ``batch_file_ttl_s`` after upload;
+``Keys.files`` indexes them by time, ``Keys.owner_files`` per owner.
+
+Owners: with API keys configured every file and batch records the hash of the key that
+created it (``web.auth.key_owner``); the batch's output/error files get the batch's
+owner. Reads take a ``scope``: an owner id (objects of other owners are reported missing,
+as OpenAI answers 404) or None (every owner: admin keys, or no keys configured).
+``Keys.owner_file_bytes`` counts each owner's stored files and bytes for its quota,
+checked and updated in one WATCH transaction so parallel uploads cannot overshoot it.
 
 Batches (``Keys.batch``): a hash whose ``body`` holds what never changes (endpoint,
 input file, window, metadata, created/expires times) and whose other fields change as
@@ -22,7 +31,8 @@ can neither count it twice nor lose it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -39,6 +49,7 @@ from app.batches import (
     RequestCounts,
     new_file_id,
 )
+from app.errors import QuotaExceeded
 from app.records import RequestRecord
 from broker.keys import Keys
 from broker.requests import RequestStore
@@ -129,13 +140,32 @@ class BatchBody(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class FileQuota:
+    """What one owner may store at once (0: no limit), from ``Settings.key_max_*``."""
+
+    max_files: int = 0
+    max_bytes: int = 0
+
+    @property
+    def limited(self) -> bool:
+        return self.max_files > 0 or self.max_bytes > 0
+
+
+# Bytes per GETRANGE when a download streams a file.
+DOWNLOAD_CHUNK = 1024 * 1024
+
+
 class FileStore:
     """Uploaded files and generated output/error files."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, ttl_s: int, quota: FileQuota | None = None
+    ) -> None:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
+        self.quota = quota or FileQuota()
 
     def create(
         self,
@@ -145,9 +175,15 @@ class FileStore:
         content: bytes,
         now: float,
         file_id: str | None = None,
+        owner: str = "",
+        enforce_quota: bool = True,
     ) -> FileObject:
-        """Store a file; ``file_id`` is given for output files so a retried write (a
-        driver's takeover) replaces the same file instead of leaving a second one."""
+        """Store a file for ``owner``; ``file_id`` is given for output files so a retried
+        write (a driver's takeover) replaces the same file instead of leaving a second one.
+
+        Raises ``QuotaExceeded`` when the file would take ``owner`` over its quota
+        (``enforce_quota=False``, for a batch's results, still counts the file).
+        """
         created = int(now)
         obj = FileObject(
             id=file_id or new_file_id(),
@@ -157,32 +193,129 @@ class FileStore:
             purpose=purpose,
             expires_at=created + self.ttl_s,
         )
-        key = self.keys.file(obj.id)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping={"meta": obj.model_dump_json(), "content": content})
-        pipe.expire(key, self.ttl_s)
-        pipe.zadd(self.keys.files, {obj.id: now})
-        pipe.execute()
-        return obj
+        usage = self.keys.owner_file_bytes(owner)
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    gone: list[str] = []
+                    if self.quota.limited:
+                        pipe.watch(usage)  # type: ignore[no-untyped-call]
+                        gone = self._check_quota(pipe, owner, obj, enforce_quota)
+                    pipe.multi()
+                    self._queue_write(pipe, obj, content, owner, now)
+                    if self.quota.limited:
+                        if gone:
+                            pipe.hdel(usage, *gone)
+                        pipe.hset(usage, obj.id, obj.bytes)
+                        pipe.expire(usage, self.ttl_s)
+                    pipe.execute()
+                    return obj
+                except redis.WatchError:
+                    continue  # another upload of this owner changed its usage: recount
 
-    def get(self, fid: str) -> FileObject | None:
-        raw = self.redis.hget(self.keys.file(fid), "meta")
-        return None if raw is None else FileObject.model_validate_json(raw)
+    def _check_quota(self, pipe: Any, owner: str, obj: FileObject, enforce: bool) -> list[str]:
+        """Count ``owner``'s live files (returning those that expired, to drop from its
+        usage) and raise ``QuotaExceeded`` if ``obj`` would not fit."""
+        raw: Any = pipe.hgetall(self.keys.owner_file_bytes(owner))
+        sizes = {_s(k): int(v) for k, v in raw.items()}
+        sizes.pop(obj.id, None)  # a rewrite replaces itself
+        ids = list(sizes)
+        check = self.redis.pipeline(transaction=False)
+        for fid in ids:
+            check.exists(self.keys.file(fid))
+        alive = check.execute() if ids else []
+        gone = [fid for fid, live in zip(ids, alive, strict=True) if not live]
+        for fid in gone:
+            del sizes[fid]
+        if not enforce:
+            return gone
+        q = self.quota
+        if q.max_files and len(sizes) + 1 > q.max_files:
+            raise QuotaExceeded(
+                f"Quota exceeded: this API key stores {len(sizes)} files, the most it may "
+                f"store is {q.max_files} (key_max_files). Delete files to upload more.",
+                param="file",
+            )
+        used = sum(sizes.values())
+        if q.max_bytes and used + obj.bytes > q.max_bytes:
+            raise QuotaExceeded(
+                f"Quota exceeded: this API key stores {used} bytes of files; this file "
+                f"({obj.bytes} bytes) would pass its limit of {q.max_bytes} bytes "
+                "(key_max_file_bytes). Delete files to upload more.",
+                param="file",
+            )
+        return gone
+
+    def _queue_write(
+        self, pipe: Any, obj: FileObject, content: bytes, owner: str, now: float
+    ) -> None:
+        key = self.keys.file(obj.id)
+        pipe.hset(key, mapping={"meta": obj.model_dump_json(), "owner": owner})
+        pipe.hdel(key, "content")  # the layout before file_data: a rewrite drops it
+        pipe.expire(key, self.ttl_s)
+        pipe.set(self.keys.file_data(obj.id), content, ex=self.ttl_s)
+        pipe.zadd(self.keys.files, {obj.id: now})
+        pipe.zadd(self.keys.owner_files(owner), {obj.id: now})
+        pipe.expire(self.keys.owner_files(owner), self.ttl_s)
+
+    def owner(self, fid: str) -> str | None:
+        """Who stored ``fid`` (None: no such file)."""
+        raw: Any = self.redis.hmget(self.keys.file(fid), "meta", "owner")
+        if raw[0] is None:
+            return None
+        return _s(raw[1]) if raw[1] is not None else ""
+
+    def get(self, fid: str, scope: str | None = None) -> FileObject | None:
+        """The file, if it exists and ``scope`` (an owner; None = any) may see it."""
+        raw: Any = self.redis.hmget(self.keys.file(fid), "meta", "owner")
+        if raw[0] is None or not _visible(raw[1], scope):
+            return None
+        return FileObject.model_validate_json(raw[0])
 
     def content(self, fid: str) -> bytes | None:
-        raw: Any = self.redis.hget(self.keys.file(fid), "content")
+        """The whole file (the batch driver reads input files this way)."""
+        raw: Any = self.redis.get(self.keys.file_data(fid))
+        if raw is None:
+            raw = self.redis.hget(self.keys.file(fid), "content")
         return None if raw is None else bytes(raw)
 
-    def delete(self, fid: str) -> bool:
+    def chunks(self, fid: str, size: int, chunk: int = DOWNLOAD_CHUNK) -> Iterator[bytes]:
+        """The file in ``chunk``-byte pieces read as they are sent, so a download holds
+        one piece in memory, not the file. Stops early if the file is deleted meanwhile."""
+        data = self.keys.file_data(fid)
+        if not self.redis.exists(data):
+            old = self.content(fid)  # a file stored before file_data existed
+            if old is not None:
+                yield old
+            return
+        for start in range(0, size, chunk):
+            piece: Any = self.redis.getrange(data, start, min(start + chunk, size) - 1)
+            if not piece:
+                return
+            yield bytes(piece)
+
+    def delete(self, fid: str, scope: str | None = None) -> bool:
+        """Delete ``fid`` if ``scope`` may see it; False when there was nothing to delete."""
+        owner = self.owner(fid)
+        if owner is None or not _visible(owner, scope):
+            return False
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.file(fid))
+        pipe.delete(self.keys.file(fid), self.keys.file_data(fid))
         pipe.zrem(self.keys.files, fid)
+        pipe.zrem(self.keys.owner_files(owner), fid)
+        pipe.hdel(self.keys.owner_file_bytes(owner), fid)
         return bool(pipe.execute()[0])
 
     def page(
-        self, *, after: str | None = None, limit: int = 20, purpose: str | None = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        purpose: str | None = None,
+        scope: str | None = None,
     ) -> ListPage[FileObject]:
-        """Newest first; ``after`` is the last id of the previous page."""
+        """Newest first; ``after`` is the last id of the previous page; ``scope`` lists
+        one owner's files (None: everyone's)."""
 
         def parse(raw: Any) -> FileObject | None:
             obj = FileObject.model_validate_json(raw)
@@ -190,7 +323,7 @@ class FileStore:
 
         found, more = _page(
             self.redis,
-            self.keys.files,
+            self.keys.files if scope is None else self.keys.owner_files(scope),
             after,
             limit,
             lambda ids: [self.redis.hget(self.keys.file(i), "meta") for i in ids],
@@ -212,14 +345,15 @@ class BatchStore:
         self._release = client.register_script(RELEASE)
 
     # -- clients (web) --------------------------------------------------------------------
-    def create(self, body: BatchBody, now: float) -> BatchObject:
-        """A new batch in ``validating``, put on the drivers' work list."""
+    def create(self, body: BatchBody, now: float, owner: str = "") -> BatchObject:
+        """A new batch of ``owner`` in ``validating``, put on the drivers' work list."""
         key = self.keys.batch(body.id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(
             key,
             mapping={
                 "body": body.model_dump_json(),
+                "owner": owner,
                 "status": BatchStatus.VALIDATING.value,
                 "total": 0,
                 "completed": 0,
@@ -229,20 +363,34 @@ class BatchStore:
         )
         pipe.expire(key, self.ttl_s)
         pipe.zadd(self.keys.batches, {body.id: now})
+        pipe.zadd(self.keys.owner_batches(owner), {body.id: now})
+        pipe.expire(self.keys.owner_batches(owner), self.ttl_s)
         pipe.zadd(self.keys.active_batches, {body.id: now})
         pipe.execute()
         batch = self.get(body.id)
         assert batch is not None
         return batch
 
-    def get(self, bid: str) -> BatchObject | None:
-        return _batch_from_hash(self.redis.hgetall(self.keys.batch(bid)))
+    def get(self, bid: str, scope: str | None = None) -> BatchObject | None:
+        """The batch, if it exists and ``scope`` (an owner; None = any) may see it."""
+        raw: Any = self.redis.hgetall(self.keys.batch(bid))
+        if raw and not _visible(raw.get(b"owner"), scope):
+            return None
+        return _batch_from_hash(raw)
 
-    def page(self, *, after: str | None = None, limit: int = 20) -> ListPage[BatchObject]:
-        """Newest first; ``after`` is the last id of the previous page."""
+    def owner(self, bid: str) -> str:
+        """Who created ``bid`` ("" without keys, or for a batch that is gone): the owner
+        its output and error files are stored for."""
+        return _s(self.redis.hget(self.keys.batch(bid), "owner") or b"")
+
+    def page(
+        self, *, after: str | None = None, limit: int = 20, scope: str | None = None
+    ) -> ListPage[BatchObject]:
+        """Newest first; ``after`` is the last id of the previous page; ``scope`` lists
+        one owner's batches (None: everyone's)."""
         found, more = _page(
             self.redis,
-            self.keys.batches,
+            self.keys.batches if scope is None else self.keys.owner_batches(scope),
             after,
             limit,
             lambda ids: _hgetall_many(self.redis, [self.keys.batch(i) for i in ids]),
@@ -250,8 +398,11 @@ class BatchStore:
         )
         return _list_page(found, more)
 
-    def request_cancel(self, bid: str, now: float) -> Transition:
-        """A client's cancel: ``cancelling`` now; the driver finishes it (``cancelled``)."""
+    def request_cancel(self, bid: str, now: float, scope: str | None = None) -> Transition:
+        """A client's cancel: ``cancelling`` now; the driver finishes it (``cancelled``).
+        A batch ``scope`` may not see is ``MISSING``."""
+        if scope is not None and self.get(bid, scope) is None:
+            return Transition.MISSING
         return self.transition(
             bid,
             BatchStatus.CANCELLING,
@@ -400,6 +551,11 @@ def _batch_from_hash(raw: Any) -> BatchObject | None:
         error_file_id=f.get("error_file_id") or None,
         **{name: int(f[name]) for name in _INT_FIELDS if f.get(name)},
     )
+
+
+def _visible(owner: Any, scope: str | None) -> bool:
+    """Whether an object stored for ``owner`` is visible to ``scope`` (None: all)."""
+    return scope is None or _s(owner or b"") == scope
 
 
 def _hgetall_many(client: redis.Redis, keys: list[str]) -> list[Any]:

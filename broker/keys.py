@@ -14,8 +14,12 @@
 {p}new              stream new requests handed to streamers (consumer group)
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
 {p}hub:{id}         stream wake-ups of one web process's output reader (MAXLEN 16, TTL)
-{p}file:{fid}       hash   an uploaded or generated file: meta (JSON), content (bytes)
+{p}file:{fid}       hash   an uploaded or generated file: meta (JSON), owner
+{p}file:{fid}:data  string the file's bytes (read in ranges: downloads stream)
 {p}files            zset   file ids scored by creation time (listing)
+{p}owner:{o}:files  zset   one API key's file ids (o = key hash, "-" without keys)
+{p}owner:{o}:fbytes hash   one API key's file ids -> bytes (its storage quota)
+{p}owner:{o}:batches zset  one API key's batch ids
 {p}batch:{bid}      hash   a batch: body (JSON), status, timestamps, counts, progress
 {p}batch:{bid}:res  hash   per line index: its result (output or error line)
 {p}batch:{bid}:lock string id of the driver running the batch; PX lock TTL
@@ -80,9 +84,23 @@ class Keys:
     def file(self, fid: str) -> str:
         return f"{self.prefix}file:{fid}"
 
+    def file_data(self, fid: str) -> str:
+        return f"{self.prefix}file:{fid}:data"
+
     @property
     def files(self) -> str:
         return f"{self.prefix}files"
+
+    def owner_files(self, owner: str) -> str:
+        """One owner's (API key hash's) files, for its listing."""
+        return f"{self.prefix}owner:{owner or '-'}:files"
+
+    def owner_file_bytes(self, owner: str) -> str:
+        """One owner's file ids -> sizes, what its storage quota counts."""
+        return f"{self.prefix}owner:{owner or '-'}:fbytes"
+
+    def owner_batches(self, owner: str) -> str:
+        return f"{self.prefix}owner:{owner or '-'}:batches"
 
     def batch(self, bid: str) -> str:
         return f"{self.prefix}batch:{bid}"

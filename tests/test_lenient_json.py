@@ -88,7 +88,10 @@ def test_bom_and_surrogates() -> None:
         (b'{"a": }', "The request body is not valid JSON (line 1, column 7)."),
         # Unterminated even once repaired: the position is the one in the client's text.
         (b'{"a": "x\\\n', "The request body is not valid JSON (line 1, column 9)."),
-        (b"[" * 100_000 + b"]" * 100_000, "The request body is nested too deeply."),
+        (
+            b"[" * 100_000 + b"]" * 100_000,
+            "The request body is nested too deeply (at most 128 levels).",
+        ),
     ],
 )
 def test_not_json_is_a_400_without_the_parsers_text(raw: bytes, message: str) -> None:

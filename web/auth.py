@@ -5,15 +5,23 @@ With ``settings.api_keys`` empty the server is open. Health probes (``/health``,
 and Prometheus need no secret; the page itself holds no data and its WebSocket is
 authenticated. A view that authenticates differently (a browser WebSocket cannot set
 headers) is marked with ``@exempt`` and calls ``check_key`` itself.
+
+Tenants: with keys configured, what a key creates (files, batches) belongs to it: the
+store keeps ``key_owner(key)`` (a SHA-256 of the key, never the key) beside the object,
+and ``Tenant`` says whose objects a request may see. Admin keys, and every request when
+no keys are configured, see all.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from app.errors import AuthenticationFailed
+from app.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,3 +73,34 @@ def check_key(keys: Iterable[str], key: str | None) -> None:
             if key
             else "Missing API key: send 'Authorization: Bearer <key>'."
         )
+
+
+def key_owner(key: str) -> str:
+    """The owner id stored with a key's objects: a hash, so Redis never holds a key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Whose files and batches a request acts as.
+
+    ``owner`` is stamped on what the request creates; ``sees_all`` (an admin key, or no
+    keys configured) lets it read, delete and cancel any owner's objects.
+    """
+
+    owner: str
+    sees_all: bool
+
+    @property
+    def scope(self) -> str | None:
+        """The owner to filter by (None: every owner's objects)."""
+        return None if self.sees_all else self.owner
+
+
+def tenant_of(settings: Settings, authorization: str | None) -> Tenant:
+    """The tenant of a request whose key the app-wide hook has already accepted."""
+    if not settings.api_keys:
+        return Tenant(owner="", sees_all=True)
+    key = bearer_key(authorization) or ""
+    admin = key_ok(settings.admin_api_keys, key) if settings.admin_api_keys else False
+    return Tenant(owner=key_owner(key), sees_all=admin)

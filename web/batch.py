@@ -9,12 +9,19 @@ number of web processes can answer for it. A cancel only marks the batch
 
 Errors are ``app.errors`` exceptions, answered in OpenAI's shape by ``web.errors``; API
 keys are checked for every ``/v1/`` route by ``web.openai_routes``' app-wide hook.
+
+Tenants: every object belongs to the key that created it (``web.auth.Tenant``); another
+key's file or batch is answered 404, exactly as an id that does not exist, so ids of
+other tenants cannot be probed. Uploads count against the key's file quota (429 naming
+the quota). Downloads stream the file from Redis in chunks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
 from pydantic import ValidationError
@@ -31,8 +38,9 @@ from app.batches import (
 from app.errors import InvalidRequest, NotFound, PayloadTooLarge
 from app.protocol import validation_error_to_invalid_request
 from app.settings import Settings
-from broker.batches import BatchBody, BatchStore, FileStore, Transition
+from broker.batches import BatchBody, BatchStore, FileQuota, FileStore, Transition
 from broker.keys import Keys
+from web.auth import Tenant, tenant_of
 from web.bodies import json_body
 from web.context import runner_of, settings_of
 
@@ -61,7 +69,12 @@ def _on_register(state: Any) -> None:
     keys = Keys(settings.key_prefix)
     app.extensions["tokenrelay.batches"] = BatchApi(
         settings,
-        FileStore(runner.redis, keys, ttl_s=settings.batch_file_ttl_s),
+        FileStore(
+            runner.redis,
+            keys,
+            ttl_s=settings.batch_file_ttl_s,
+            quota=FileQuota(settings.key_max_files, settings.key_max_file_bytes),
+        ),
         BatchStore(runner.redis, keys, ttl_s=settings.batch_ttl_s),
     )
 
@@ -69,6 +82,10 @@ def _on_register(state: Any) -> None:
 def _api() -> BatchApi:
     api: BatchApi = current_app.extensions["tokenrelay.batches"]
     return api
+
+
+def _tenant() -> Tenant:
+    return tenant_of(_api().settings, request.headers.get("Authorization"))
 
 
 def _now() -> float:
@@ -122,6 +139,7 @@ def upload_file() -> Response:
         purpose=purpose,
         content=content,
         now=_now(),
+        owner=_tenant().owner,
     )
     return jsonify(obj.to_dict())
 
@@ -132,6 +150,7 @@ def list_files() -> Response:
         after=request.args.get("after"),
         limit=_limit(default=MAX_LIST_LIMIT, most=10_000),
         purpose=request.args.get("purpose"),
+        scope=_tenant().scope,
     )
     return jsonify(page.to_dict())
 
@@ -142,27 +161,50 @@ def _file_not_found(file_id: str) -> NotFound:
 
 @blueprint.get("/v1/files/<file_id>")
 def get_file(file_id: str) -> Response:
-    obj = _api().files.get(file_id)
+    obj = _api().files.get(file_id, _tenant().scope)
     if obj is None:
         raise _file_not_found(file_id)
     return jsonify(obj.to_dict())
 
 
+def content_disposition(filename: str) -> str:
+    """``attachment`` with an ASCII ``filename`` any client reads and, for a name that is
+    not plain ASCII, the exact name as RFC 5987 ``filename*`` (RFC 6266 section 4.3)."""
+    fallback = (
+        "".join(c if " " <= c <= "~" and c not in '"\\' else "_" for c in filename).strip()
+        or "download"
+    )
+    header = f'attachment; filename="{fallback}"'
+    if fallback != filename:
+        header += f"; filename*=UTF-8''{quote(filename, safe='')}"
+    return header
+
+
 @blueprint.get("/v1/files/<file_id>/content")
 def file_content(file_id: str) -> Response:
     api = _api()
-    obj = api.files.get(file_id)
-    content = api.files.content(file_id)
-    if obj is None or content is None:
+    obj = api.files.get(file_id, _tenant().scope)
+    if obj is None:
         raise _file_not_found(file_id)
-    response = Response(content, mimetype="application/octet-stream")
-    response.headers["Content-Disposition"] = f'attachment; filename="{obj.filename}"'
+    chunks = api.files.chunks(file_id, obj.bytes)
+    first = next(chunks, None)  # a file deleted since ``get`` is a 404, not an empty 200
+    if first is None and obj.bytes:
+        raise _file_not_found(file_id)
+
+    def body() -> Iterator[bytes]:
+        if first:
+            yield first
+        yield from chunks
+
+    response = Response(body(), mimetype="application/octet-stream")
+    response.headers["Content-Length"] = str(obj.bytes)
+    response.headers["Content-Disposition"] = content_disposition(obj.filename)
     return response
 
 
 @blueprint.delete("/v1/files/<file_id>")
 def delete_file(file_id: str) -> Response:
-    if not _api().files.delete(file_id):
+    if not _api().files.delete(file_id, _tenant().scope):
         raise _file_not_found(file_id)
     return jsonify({"id": file_id, "object": "file", "deleted": True})
 
@@ -178,7 +220,8 @@ def create_batch() -> Response:
     except ValidationError as exc:
         raise validation_error_to_invalid_request(exc) from exc
     metadata = check_batch_request(req)
-    source = api.files.get(req.input_file_id)
+    tenant = _tenant()
+    source = api.files.get(req.input_file_id, tenant.scope)
     if source is None:
         raise NotFound(f"No such File object: {req.input_file_id}", param="input_file_id")
     if source.purpose != "batch":
@@ -196,13 +239,15 @@ def create_batch() -> Response:
         expires_at=int(now) + COMPLETION_WINDOWS[req.completion_window],
         metadata=metadata,
     )
-    return jsonify(api.batches.create(body, now).to_dict())
+    return jsonify(api.batches.create(body, now, owner=tenant.owner).to_dict())
 
 
 @blueprint.get("/v1/batches")
 def list_batches() -> Response:
     page = _api().batches.page(
-        after=request.args.get("after"), limit=_limit(default=20, most=MAX_LIST_LIMIT)
+        after=request.args.get("after"),
+        limit=_limit(default=20, most=MAX_LIST_LIMIT),
+        scope=_tenant().scope,
     )
     return jsonify(page.to_dict())
 
@@ -213,7 +258,7 @@ def _batch_not_found(batch_id: str) -> NotFound:
 
 @blueprint.get("/v1/batches/<batch_id>")
 def get_batch(batch_id: str) -> Response:
-    batch = _api().batches.get(batch_id)
+    batch = _api().batches.get(batch_id, _tenant().scope)
     if batch is None:
         raise _batch_not_found(batch_id)
     return jsonify(batch.to_dict())
@@ -224,8 +269,9 @@ def cancel_batch(batch_id: str) -> Response:
     """Mark the batch ``cancelling``; its driver cancels the running lines, writes
     what finished to the output/error files and ends it ``cancelled``."""
     api = _api()
-    outcome = api.batches.request_cancel(batch_id, _now())
-    batch = api.batches.get(batch_id)
+    scope = _tenant().scope
+    outcome = api.batches.request_cancel(batch_id, _now(), scope)
+    batch = api.batches.get(batch_id, scope)
     if outcome is Transition.MISSING or batch is None:
         raise _batch_not_found(batch_id)
     if outcome is not Transition.DONE and batch.status not in (
