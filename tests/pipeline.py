@@ -110,6 +110,7 @@ class Followed:
     record: RequestRecord
     cursor: str = "0-0"
     events: list[OutputEvent] = field(default_factory=list)
+    first_text_at: float | None = None  # time.monotonic() of its first text
     ended_at: float | None = None  # time.monotonic() of its terminal event
 
     @property
@@ -152,6 +153,8 @@ class OutageReader:
                     f.cursor = eid.decode()
                     for ev in decode_events(fields[b"e"]):
                         f.events.append(ev)
+                        if ev.text and f.first_text_at is None:
+                            f.first_text_at = now
                         if is_terminal(ev):
                             f.ended_at = now
 

@@ -40,18 +40,15 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from celery import Celery
-from kombu.exceptions import OperationalError
 from tokenizers import Tokenizer
 
-from app.decoder import RequestDecoder
 from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
-from app.records import RequestRecord, RequestState
+from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.connection import redis_client
@@ -61,73 +58,27 @@ from broker.requests import RequestStatus, RequestStore, decode_deltas
 from broker.streams import OutputEntry, OutputStreams, RequestHandoff, encode_events
 from workers.backoff import Backoff
 from workers.service_main import run_service
+from workers.streamer_state import (
+    BACKBONE_ERRORS,
+    DEADLINE_MESSAGE,
+    DECODE_FAULT,
+    EXPIRED_MESSAGE,
+    LOST_MESSAGE,
+    REQUEST_FAULT,
+    Commit,
+    LiveModels,
+    RequestFault,
+    Tracked,
+    as_str,
+    cmp_ids,
+    request_decoder,
+)
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_S = 0.5
 HEARTBEAT_S = 2.0
 READ_BLOCK_MS = 50
-
-# Errors that mean "the backbone is away", not "this request is bad": Redis's own, and
-# Celery's (kombu) when sending a task finds no broker.
-BACKBONE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, OperationalError)
-
-# What a client reads when we fail its request; details go to the log, not the client.
-DECODE_FAULT = "The streamer could not decode this choice's tokens."
-REQUEST_FAULT = "The streamer failed while handling this request; please retry."
-LOST_MESSAGE = (
-    "The request was lost by the broker (Redis restarted without its data); please retry."
-)
-EXPIRED_MESSAGE = "The request expired."
-DEADLINE_MESSAGE = "The request exceeded its deadline."
-
-
-class RequestFault(Exception):
-    """Something about one request cannot be handled; that request ends with an error."""
-
-
-def request_decoder(tokenizer: Tokenizer, record: RequestRecord) -> RequestDecoder:
-    """The Decoders of all of a request's choices (choice c runs on prompt c // n)."""
-    return RequestDecoder(
-        tokenizer,
-        record.prompts[0],
-        record.stop,
-        n=record.n,
-        skip_special_tokens=record.skip_special_tokens,
-        logprobs=record.sampling.logprobs is not None,
-        more_prompts=record.prompts[1:],
-    )
-
-
-@dataclass
-class Tracked:
-    """A request this streamer decodes."""
-
-    entry_id: str  # hand-off entry, acknowledged when the request ends
-    record: RequestRecord
-    choices: RequestDecoder
-    cursor: str = "0-0"  # token stream read position
-    wrote_output: bool = False
-    engine_finished: set[int] = field(default_factory=set)
-    first_token_at: float | None = None
-    queued_since: float | None = None
-    last_sent: float = 0.0
-    no_worker_since: float | None = None
-    claimed_by_worker: float | None = None  # when a worker first started it (queue time)
-
-
-@dataclass
-class _Commit:
-    """One cycle's output entries and the requests they end. Written first, then the
-    requests ended; if Redis goes away in between, the rest is done once it is back,
-    before anything else is written (the decoders have moved on: dropping the entries
-    would lose text)."""
-
-    outputs: list[OutputEntry]
-    ended: list[Tracked]  # ended normally (usage written)
-    failed: list[Tracked]  # ended with an error event
-    written: bool = False
-    tries: int = 0
 
 
 class Streamer:
@@ -161,7 +112,7 @@ class Streamer:
         self._set_up = False  # hand-off group ensured since the last outage
         self._resend_queued = False  # after an outage: resend queued requests at once
         self._take_over_from = 0.0  # no takeovers before (set after an outage)
-        self._commits: deque[_Commit] = deque()
+        self._commits: deque[Commit] = deque()
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
@@ -240,9 +191,9 @@ class Streamer:
         ended: list[Tracked] = []
         failed: list[Tracked] = []
         for key_raw, entries in res or []:
-            key = _s(key_raw)
+            key = as_str(key_raw)
             if key == self.keys.new_requests:
-                self._handoff_cursor = _s(entries[-1][0])
+                self._handoff_cursor = as_str(entries[-1][0])
                 continue
             t = by_key.get(key)
             if t is None or not entries or t.record.request_id not in self.tracked:
@@ -271,7 +222,7 @@ class Streamer:
         failed: Sequence[Tracked] = (),
     ) -> None:
         """Write ``outputs`` in one round trip, then end the requests they end."""
-        self._commits.append(_Commit(list(outputs), list(ended), list(failed)))
+        self._commits.append(Commit(list(outputs), list(ended), list(failed)))
         self._flush()
 
     def _flush(self) -> None:
@@ -295,7 +246,7 @@ class Streamer:
             last: Any = self.redis.xrevrange(self.keys.output(e.request_id), count=1)
             if last:
                 fields = last[0][1]
-                if _s(fields[b"s"]) == e.source and fields[b"e"] == encode_events(e.events):
+                if as_str(fields[b"s"]) == e.source and fields[b"e"] == encode_events(e.events):
                     continue
             out.append(e)
         return out
@@ -307,9 +258,9 @@ class Streamer:
             try:
                 deltas = decode_deltas(fields[b"d"])
             except Exception as exc:
-                raise RequestFault(f"malformed token entry {_s(eid)}") from exc
+                raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
             events += self._apply(t, deltas)
-            t.cursor = _s(eid)
+            t.cursor = as_str(eid)
         if t.choices.all_done:
             events.append(self._usage_event(t))
         if not events:
@@ -405,7 +356,7 @@ class Streamer:
                 return
             # Taking over: replay silently up to what is already written.
             for eid, _attempt_no, deltas in self.store.read_tokens(rid):
-                if _cmp_ids(eid, source) > 0:
+                if cmp_ids(eid, source) > 0:
                     break
                 self._apply(t, deltas)
                 t.cursor = eid
@@ -458,7 +409,7 @@ class Streamer:
         """Every tracked request's state, read in one round trip, then acted on."""
         rids = list(self.tracked)
         statuses = self.store.statuses(rids)
-        live = _LiveModels(self.workers)
+        live = LiveModels(self.workers)
         endings: list[OutputEntry] = []
         for rid, status in zip(rids, statuses, strict=True):
             t = self.tracked[rid]
@@ -477,7 +428,7 @@ class Streamer:
         self._commit([e for e in endings if e.events], failed=ended)
 
     def _check(
-        self, t: Tracked, status: RequestStatus | None, now: float, live: _LiveModels
+        self, t: Tracked, status: RequestStatus | None, now: float, live: LiveModels
     ) -> OutputEntry | None:
         """One request's watchdog step; an output entry when it ends here."""
         rid = t.record.request_id
@@ -498,7 +449,7 @@ class Streamer:
         return self._finish_done(t)
 
     def _check_queued(
-        self, t: Tracked, attempt: int, now: float, live: _LiveModels
+        self, t: Tracked, attempt: int, now: float, live: LiveModels
     ) -> OutputEntry | None:
         """Fail a request no worker can serve; resend one left queued too long."""
         t.queued_since = t.queued_since or now
@@ -559,30 +510,6 @@ class Streamer:
     def _end_failed(self, t: Tracked) -> None:
         self.handoff.ack(t.entry_id)
         self.tracked.pop(t.record.request_id, None)
-
-
-class _LiveModels:
-    """The models live workers serve, read from the registry at most once per watchdog."""
-
-    def __init__(self, workers: Any) -> None:
-        self._workers = workers
-        self._models: set[str] | None = None
-
-    def models(self) -> set[str]:
-        if self._models is None:
-            self._models = {w.model for w in self._workers.live()}
-        return self._models
-
-
-def _cmp_ids(a: str, b: str) -> int:
-    am, _, asq = a.partition("-")
-    bm, _, bsq = b.partition("-")
-    ka, kb = (int(am), int(asq or 0)), (int(bm), int(bsq or 0))
-    return (ka > kb) - (ka < kb)
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def build_streamer(settings: Settings) -> Streamer:

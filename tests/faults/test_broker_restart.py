@@ -121,11 +121,13 @@ def test_processes_and_requests_survive_a_redis_restart(
             if reader.followed[k] is not new
         )
         recovery = None if new.ended_at is None else new.ended_at - back
+        first_text = None if new.first_text_at is None else round(new.first_text_at - back, 2)
         lines = {pid: n - lines_before[pid] for pid, n in log_lines(procs).items()}
         print(
             f"\nredis restart ({'aof' if appendonly else 'no persistence'}, {outage_s}s down): "
             f"in-flight {dict(tally)}, new request {classify(new, want)} "
-            f"after {recovery if recovery is None else round(recovery, 2)} s; "
+            f"after {recovery if recovery is None else round(recovery, 2)} s "
+            f"(its first text after {first_text} s); "
             f"log lines since the kill per process {sorted(lines.values())}"
         )
         assert tally["hung"] == 0 and tally["wrong"] == 0, f"{tally}\n{logs()}"

@@ -1,0 +1,106 @@
+"""What the streamer keeps per request, and the messages and errors it deals in.
+
+Split out of ``workers.streamer`` (the loop) so each module reads on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from kombu.exceptions import OperationalError
+from tokenizers import Tokenizer
+
+from app.decoder import RequestDecoder
+from app.records import RequestRecord
+from broker.registry import Registry, WorkerInfo
+from broker.streams import OutputEntry
+
+# Errors that mean "the backbone is away", not "this request is bad": Redis's own, and
+# Celery's (kombu) when sending a task finds no broker.
+BACKBONE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, OperationalError)
+
+# What a client reads when we fail its request; details go to the log, not the client.
+DECODE_FAULT = "The streamer could not decode this choice's tokens."
+REQUEST_FAULT = "The streamer failed while handling this request; please retry."
+LOST_MESSAGE = (
+    "The request was lost by the broker (Redis restarted without its data); please retry."
+)
+EXPIRED_MESSAGE = "The request expired."
+DEADLINE_MESSAGE = "The request exceeded its deadline."
+
+
+class RequestFault(Exception):
+    """Something about one request cannot be handled; that request ends with an error."""
+
+
+def request_decoder(tokenizer: Tokenizer, record: RequestRecord) -> RequestDecoder:
+    """The Decoders of all of a request's choices (choice c runs on prompt c // n)."""
+    return RequestDecoder(
+        tokenizer,
+        record.prompts[0],
+        record.stop,
+        n=record.n,
+        skip_special_tokens=record.skip_special_tokens,
+        logprobs=record.sampling.logprobs is not None,
+        more_prompts=record.prompts[1:],
+        tool_parser=record.tool_parser,
+        reasoning_parser=record.reasoning_parser,
+        tools_enabled=record.tools_enabled,
+    )
+
+
+@dataclass
+class Tracked:
+    """A request this streamer decodes."""
+
+    entry_id: str  # hand-off entry, acknowledged when the request ends
+    record: RequestRecord
+    choices: RequestDecoder
+    cursor: str = "0-0"  # token stream read position
+    wrote_output: bool = False
+    engine_finished: set[int] = field(default_factory=set)
+    first_token_at: float | None = None
+    queued_since: float | None = None
+    last_sent: float = 0.0
+    no_worker_since: float | None = None
+    claimed_by_worker: float | None = None  # when a worker first started it (queue time)
+
+
+@dataclass
+class Commit:
+    """One cycle's output entries and the requests they end. Written first, then the
+    requests ended; if Redis goes away in between, the rest is done once it is back,
+    before anything else is written (the decoders have moved on: dropping the entries
+    would lose text)."""
+
+    outputs: list[OutputEntry]
+    ended: list[Tracked]  # ended normally (usage written)
+    failed: list[Tracked]  # ended with an error event
+    written: bool = False
+    tries: int = 0
+
+
+class LiveModels:
+    """The models live workers serve, read from the registry at most once per watchdog."""
+
+    def __init__(self, workers: Registry[WorkerInfo]) -> None:
+        self._workers = workers
+        self._models: set[str] | None = None
+
+    def models(self) -> set[str]:
+        if self._models is None:
+            self._models = {w.model for w in self._workers.live()}
+        return self._models
+
+
+def cmp_ids(a: str, b: str) -> int:
+    am, _, asq = a.partition("-")
+    bm, _, bsq = b.partition("-")
+    ka, kb = (int(am), int(asq or 0)), (int(bm), int(bsq or 0))
+    return (ka > kb) - (ka < kb)
+
+
+def as_str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
