@@ -21,11 +21,19 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta as jinja2meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from app.errors import InvalidRequest, ModelError
 from app.model_card import ModelCard, load_tokenizer
+from app.tools import (
+    FALLBACK_TOOL_PARSER,
+    TOOL_CALL_FORMATS,
+    ToolCallFormat,
+    fallback_tools_prompt,
+    native_tool_parser,
+)
 
 Message = Mapping[str, Any]
 Clock = Callable[[], datetime]
@@ -57,20 +65,34 @@ def _strftime_now_with(clock: Clock) -> Callable[[str], str]:
     return strftime_now
 
 
-@lru_cache(maxsize=32)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template once (compiling costs milliseconds; rendering, microseconds).
-
-    A template that does not compile is the model directory's fault: ``ModelError``.
-    """
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now_with(datetime.now)
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template once (compiling costs milliseconds; rendering, microseconds).
+
+    A template that does not compile is the model directory's fault: ``ModelError``.
+    """
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelError(f"the model's chat template does not compile: {exc}") from exc
+
+
+@lru_cache(maxsize=32)
+def template_uses_tools(source: str) -> bool:
+    """Whether a template reads the ``tools`` variable (so it renders tool definitions
+    itself, as transformers' tool-use templates do)."""
+    try:
+        return "tools" in jinja2meta.find_undeclared_variables(_environment().parse(source))
     except jinja2.TemplateSyntaxError as exc:
         raise ModelError(f"the model's chat template does not compile: {exc}") from exc
 
@@ -164,6 +186,109 @@ def render_chat_template(
         ) from exc
 
 
+def _arguments_object(arguments: Any) -> Any:
+    """A call's arguments as an object when they are JSON text of one (else as given)."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
+def _calls(message: Message) -> list[tuple[str, Any]]:
+    """(name, arguments object) of each tool call of an assistant message."""
+    out = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping):
+            out.append((str(function.get("name")), _arguments_object(function.get("arguments"))))
+    return out
+
+
+def native_message(message: Message) -> Message:
+    """A message for a template that knows tools: tool-call arguments as objects (a
+    template writes them with ``tojson``; JSON text would be quoted twice) and no null
+    content (templates concatenate it)."""
+    if not message.get("tool_calls") and message.get("content") is not None:
+        return message
+    copy = dict(message)
+    if copy.get("content") is None:
+        copy["content"] = ""
+    if copy.get("tool_calls"):
+        copy["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": args}}
+            for call, (_name, args) in zip(copy["tool_calls"], _calls(message), strict=True)
+        ]
+    return copy
+
+
+def fallback_messages(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    fmt: ToolCallFormat,
+) -> list[Message]:
+    """The conversation in plain turns, for templates that know no tools.
+
+    - ``tools``: described in the system prompt (``app.tools.FALLBACK_TOOLS_PROMPT``,
+      which asks for calls in ``fmt``'s syntax), appended to the first system or
+      developer message, else in a new system message first;
+    - an assistant turn's ``tool_calls``: written after its content in ``fmt``'s syntax;
+    - ``tool`` messages: user turns of ``<tool_response>``...``</tool_response>``
+      blocks, consecutive ones merged into one turn (templates that insist on
+      alternating roles accept it).
+
+    Messages without tool fields are passed on untouched.
+    """
+
+    def role_of(message: Any) -> Any:
+        return message.get("role") if isinstance(message, Mapping) else None
+
+    if not tools and not any(
+        role_of(m) == "tool" or (role_of(m) == "assistant" and m.get("tool_calls"))
+        for m in messages
+    ):
+        return list(messages)  # malformed input too: normalize_messages names it
+    out: list[Message] = []
+    previous_role = None
+    for message in messages:
+        role = role_of(message)
+        if role == "tool":
+            block = f"<tool_response>\n{_content_text(message)}\n</tool_response>"
+            if previous_role == "tool":
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{block}"}
+            else:
+                out.append({"role": "user", "content": block})
+        elif role == "assistant" and message.get("tool_calls"):
+            text = _content_text(message)
+            calls = "\n".join(fmt.render_call(name, args) for name, args in _calls(message))
+            copy = {k: v for k, v in message.items() if k != "tool_calls"}
+            copy["content"] = f"{text}\n{calls}" if text else calls
+            out.append(copy)
+        else:
+            out.append(message)
+        previous_role = role
+    if tools:
+        prompt = fallback_tools_prompt(tools, fmt)
+        first = out[0] if out else None
+        if first is not None and first.get("role") in ("system", "developer"):
+            text = _content_text(first)
+            out[0] = {**first, "content": f"{text}\n\n{prompt}" if text else prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _content_text(message: Message) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "\n".join(_text_parts(content, 0))
+    return str(content)
+
+
 class PromptBuilder:
     """Messages -> prompt text -> prompt token ids, for one model.
 
@@ -177,8 +302,18 @@ class PromptBuilder:
         self.card = card
         self.tokenizer = tokenizer
         self._now = now
-        if card.chat_template is not None:
-            compile_chat_template(card.chat_template)  # fail at start-up, not per request
+        template = card.chat_template
+        if template is not None:
+            compile_chat_template(template)  # fail at start-up, not per request
+        parser = card.tool_call_parser or FALLBACK_TOOL_PARSER
+        self.tool_format: ToolCallFormat = TOOL_CALL_FORMATS[parser]
+        # The template renders tools itself only if it reads `tools` and writes the
+        # syntax the model's parser reads; otherwise the fallback prompt describes them.
+        self.native_tools = (
+            template is not None
+            and template_uses_tools(template)
+            and native_tool_parser(template) == parser
+        )
 
     @classmethod
     def from_card(cls, card: ModelCard, *, now: Clock = datetime.now) -> PromptBuilder:
@@ -192,12 +327,23 @@ class PromptBuilder:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
-        """The prompt text for a conversation."""
+        """The prompt text for a conversation, offering ``tools`` (transformers' shape:
+        ``[{"type": "function", "function": {...}}]``) when given.
+
+        A template that knows tools gets them as ``tools=`` and the history's
+        ``tool_calls`` (arguments as objects, as transformers documents) and ``tool``
+        messages as they are; any other gets the fallback (``fallback_messages``).
+        """
         if self.card.chat_template is None:
             raise InvalidRequest(
                 f"model {self.card.name!r} has no chat template; use /v1/completions",
                 param="messages",
             )
+        if self.native_tools:
+            messages = [native_message(m) for m in messages]
+        else:
+            messages = fallback_messages(messages, tools, self.tool_format)
+            tools = None
         return render_chat_template(
             self.card.chat_template,
             messages,

@@ -15,18 +15,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from app.errors import StreamError, error_body, event_error
-from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind
+from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind, ToolCallDelta
 from app.response_models import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionResponse,
     ChatResponseMessage,
+    ChatToolCall,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     ErrorBody,
     PromptTokensDetails,
     Timings,
+    ToolCallFunction,
     Usage,
 )
 from app.timings import timings_from_usage
@@ -38,9 +41,20 @@ FoldKind = Literal["chat", "completion"]
 
 
 @dataclass(slots=True)
+class _Call:
+    """One tool call, reassembled from its fragments (as the openai SDK does)."""
+
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, _Call] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: StreamError | None = None
@@ -48,6 +62,33 @@ class _Choice:
     @property
     def error_body(self) -> ErrorBody | None:
         return choice_error_body(self.error) if self.error is not None else None
+
+    def add_calls(self, fragments: list[ToolCallDelta]) -> None:
+        for fragment in fragments:
+            call = self.calls.setdefault(fragment.index, _Call())
+            if fragment.id is not None:
+                call.id = fragment.id
+            if fragment.name is not None:
+                call.name = fragment.name
+            if fragment.arguments:
+                call.arguments.append(fragment.arguments)
+
+    def message(self) -> ChatResponseMessage:
+        """The chat message: ``content`` null when the model only called tools (what
+        text it wrote around the calls is kept when there is any)."""
+        text = "".join(self.text)
+        tool_calls = [
+            ChatToolCall(
+                id=call.id,
+                function=ToolCallFunction(name=call.name, arguments="".join(call.arguments)),
+            )
+            for _, call in sorted(self.calls.items())
+        ]
+        return ChatResponseMessage(
+            content=None if tool_calls and not text.strip() else text,
+            tool_calls=tool_calls or None,
+            reasoning_content="".join(self.reasoning) if self.reasoning else None,
+        )
 
 
 def choice_error_body(error: StreamError) -> ErrorBody:
@@ -59,6 +100,7 @@ def usage_from_event(usage: dict[str, Any] | None) -> Usage:
     """The client-facing usage: the streamer's internal fields (timings, its id) dropped."""
     u = usage or {}
     details = u.get("prompt_tokens_details")
+    completion = u.get("completion_tokens_details")
     return Usage(
         prompt_tokens=int(u.get("prompt_tokens", 0)),
         completion_tokens=int(u.get("completion_tokens", 0)),
@@ -66,6 +108,11 @@ def usage_from_event(usage: dict[str, Any] | None) -> Usage:
         prompt_tokens_details=(
             PromptTokensDetails(cached_tokens=int(details.get("cached_tokens", 0)))
             if isinstance(details, dict)
+            else None
+        ),
+        completion_tokens_details=(
+            CompletionTokensDetails(reasoning_tokens=int(completion.get("reasoning_tokens", 0)))
+            if isinstance(completion, dict)
             else None
         ),
     )
@@ -144,6 +191,10 @@ class ResponseFold:
                 c.text.append(ev.text)
             if ev.logprobs:
                 c.logprobs.extend(ev.logprobs)
+            if ev.reasoning:
+                c.reasoning.append(ev.reasoning)
+            if ev.tool_calls:
+                c.add_calls(ev.tool_calls)
         elif ev.kind is OutputKind.FINAL:
             c.finish_reason = ev.finish_reason
             c.stop_reason = ev.stop_reason
@@ -160,7 +211,7 @@ class ResponseFold:
                 choices=[
                     ChatCompletionChoice(
                         index=i,
-                        message=ChatResponseMessage(content="".join(c.text)),
+                        message=c.message(),
                         logprobs=(
                             ChatChoiceLogprobs.from_entries(c.logprobs)
                             if self.want_logprobs

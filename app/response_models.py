@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from app.messages import FinishReason, LogprobEntry
+from app.messages import FinishReason, LogprobEntry, OutputEvent, ToolCallDelta
 
 
 def new_chat_completion_id() -> str:
@@ -57,13 +57,18 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Response):
-    _omit_if_none = frozenset({"prompt_tokens_details"})
+    _omit_if_none = frozenset({"prompt_tokens_details", "completion_tokens_details"})
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(_Response):
@@ -104,12 +109,32 @@ class ChatChoiceLogprobs(_Response):
         )
 
 
+class ToolCallFunction(_Response):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(_Response):
+    """A tool call of a response message: ``arguments`` is JSON text, as the model
+    wrote it (OpenAI's shape; clients ``json.loads`` it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(_Response):
-    """``refusal`` is always sent (null): OpenAI's schema marks it required."""
+    """``refusal`` is always sent (null): OpenAI's schema marks it required.
+    ``content`` is null when the model only called tools; ``tool_calls`` and
+    ``reasoning_content`` (vLLM's and DeepSeek's name) appear only when there are some."""
+
+    _omit_if_none = frozenset({"tool_calls", "reasoning_content"})
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -160,20 +185,67 @@ class ChatCompletionResponse(_Response):
     timings: Timings | None = None
 
 
+class DeltaFunction(_Response):
+    """``name`` only on a call's first fragment; ``arguments`` fragments concatenate."""
+
+    _omit_if_none = frozenset({"name"})
+
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(_Response):
+    """One fragment of tool call ``index``, as OpenAI streams it: the first carries
+    ``id``, ``type`` and ``function.name`` (with ``arguments`` ""), the rest only
+    ``function.arguments`` — what the openai SDK's stream helpers reassemble."""
+
+    _omit_if_none = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    @classmethod
+    def from_fragment(cls, fragment: ToolCallDelta) -> DeltaToolCall:
+        first = fragment.id is not None or fragment.name is not None
+        return cls(
+            index=fragment.index,
+            id=fragment.id,
+            type="function" if first else None,
+            function=DeltaFunction(name=fragment.name, arguments=fragment.arguments),
+        )
+
+
 class ChatDelta(_Response):
     """A chunk's delta. As OpenAI's stream: the role chunk carries ``refusal: null``
     (``{"role": "assistant", "content": "", "refusal": null}``); content deltas carry
-    only ``content``."""
+    only ``content``, tool-call deltas only ``tool_calls``, reasoning deltas only
+    ``reasoning_content``."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @classmethod
+    def of_event(cls, ev: OutputEvent) -> ChatDelta:
+        """The delta of one DELTA event (text, reasoning and tool-call fragments)."""
+        return cls(
+            content=ev.text or None,
+            reasoning_content=ev.reasoning or None,
+            tool_calls=[DeltaToolCall.from_fragment(f) for f in ev.tool_calls]
+            if ev.tool_calls
+            else None,
+        )
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("content", 0) is None:
-            del data["content"]
+        for name in ("content", "reasoning_content", "tool_calls"):
+            if data.get(name, 0) is None:
+                del data[name]
         if data.get("role", 0) is None:
             del data["role"]
             if data.get("refusal", 0) is None:

@@ -206,7 +206,10 @@ def test_messages_required_and_non_empty() -> None:
 
 @pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
 def test_message_roles(role: str) -> None:
-    req = parse_chat_request({"messages": [{"role": role, "content": "x"}]})
+    message = {"role": role, "content": "x"}
+    if role == "tool":
+        message["tool_call_id"] = "call_1"
+    req = parse_chat_request({"messages": [message]})
     assert req.messages[0].role == role
 
 
@@ -281,19 +284,50 @@ def test_tool_calling_none_forms_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fields", "param"),
+    ("fields", "param", "needle"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice", "only allowed when 'tools'"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tool_choice",
+            "not in 'tools'",
+        ),
+        ({"tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "'xml'"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "Missing required parameter",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.name",
+            "Missing required parameter",
+        ),
+        (
+            {"response_format": {"type": "json_object", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+            "only allowed with type 'json_schema'",
+        ),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name", "Missing"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "'retrieval'"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+            "'a b'",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+            "dictionary",
+        ),
+        ({"parallel_tool_calls": "maybe"}, "parallel_tool_calls", "boolean"),
     ],
 )
-def test_tool_calling_is_rejected_clearly(fields: dict[str, Any], param: str) -> None:
+def test_bad_tool_fields_are_named(fields: dict[str, Any], param: str, needle: str) -> None:
     err = chat_field_error(**fields)
     assert err.param == param
-    assert "not supported" in err.message
+    assert needle in err.message
 
 
 # --- numeric ranges ---------------------------------------------------------------------

@@ -107,7 +107,7 @@ class ChunkStream:
                 [
                     ChatCompletionChunkChoice(
                         index=index,
-                        delta=ChatDelta(content=ev.text) if ev.text else ChatDelta(),
+                        delta=ChatDelta.of_event(ev),
                         logprobs=ChatChoiceLogprobs.from_entries(entries)
                         if entries is not None
                         else None,

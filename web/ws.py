@@ -44,7 +44,7 @@ from app.fold import usage_from_event
 from app.intake import Endpoint
 from app.lenient_json import loads_lenient
 from app.messages import OutputEvent, OutputKind
-from app.response_models import ChatChoiceLogprobs
+from app.response_models import ChatChoiceLogprobs, DeltaToolCall
 from app.settings import Settings
 from app.timings import timings_from_usage
 from broker.run import Run, Runner
@@ -225,6 +225,10 @@ def server_message(id: str, event: OutputEvent, cursor: str | None = None) -> di
         out = {"type": "delta", "id": id, "choice": event.choice, "text": event.text}
         if event.logprobs is not None:
             out["logprobs"] = ChatChoiceLogprobs.from_entries(event.logprobs).to_dict()
+        if event.reasoning:
+            out["reasoning"] = event.reasoning
+        if event.tool_calls:  # the SSE delta's list: index, first id/type/name, arguments
+            out["tool_calls"] = [DeltaToolCall.from_fragment(f).to_dict() for f in event.tool_calls]
     elif event.kind is OutputKind.FINAL:
         out = {
             "type": "final",
