@@ -197,7 +197,8 @@ class Run:
 
     def _deliver(self, pending: tuple[str, int, OutputEvent]) -> Item:
         eid, index, ev = pending
-        self.cursor = f"{eid}/{index}"
+        if eid:  # "": an event made here, not read from the stream: the cursor stays
+            self.cursor = f"{eid}/{index}"
         error = event_error(ev)
         if error is not None:
             if ev.kind is OutputKind.ERROR and ev.choice is None:

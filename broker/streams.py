@@ -310,6 +310,8 @@ class OutputHub:
                     logger.info("output hub: redis is back after %.1fs", self.down_for())
                 self._down_since = None
                 backoff = 0.1
+            except redis.ResponseError as exc:  # Redis is up, but refuses one key
+                self._drop_unreadable(exc)
             except redis.RedisError as exc:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
@@ -320,6 +322,37 @@ class OutputHub:
             except Exception:  # never let the reader die: one bad entry is skipped
                 logger.exception("output hub: unexpected error")
                 self.stopping.wait(0.5)
+
+    def _drop_unreadable(self, exc: redis.ResponseError) -> None:
+        """End the subscriptions whose stream XREAD refuses (a key that is not a stream,
+        WRONGTYPE): one bad key must not stall every stream this process follows. Each
+        gets the unreadable-output error, as for a malformed entry; the others go on."""
+        with self._lock:
+            streams = {
+                key: min((sub.cursor for sub in subs), key=_id_order)
+                for key, subs in self._subs.items()
+            }
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for key, cursor in streams.items():
+                pipe.xread({key: cursor}, count=1)
+            results = pipe.execute(raise_on_error=False)
+        except redis.RedisError:  # gone meanwhile: the next read reconnects
+            return
+        bad = [k for k, r in zip(streams, results, strict=True) if isinstance(r, Exception)]
+        if not bad:  # nothing to blame on one stream: do not spin on it
+            logger.error("output hub: redis refused a read (%s)", exc)
+            self.stopping.wait(0.5)
+            return
+        for key in bad:
+            logger.error("output hub: cannot read %s (%s); ending its requests", key, exc)
+            with self._lock:
+                subs = self._subs.pop(key, [])
+            for sub in subs:
+                # "": made here, not read from the stream (the reader keeps its cursor).
+                sub.entries.put(("", [MALFORMED_OUTPUT]))
+                if sub.notify is not None:
+                    sub.notify.set()
 
     def _read_once(self) -> None:
         with self._lock:

@@ -515,4 +515,21 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
             assert cancelled == [True, True]
             assert bystander.outcome() == "exact", bystander.describe()
             assert [s.outcome() for s in after] == ["exact", "exact"], [s.describe() for s in after]
+
+            # A key that is not a stream at all (WRONGTYPE for XREAD): the web process's
+            # one reader must end only the request that follows it, here a client
+            # replaying a finished stream, while another stream goes on.
+            finished = after[0].request_id
+            assert finished is not None
+            bystander = Stream(CHAT, words("second bystander"))
+            start_stream(base, model, bystander)
+            assert bystander.started.wait(30), web.output()
+            client.delete(keys.output(finished))
+            client.set(keys.output(finished), "not a stream")
+            replay = probe("GET", base + f"/v1/streams/{finished}", "replay a broken stream")
+            bystander.ended.wait(30)
+            logger.warning("not a stream: %s; bystander %s", replay, bystander.outcome())
+            assert replay.took_s < 2.0 and "unreadable" in replay.body, replay
+            assert replay.status in (200, 500), replay  # an error event, or before any
+            assert bystander.outcome() == "exact", bystander.describe()
             assert web.alive() and children(web.pid) == gunicorn_workers
