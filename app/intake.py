@@ -45,6 +45,7 @@ class Limits:
     """What the server accepts, read once from settings and passed down."""
 
     max_stop_sequences: int = 16
+    max_stop_token_ids: int = 64
     max_n: int = 16
     max_logprobs: int = 20
     request_timeout_s: float = 600.0
@@ -53,6 +54,7 @@ class Limits:
     def from_settings(cls, settings: Settings) -> Limits:
         return cls(
             max_stop_sequences=settings.max_stop_sequences,
+            max_stop_token_ids=settings.max_stop_token_ids,
             max_n=settings.max_n,
             max_logprobs=settings.max_logprobs,
             request_timeout_s=settings.request_timeout_s,
@@ -61,6 +63,7 @@ class Limits:
     def parse_args(self) -> dict[str, int]:
         return {
             "max_stop_sequences": self.max_stop_sequences,
+            "max_stop_token_ids": self.max_stop_token_ids,
             "max_n": self.max_n,
             "max_logprobs": self.max_logprobs,
         }

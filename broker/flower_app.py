@@ -7,11 +7,36 @@ Sentinel group needs one (``master_name``, see ``broker.sentinel``). Built from 
 result backend and their options for a plain Redis and a Sentinel group alike. It is
 created at import because that is how ``celery -A`` finds an app; nothing in tokenrelay
 imports this module.
+
+Importing it also puts Flower's ``/metrics`` behind Flower's own authentication: Flower
+2.x serves its UI and API only with the basic auth (or OAuth) it is started with, but
+``/metrics`` (task names, worker names, queue and task counts) to anyone.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from app.settings import Settings
 from broker.celery_app import create_celery
 
+
+def require_auth_for_flower_metrics() -> bool:
+    """Wrap Flower's ``/metrics`` handler in tornado's ``authenticated``, as Flower does
+    its other views: with basic auth configured, a request without the credentials is
+    401 (``get_current_user`` raises it). False when Flower is not installed."""
+    try:
+        import tornado.web
+        from flower.views import monitor
+    except ImportError:
+        return False
+    get: Any = monitor.Metrics.get
+    if not getattr(get, "_tokenrelay_authenticated", False):
+        guarded: Any = tornado.web.authenticated(get)
+        guarded._tokenrelay_authenticated = True
+        monitor.Metrics.get = guarded
+    return True
+
+
+require_auth_for_flower_metrics()
 app = create_celery(Settings())

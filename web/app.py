@@ -14,7 +14,7 @@ from flask_sock import Sock
 
 from app.settings import Settings
 from broker.run import Runner
-from web import batch, errors, metrics, openai_routes, ws
+from web import batch, errors, metrics, openai_routes, page_headers, ws
 from web.context import RUNNER, SETTINGS
 
 
@@ -30,4 +30,5 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(batch.blueprint)
     ws.register(Sock(app))
+    page_headers.register(app)
     return app
