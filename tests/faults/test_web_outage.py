@@ -37,6 +37,7 @@ from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import worker_registry
+from broker.run import LOST_MESSAGE
 from broker.server import RedisServer
 from tests.e2e.test_websocket import ChatClient
 from tests.faults.web_clients import (
@@ -161,9 +162,15 @@ def web_log(web: Proc) -> str:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("appendonly", [True, False], ids=["aof", "no-persistence"])
+@pytest.mark.parametrize(
+    ("appendonly", "streamer_lost"),
+    [(True, False), (False, False), (False, True)],
+    # streamer-lost: the streamer dies with Redis's data, so no one writes the requests'
+    # error events: each web run's own guard must notice its request is gone (LOST_CHECK_S).
+    ids=["aof", "no-persistence", "no-persistence-streamer-lost"],
+)
 def test_web_tier_through_a_redis_restart(
-    appendonly: bool, models_dir: Path, tmp_path: Path
+    appendonly: bool, streamer_lost: bool, models_dir: Path, tmp_path: Path
 ) -> None:
     server = RedisServer(appendonly=appendonly)
     server.start()
@@ -222,6 +229,12 @@ def test_web_tier_through_a_redis_restart(
 
         server.kill()
         killed = time.monotonic()
+        if streamer_lost:
+            procs["streamer"].kill()
+            # Its replacement starts now and connects once Redis is back.
+            procs["streamer"] = stack.enter_context(
+                streamer_process(settings, tmp_path, name="streamer2", wait=False)
+            )
         probes: list[Probe] = []
         ws_during: list[str] = []
         while time.monotonic() - killed < OUTAGE_S:
@@ -283,11 +296,12 @@ def test_web_tier_through_a_redis_restart(
         )
         slowest = max(probes, key=lambda p: p.took_s)
         logger.warning(
-            "redis restart under the web tier (%s, %.0f s down): %d probes during the outage, "
+            "redis restart under the web tier (%s%s, %.0f s down): %d probes during the outage, "
             "slowest %s; websocket errors+done and pongs %.1f s after the kill; in-flight %s, "
             "the last ended %.1f s after redis was back; first new request ok %s s after "
-            "redis was back (%s)",
+            "redis was back (%s)\n%s",
             "aof" if appendonly else "no persistence",
+            ", streamer lost" if streamer_lost else "",
             OUTAGE_S,
             len(probes),
             slowest,
@@ -296,6 +310,7 @@ def test_web_tier_through_a_redis_restart(
             max(late),
             f"{first_ok:.2f}" if first_ok is not None else "never",
             "; ".join(attempts),
+            details,
         )
         log = web_log(procs["web"])
 
@@ -316,6 +331,8 @@ def test_web_tier_through_a_redis_restart(
         assert max(late) < BACK_WITHIN_S, f"{details}\n{report()}"
         if not appendonly:  # records and streams are gone: nothing can finish them
             assert tally["exact"] == 0, details
+        if streamer_lost:  # only the web runs' guard could have ended them
+            assert details.count(LOST_MESSAGE) == len(outcomes), details
         assert first_ok is not None and first_ok < BACK_WITHIN_S, f"{attempts}\n{report()}"
         # And it keeps serving: a stream on each route, exactly.
         again = [Stream(CHAT, words("again", 10)), Stream(COMPLETIONS, words("again c", 10))]
