@@ -19,7 +19,9 @@ from typing import Any
 
 from app.chat_template import PromptBuilder
 from app.errors import ContextLengthExceeded, InvalidRequest, NotFound, NotImplementedFeature
+from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
+from app.messages import OutputConstraint
 from app.model_card import ModelCard
 from app.protocol import (
     ChatCompletionRequest,
@@ -31,6 +33,13 @@ from app.protocol import (
 )
 from app.records import QueueName, RequestRecord
 from app.settings import Settings
+from app.tools import (
+    FunctionName,
+    NamedToolChoice,
+    ToolDefinition,
+    response_format_constraint,
+    tool_call_constraint,
+)
 
 
 class Endpoint(str, Enum):
@@ -136,13 +145,52 @@ class RecordBuilder:
         request_id: str | None = None,
     ) -> RequestRecord:
         self.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text} for m in req.messages]
-        prompt = self.prompts.encode_chat(messages)
+        messages = [m.for_template() for m in req.messages]
+        tools_enabled = req.tools_enabled
+        if tools_enabled and self.card.tool_call_parser is None:
+            raise InvalidRequest(
+                f"The model {self.model_name!r} has no tool-call parser (its model card sets "
+                "'tool_call_parser' to null), so it cannot be offered tools.",
+                param="tools",
+            )
+        tools = [t.for_template() for t in req.tools or ()] if tools_enabled else None
+        prompt = self.prompts.encode_chat(messages, tools=tools)
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
         echo = (
             [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
         )
-        return self._record(req, [prompt], echo_ids=echo, queue=queue, request_id=request_id)
+        constraint = self.constraint(req)
+        return self._record(
+            req,
+            [prompt],
+            echo_ids=echo,
+            queue=queue,
+            request_id=request_id,
+            constraint=constraint,
+            tools_enabled=tools_enabled,
+        )
+
+    def constraint(self, req: ChatCompletionRequest) -> OutputConstraint | None:
+        """What the output must be: a forced tool call (``tool_choice`` required or
+        named) wins over ``response_format``, which is the form of a content reply.
+
+        Every schema that will be enforced is checked with the grammar engine first, so
+        one it cannot enforce is a 400 naming the feature and the field, not a failed
+        choice later.
+        """
+        fmt = self.prompts.tool_format
+        choice = req.effective_tool_choice
+        for i, tool in enumerate(req.tools or ()):
+            if tool.function in req.forced_functions:
+                one = tool_call_constraint([tool], tool_choice_for(tool), fmt)
+                _check_enforceable(one, f"tools[{i}].function.parameters")
+        constraint = tool_call_constraint(req.tools or [], choice, fmt)
+        if constraint is not None:
+            return constraint
+        constraint = response_format_constraint(req.response_format)
+        if constraint is not None:
+            _check_enforceable(constraint, "response_format.json_schema.schema")
+        return constraint
 
     def completion(
         self,
@@ -167,6 +215,8 @@ class RecordBuilder:
         echo_ids: list[list[int]] | None,
         queue: QueueName,
         request_id: str | None,
+        constraint: OutputConstraint | None = None,
+        tools_enabled: bool = False,
     ) -> RequestRecord:
         ctx = self.card.context_length
         longest = max(len(p) for p in prompts)
@@ -194,7 +244,7 @@ class RecordBuilder:
             model=self.model_name,
             prompts=prompts,
             n=req.n,
-            sampling=to_sampling_params(req),
+            sampling=to_sampling_params(req, constraint=constraint),
             stop=stop,
             echo_ids=echo_ids,
             skip_special_tokens=req.skip_special_tokens,
@@ -203,6 +253,23 @@ class RecordBuilder:
             queue=queue,
             endpoint="/v1/chat/completions" if chat else "/v1/completions",
             include_usage=req.include_usage,
+            # Completions are raw text: no chat template wrote tool syntax or think tags.
+            tool_parser=self.card.tool_call_parser if tools_enabled else None,
+            reasoning_parser=self.card.reasoning_parser if chat else None,
+            tools_enabled=tools_enabled,
+        )
+
+
+def tool_choice_for(tool: ToolDefinition) -> NamedToolChoice:
+    """``tool_choice`` naming ``tool``."""
+    return NamedToolChoice(type="function", function=FunctionName(name=tool.function.name))
+
+
+def _check_enforceable(constraint: OutputConstraint | None, param: str) -> None:
+    problem = grammar_problem(constraint) if constraint is not None else None
+    if problem is not None:
+        raise InvalidRequest(
+            f"Invalid schema: it cannot be enforced while sampling: {problem}.", param=param
         )
 
 

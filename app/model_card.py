@@ -26,12 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tokenizers import Tokenizer
 
 from app.errors import ModelError
-from app.tools import (
-    REASONING_MARKERS,
-    TOOL_CALL_FORMATS,
-    detect_reasoning_parser,
-    detect_tool_call_parser,
-)
+from app.reasoning import REASONING_PARSERS
+from app.toolcalls import TOOL_PARSERS
+from app.tools import detect_reasoning_parser, detect_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +106,19 @@ class ModelCard(BaseModel):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_tool_parser(cls, value: str | None) -> str | None:
-        if value is not None and value not in TOOL_CALL_FORMATS:
+        if value is not None and value not in TOOL_PARSERS:
             raise ValueError(
-                f"unknown tool_call_parser {value!r} (known: {', '.join(TOOL_CALL_FORMATS)})"
+                f"unknown tool_call_parser {value!r} (known: {', '.join(sorted(TOOL_PARSERS))})"
             )
         return value
 
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, value: str | None) -> str | None:
-        if value is not None and value not in REASONING_MARKERS:
+        if value is not None and value not in REASONING_PARSERS:
             raise ValueError(
-                f"unknown reasoning_parser {value!r} (known: {', '.join(REASONING_MARKERS)})"
+                f"unknown reasoning_parser {value!r} "
+                f"(known: {', '.join(sorted(REASONING_PARSERS))})"
             )
         return value
 
