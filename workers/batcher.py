@@ -82,6 +82,9 @@ READ_BLOCK_S = 0.1
 # After a cancel or expiry, in-flight lines get this long to end (a cancelled request
 # ends within an engine step; one still waiting in the Celery queue never reports).
 WIND_DOWN_S = 10.0
+# A batch that meets an unexpected error this many times on one driver fails,
+# instead of being released, retaken and failing again every half second forever.
+MAX_STRIKES = 3
 
 Plan = list[PlannedLine[PreparedRequest] | RejectedLine]
 
@@ -161,6 +164,7 @@ class BatchDriver:
         self._last_maintain = -MAINTAIN_S
         self._last_heartbeat = -HEARTBEAT_S
         self._last_refresh = 0.0
+        self._strikes: dict[str, int] = {}
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -212,7 +216,31 @@ class BatchDriver:
         except Exception:
             logger.exception("batch %s: unexpected error; releasing it", b.id)
             self._drop(b.id)
-            self.batches.release(b.id, self.driver_id)
+            if not self._strike(b.id):
+                self.batches.release(b.id, self.driver_id)
+
+    def _strike(self, bid: str) -> bool:
+        """Count an unexpected error of ``bid``; at ``MAX_STRIKES`` fail the batch (a bug
+        that recurs would otherwise loop: release, retake, fail). True when it failed."""
+        strikes = self._strikes[bid] = self._strikes.get(bid, 0) + 1
+        if strikes < MAX_STRIKES:
+            return False
+        del self._strikes[bid]
+        message = "The batch stopped on an internal error; not every line was run."
+        self.batches.transition(
+            bid,
+            BatchStatus.FAILED,
+            self.clock(),
+            allowed_from=[s for s in BatchStatus if not s.terminal],
+            driver=self.driver_id,
+            fields={
+                "errors": BatchErrors(
+                    data=[BatchError(code="internal_error", message=message)]
+                ).model_dump_json()
+            },
+        )
+        logger.error("batch %s failed after %d unexpected errors", bid, strikes)
+        return True
 
     def _drop(self, bid: str) -> None:
         """Stop driving a batch: stop following its lines, end none of them (whoever
