@@ -25,14 +25,28 @@ from app.choice_parser import ChoiceParser
 from app.messages import ToolCallDelta
 
 TAGS = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
-CHARS = [*"ab <>/{}[];\n\t_\"|", "é", "日", "😀"]
-FRAGMENTS = ["<tool", "<tool_call", "</tool_call>", "[TOOL", "[TOOL_CALLS", "<|python",
-             "<|python_tag|", "<think", "</think", "[ARGS]", "{", "}", "\n\n", "  "]  # fmt: skip
+CHARS = [*'ab <>/{}[];\n\t_"|', "é", "日", "😀"]
+FRAGMENTS = [
+    "<tool",
+    "<tool_call",
+    "</tool_call>",
+    "[TOOL",
+    "[TOOL_CALLS",
+    "<|python",
+    "<|python_tag|",
+    "<think",
+    "</think",
+    "[ARGS]",
+    "{",
+    "}",
+    "\n\n",
+    "  ",
+]
 RESERVED = ["<think>", "</think>", *TAGS.values()]
 
 text = st.lists(st.sampled_from(CHARS + FRAGMENTS), max_size=8).map("".join)
 json_leaf = st.one_of(
-    st.integers(-5, 5), st.booleans(), st.none(), st.text(st.sampled_from(CHARS + ["\\"]))
+    st.integers(-5, 5), st.booleans(), st.none(), st.text(st.sampled_from([*CHARS, "\\"]))
 )
 arguments = st.dictionaries(
     st.text(st.sampled_from("abc_}"), max_size=4),
@@ -67,8 +81,11 @@ def valid_call(draw: st.DrawFn, fmt: str, bare_ok: bool) -> Seg:
     args = draw(arguments)
     ws = draw(st.sampled_from(["", " ", "\n"]))
     if fmt == "hermes":
-        return Seg("call", f"<tool_call>{ws}{dumps({'name': n, 'arguments': args})}{ws}"
-                   "</tool_call>", ((n, args),))  # fmt: skip
+        return Seg(
+            "call",
+            f"<tool_call>{ws}{dumps({'name': n, 'arguments': args})}{ws}</tool_call>",
+            ((n, args),),
+        )
     if fmt == "llama3_json":
         obj = dumps({"name": n, "parameters": args})
         tagged = not bare_ok or draw(st.booleans())
@@ -82,12 +99,22 @@ def valid_call(draw: st.DrawFn, fmt: str, bare_ok: bool) -> Seg:
 
 
 BAD = {
-    "hermes": ['<tool_call>{"name": 1}</tool_call>', "<tool_call>{oops</tool_call>",
-               '<tool_call>{"arguments": {}}\n</tool_call>'],  # fmt: skip
-    "llama3_json": ['<|python_tag|>{"nam": "f"}', "<|python_tag|>f(x=1)",
-                    '<|python_tag|>{"name": "f", "parameters": [1]}'],  # fmt: skip
-    "mistral": ['[TOOL_CALLS][{"nome": "f"}]', "[TOOL_CALLS]!", "[TOOL_CALLS]f[ARGS][1]",
-                "[TOOL_CALLS] {}"],  # fmt: skip
+    "hermes": [
+        '<tool_call>{"name": 1}</tool_call>',
+        "<tool_call>{oops</tool_call>",
+        '<tool_call>{"arguments": {}}\n</tool_call>',
+    ],
+    "llama3_json": [
+        '<|python_tag|>{"nam": "f"}',
+        "<|python_tag|>f(x=1)",
+        '<|python_tag|>{"name": "f", "parameters": [1]}',
+    ],
+    "mistral": [
+        '[TOOL_CALLS][{"nome": "f"}]',
+        "[TOOL_CALLS]!",
+        "[TOOL_CALLS]f[ARGS][1]",
+        "[TOOL_CALLS] {}",
+    ],
 }
 # Unfinished at the end of the output: released as content at flush.
 CUT = {
@@ -119,8 +146,9 @@ def documents(draw: st.DrawFn, fmt: str) -> list[Seg]:
     elif fmt == "hermes" and draw(st.booleans()):
         # A last call left unclosed (EOS right after its JSON) still counts.
         n, args = draw(names), draw(arguments)
-        segs.append(Seg("call", f"<tool_call>{dumps({'name': n, 'arguments': args})}\n",
-                        ((n, args),)))  # fmt: skip
+        segs.append(
+            Seg("call", f"<tool_call>{dumps({'name': n, 'arguments': args})}\n", ((n, args),))
+        )
     return unbare(segs, fmt)
 
 
@@ -128,9 +156,9 @@ def unbare(segs: list[Seg], fmt: str) -> list[Seg]:
     """Llama: content where a bare JSON call may start must not start with ``{``."""
     for i, seg in enumerate(segs):
         at_call_start = i == 0 or segs[i - 1].kind == "call"
-        if fmt == "llama3_json" and seg.kind == "content" and at_call_start:
-            if re.match(r"[\s;]*\{", seg.text):
-                segs[i] = Seg("content", "x" + seg.text)
+        bare = fmt == "llama3_json" and seg.kind == "content" and at_call_start
+        if bare and re.match(r"[\s;]*\{", seg.text):
+            segs[i] = Seg("content", "x" + seg.text)
     return segs
 
 
@@ -187,7 +215,8 @@ def test_split_documents_parse_as_their_segments(data: st.DataObject, fmt: str) 
         # Without a block, a leading "<think" fragment must not open one.
         segs[0] = Seg("content", "x" + segs[0].text)
     body = "".join(s.text for s in segs)
-    doc = {"none": "", "block": "\n<think>" + thought + "</think>\n", "opened": thought + "</think>"}[think] + body  # fmt: skip
+    prelude = {"none": "", "block": f"\n<think>{thought}</think>\n", "opened": f"{thought}</think>"}
+    doc = prelude[think] + body
 
     if data.draw(st.booleans(), label="one character at a time"):
         cuts = list(range(1, len(doc)))
