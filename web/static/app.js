@@ -1,6 +1,14 @@
 // The tokenrelay chat page: one WebSocket to /v1/ws (protocol: docs/websocket.md).
 // Vanilla JS, no build step. The page keeps the conversation itself and sends the whole
 // history with every request, as a chat-completions client does.
+//
+// Resuming: the answer in flight survives a dropped socket and a page reload. The page
+// keeps, in sessionStorage (per tab, so a reload keeps it), the conversation shown so far
+// and, for the answer in flight, its request id (from the server's `started` message),
+// the text so far and the cursor of the last event it applied, both written in one
+// setItem so they always agree. When the socket comes back (reconnecting with backoff)
+// it sends `resume` with that cursor and the server sends exactly the events after it;
+// an event at or before the cursor is ignored, so no text is ever applied twice.
 "use strict";
 
 (() => {
@@ -20,11 +28,74 @@
     newChat: $("new-chat"),
   };
 
-  const history = []; // {role, content} turns sent with every request
+  // sessionStorage keys: the finished conversation, and the answer in flight.
+  const CHAT_KEY = "tokenrelay.chat";
+  const FLIGHT_KEY = "tokenrelay.inflight";
+  // Reconnect backoff: quick at first (a resumable answer waits on the server only for
+  // the resume grace, 10 s by default), then slower, with jitter so that many tabs do
+  // not come back in lockstep after a server restart.
+  const RETRY_FIRST_MS = 250;
+  const RETRY_MAX_MS = 8000;
+
+  let history = []; // {role, content} turns sent with every request
+  let shown = []; // finished turns on screen: {role, text, state, finish, label}
   let socket = null;
-  let retryMs = 500;
+  let retryMs = RETRY_FIRST_MS;
+  let retryTimer = null;
   let nextId = 1;
-  let current = null; // the request in flight: {id, turn, text, userTurn, failed}
+  // The answer in flight: {id, requestId, cursor, text, userTurn, failed, ended, finish,
+  // label, stopRequested} plus its DOM element `turn` (not stored).
+  let current = null;
+
+  // -- storage ----------------------------------------------------------------------------
+  function load(key) {
+    try {
+      const raw = sessionStorage.getItem(key);
+      return raw ? JSON.parse(raw) : null;
+    } catch {
+      return null; // storage disabled or a corrupt entry: start afresh
+    }
+  }
+
+  function store(key, value) {
+    try {
+      if (value === null) sessionStorage.removeItem(key);
+      else sessionStorage.setItem(key, JSON.stringify(value));
+    } catch {
+      // Quota or privacy mode: the page still works, it just cannot survive a reload.
+    }
+  }
+
+  function saveChat() {
+    store(CHAT_KEY, { history, shown, nextId });
+  }
+
+  function saveFlight() {
+    if (!current) {
+      store(FLIGHT_KEY, null);
+      return;
+    }
+    const { turn, ...rest } = current;
+    store(FLIGHT_KEY, rest);
+  }
+
+  // -- cursors ----------------------------------------------------------------------------
+  // A cursor is "<stream entry id>/<index>", e.g. "1733011200000-3/1"; they only grow
+  // along one request's output.
+  function cursorParts(cursor) {
+    const m = /^(\d+)-(\d+)\/(\d+)$/.exec(cursor || "");
+    return m ? [Number(m[1]), Number(m[2]), Number(m[3])] : null;
+  }
+
+  function isNewer(cursor, last) {
+    const a = cursorParts(cursor);
+    const b = cursorParts(last);
+    if (!a || !b) return true;
+    for (let i = 0; i < 3; i++) {
+      if (a[i] !== b[i]) return a[i] > b[i];
+    }
+    return false;
+  }
 
   // -- connection -------------------------------------------------------------------------
   function socketUrl() {
@@ -42,13 +113,16 @@
   }
 
   function connect() {
-    setConnection("connecting", "connecting…");
+    clearTimeout(retryTimer);
+    retryTimer = null;
+    setConnection("connecting", current ? "reconnecting…" : "connecting…");
     const ws = new WebSocket(socketUrl());
     socket = ws;
     ws.onopen = () => {
       if (socket !== ws) return;
-      retryMs = 500;
+      retryMs = RETRY_FIRST_MS;
       setConnection("open", "connected");
+      if (current) resumeCurrent();
     };
     ws.onmessage = (ev) => {
       if (socket !== ws) return;
@@ -63,17 +137,25 @@
     ws.onclose = (ev) => {
       if (socket !== ws) return;
       socket = null;
-      if (current) {
-        failCurrent({ message: "The connection was lost while generating." });
-      }
       if (ev.code === 1008) {
+        failCurrent({ message: "Not authorized: check the API key." });
         setConnection("closed", "not authorized");
         return; // reconnect when the API key changes
       }
-      setConnection("closed", "disconnected, retrying…");
-      setTimeout(connect, retryMs);
-      retryMs = Math.min(retryMs * 2, 10000);
+      if (current && !current.requestId && !current.ended) {
+        // The server never said which request it started: there is nothing to resume.
+        failCurrent({ message: "The connection was lost before the request started." });
+      }
+      setConnection("closed", current ? "connection lost, resuming…" : "disconnected, retrying…");
+      scheduleReconnect();
     };
+  }
+
+  function scheduleReconnect() {
+    const delay = retryMs / 2 + Math.random() * (retryMs / 2);
+    retryMs = Math.min(retryMs * 2, RETRY_MAX_MS);
+    clearTimeout(retryTimer);
+    retryTimer = setTimeout(connect, delay);
   }
 
   function reconnect() {
@@ -87,6 +169,21 @@
     if (!socket || socket.readyState !== WebSocket.OPEN) return false;
     socket.send(JSON.stringify(message));
     return true;
+  }
+
+  // Continue the answer in flight on a fresh socket.
+  function resumeCurrent() {
+    if (current.ended) {
+      // Its last event arrived before the socket dropped; only `done` was missing.
+      finishCurrent(current.failed ? "error" : current.finish === "abort" ? "aborted" : "done");
+      return;
+    }
+    if (!current.requestId) {
+      failCurrent({ message: "The connection was lost before the request started." });
+      return;
+    }
+    send({ type: "resume", id: current.id, request_id: current.requestId, cursor: current.cursor });
+    if (current.stopRequested) send({ type: "cancel", id: current.id });
   }
 
   // -- rendering --------------------------------------------------------------------------
@@ -106,6 +203,14 @@
     el.append(who, content, meta);
     ui.messages.append(el);
     scrollDown();
+    return el;
+  }
+
+  function showTurn(turn) {
+    const el = addTurn(turn.role, turn.text);
+    if (turn.state) el.dataset.state = turn.state;
+    if (turn.finish) el.dataset.finish = turn.finish;
+    el.querySelector(".finish").textContent = turn.label || "";
     return el;
   }
 
@@ -132,6 +237,11 @@
     ui.stop.disabled = current === null;
   }
 
+  function setLabel(text) {
+    current.label = text;
+    current.turn.querySelector(".finish").textContent = text;
+  }
+
   const FINISH_LABELS = {
     stop: "",
     length: "stopped: max tokens reached",
@@ -152,11 +262,26 @@
     clearError();
     const userTurn = { role: "user", content: text };
     history.push(userTurn);
+    shown.push({ role: "user", text });
     addTurn("user", text);
     const id = `c${nextId++}`;
     const turn = addTurn("assistant", "");
     turn.dataset.state = "streaming";
-    current = { id, turn, text: "", userTurn, failed: false };
+    current = {
+      id,
+      turn,
+      requestId: null,
+      cursor: null,
+      text: "",
+      userTurn,
+      failed: false,
+      ended: false,
+      finish: null,
+      label: "",
+      stopRequested: false,
+    };
+    saveChat();
+    saveFlight();
 
     const messages = [];
     const system = ui.system.value.trim();
@@ -189,48 +314,85 @@
       history.push({ role: "assistant", content: req.text });
     } else {
       // Nothing came back: drop the turn so the next request is not a dangling question.
-      const i = history.indexOf(req.userTurn);
-      if (i >= 0 && req.failed) history.splice(i, 1);
+      const i = history.findIndex(
+        (t) => t.role === req.userTurn.role && t.content === req.userTurn.content,
+      );
+      if (i >= 0 && req.failed && i === history.length - 1) history.splice(i, 1);
     }
+    shown.push({
+      role: "assistant",
+      text: req.text,
+      state,
+      finish: req.turn.dataset.finish || null,
+      label: meta.textContent,
+    });
+    saveChat();
+    saveFlight();
     updateButtons();
+    if (socket && socket.readyState === WebSocket.OPEN) {
+      setConnection("open", "connected");
+    }
     ui.prompt.focus();
   }
 
   function onServerMessage(msg) {
     const mine = current && msg.id === current.id;
+    if (mine && msg.cursor && msg.type !== "error") {
+      // Already applied before the socket dropped (or the page reloaded): skip it.
+      if (!isNewer(msg.cursor, current.cursor)) return;
+      current.cursor = msg.cursor;
+    }
     switch (msg.type) {
+      case "started":
+        if (mine) {
+          current.requestId = msg.request_id;
+          saveFlight();
+        }
+        break;
       case "delta":
-        if (mine && msg.choice === 0) {
-          current.text += msg.text;
-          current.turn.querySelector(".content").textContent = current.text;
-          scrollDown();
+        if (mine) {
+          if (msg.choice === 0 && msg.text) {
+            current.text += msg.text;
+            current.turn.querySelector(".content").textContent = current.text;
+            scrollDown();
+          }
+          saveFlight(); // text and cursor in one write: a reload never sees them disagree
         }
         break;
       case "final":
-        if (mine && msg.choice === 0) {
-          const reason = msg.finish_reason || "stop";
-          current.turn.dataset.finish = reason;
-          current.turn.querySelector(".finish").textContent = FINISH_LABELS[reason] ?? reason;
-          if (reason === "error" && msg.error) showError(msg.error);
+        if (mine) {
+          if (msg.choice === 0) {
+            const reason = msg.finish_reason || "stop";
+            current.finish = reason;
+            current.turn.dataset.finish = reason;
+            setLabel(FINISH_LABELS[reason] ?? reason);
+            if (reason === "error" && msg.error) showError(msg.error);
+          }
+          saveFlight();
         }
         break;
       case "usage":
-        if (mine && msg.usage) {
-          const meta = current.turn.querySelector(".finish");
-          const tokens = `${msg.usage.completion_tokens} tokens`;
-          meta.textContent = meta.textContent ? `${meta.textContent} · ${tokens}` : tokens;
+        if (mine) {
+          current.ended = true; // the last event of a request; only `done` follows
+          if (msg.usage) {
+            const tokens = `${msg.usage.completion_tokens} tokens`;
+            setLabel(current.label ? `${current.label} · ${tokens}` : tokens);
+          }
+          saveFlight();
         }
         break;
       case "error":
         if (mine) {
           current.failed = true;
+          current.ended = true;
           current.turn.dataset.state = "error";
+          saveFlight();
         }
         showError(msg.error);
         break;
       case "done":
         if (mine) {
-          const aborted = current.turn.dataset.finish === "abort";
+          const aborted = current.finish === "abort";
           finishCurrent(current.failed ? "error" : aborted ? "aborted" : "done");
         }
         break;
@@ -256,14 +418,23 @@
   });
 
   ui.stop.addEventListener("click", () => {
-    if (current) send({ type: "cancel", id: current.id });
+    if (!current) return;
+    // While the socket is down the cancel goes out right after the resume.
+    current.stopRequested = true;
+    saveFlight();
+    send({ type: "cancel", id: current.id });
   });
 
   ui.newChat.addEventListener("click", () => {
     if (current) send({ type: "cancel", id: current.id });
-    history.length = 0;
+    current = null; // what still arrives for it is not part of the new chat
+    history = [];
+    shown = [];
     ui.messages.replaceChildren();
     clearError();
+    saveChat();
+    saveFlight();
+    updateButtons();
   });
 
   ui.apiKey.addEventListener("change", () => {
@@ -280,6 +451,21 @@
     input.addEventListener("change", () => localStorage.setItem(key, input.value));
   }
   ui.apiKey.value = sessionStorage.getItem("tokenrelay.apiKey") || "";
+
+  // -- after a reload: the conversation so far, and the answer that was in flight --------
+  const saved = load(CHAT_KEY);
+  if (saved && Array.isArray(saved.history) && Array.isArray(saved.shown)) {
+    history = saved.history;
+    shown = saved.shown;
+    nextId = Number(saved.nextId) || 1;
+    for (const turn of shown) showTurn(turn);
+  }
+  const flight = load(FLIGHT_KEY);
+  if (flight && typeof flight.id === "string") {
+    const turn = showTurn({ role: "assistant", text: flight.text || "", state: "streaming",
+      finish: flight.finish, label: flight.label });
+    current = { ...flight, text: flight.text || "", turn };
+  }
 
   connect();
 })();
