@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.signals import worker_init, worker_shutdown
 from celery.worker.consumer import Consumer
 
@@ -52,9 +52,27 @@ class BrokerConsumer(Consumer):  # type: ignore[misc]
             del conn.ensure_connection
 
 
+class KeepUnackedOnClose(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Do not "restore" the task channel's unacknowledged messages when it closes.
+
+    On a lost connection kombu would re-publish the messages of the tasks still running
+    here; Redis is away, so it fails, logs "UNABLE TO RESTORE" and dumps them to a file
+    in the temp dir, once per outage. They need no restoring: those tasks go on, and a
+    request a worker never ran is resent by the streamers. At a warm shutdown Celery
+    lets running tasks finish, and with a prefetch of one per thread no message waits
+    unstarted, so there is nothing to restore either."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        if c.task_consumer is not None:
+            c.task_consumer.channel.qos.restore_at_shutdown = False
+
+
 def build_app(settings: Settings) -> Celery:
     celery_app = create_celery(settings)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
+    celery_app.steps["consumer"].add(KeepUnackedOnClose)
     state: dict[str, WorkerRuntime] = {}
 
     @celery_app.task(name=GENERATE_TASK, bind=True)
