@@ -275,19 +275,16 @@ class EngineThread(threading.Thread):
             if not act.unpublished and not done and now - act.last_publish < refresh_after:
                 continue
             item = act.handle.item
-            items.append(
-                (
-                    act,
-                    PublishItem(
-                        rid,
-                        item.lease_value,
-                        item.attempt,
-                        self._payload(act),
-                        first=act.first,
-                        done=not act.open_choices,
-                    ),
-                )
+            payload = self._payload(act)  # may fail the request: ``done`` is read after
+            pitem = PublishItem(
+                rid,
+                item.lease_value,
+                item.attempt,
+                payload,
+                first=act.first,
+                done=not act.open_choices,
             )
+            items.append((act, pitem))
         if not items:
             return
         try:
