@@ -469,8 +469,9 @@ class BatchDriver:
             b.running[rid] = self._line_run(line, prepared)
 
     def _send(self, record: RequestRecord) -> None:
-        """Queue the line's ``generate`` task; Redis away is an outage, not a bug of
-        this batch (kombu raises its own error when it cannot publish)."""
+        """Queue the line's ``generate`` task. When Redis is away kombu raises its own
+        ``OperationalError``: ``_guarded`` passes it to the loop as an outage (not a bug
+        of this batch), and the next ``_submit`` finds the line written and sends it."""
         send_generate(
             self.runner.celery, record.request_id, 0, queue=record.queue, model=record.model
         )
