@@ -214,6 +214,34 @@
     return el;
   }
 
+  // The model's reasoning and its tool calls are shown apart from its answer, above it.
+  function extraBlock(turn, cls, label) {
+    let el = turn.querySelector(`.${cls}`);
+    if (!el) {
+      el = document.createElement("div");
+      el.className = cls;
+      el.dataset.label = label;
+      turn.insertBefore(el, turn.querySelector(".content"));
+    }
+    return el;
+  }
+
+  function showExtras(req, msg) {
+    if (msg.reasoning) {
+      const el = extraBlock(req.turn, "reasoning", "Thinking");
+      el.textContent += msg.reasoning; // textContent: never parsed as HTML
+    }
+    for (const call of msg.tool_calls || []) {
+      // Fragments as OpenAI streams them: name first, then argument pieces, by index.
+      req.calls = req.calls || [];
+      const c = (req.calls[call.index] = req.calls[call.index] || { name: "", args: "" });
+      if (call.function && call.function.name) c.name = call.function.name;
+      c.args += (call.function && call.function.arguments) || "";
+      const el = extraBlock(req.turn, "tool-calls", "Tool calls");
+      el.textContent = req.calls.filter(Boolean).map((x) => `${x.name}(${x.args})`).join("\n");
+    }
+  }
+
   function scrollDown() {
     ui.messages.scrollTop = ui.messages.scrollHeight;
   }
@@ -354,6 +382,10 @@
           if (msg.choice === 0 && msg.text) {
             current.text += msg.text;
             current.turn.querySelector(".content").textContent = current.text;
+            scrollDown();
+          }
+          if (msg.choice === 0 && (msg.reasoning || msg.tool_calls)) {
+            showExtras(current, msg);
             scrollDown();
           }
           saveFlight(); // text and cursor in one write: a reload never sees them disagree
