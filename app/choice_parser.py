@@ -55,13 +55,17 @@ class ChoiceParser:
     def feed(self, text: str, tokens: int) -> Parsed:
         """The Decoder released ``text`` for ``tokens`` accepted tokens."""
         reasoning = self._reasoning
-        if reasoning is None:
-            pieces: list[Piece] = [Content(text)] if text else []
-        else:
-            was_inside = reasoning.in_reasoning
-            pieces = reasoning.feed(text) if text else []
-            if was_inside or reasoning.in_reasoning:
-                self.reasoning_tokens += tokens
+        if reasoning is None or reasoning.passthrough:
+            # Past the think block (or none): only the tool parser, if any, is left.
+            tools = self._tools
+            if tools is None or not text:
+                return text, "", None
+            content, calls = _collect(tools.feed(text), "", None)
+            return content, "", calls
+        was_inside = reasoning.in_reasoning
+        pieces = reasoning.feed(text) if text else []
+        if was_inside or reasoning.in_reasoning:
+            self.reasoning_tokens += tokens
         return self._route(pieces, final=False)
 
     def flush(self) -> Parsed:

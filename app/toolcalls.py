@@ -149,10 +149,21 @@ class ToolCallParser(ABC):
     # What is dropped right after a call: the whitespace between calls (and Llama's ";").
     _separator: ClassVar[re.Pattern[str]] = _SPACE
 
-    __slots__ = ("_after_call", "_body", "_calls", "_held", "_in_body", "_new_id", "_stash", "_ws")
+    __slots__ = (
+        "_after_call",
+        "_body",
+        "_calls",
+        "_first",
+        "_held",
+        "_in_body",
+        "_new_id",
+        "_stash",
+        "_ws",
+    )
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._new_id = new_id
+        self._first = self.start_tag[0]
         self._held = ""  # a possible start of ``start_tag``, not yet released
         self._ws = ""  # trailing whitespace of the content, dropped if a call follows
         self._after_call = False  # nothing but separators since the last call
@@ -167,6 +178,14 @@ class ToolCallParser(ABC):
         return self._calls
 
     def feed(self, text: str) -> list[Piece]:
+        if not (self._in_body or self._held or self._after_call) and self._first not in text:
+            # The common case, once per token: plain content, no tag can start in it.
+            out: list[Piece] = []
+            self._emit(text, out)
+            return out
+        return self._scan(text)
+
+    def _scan(self, text: str) -> list[Piece]:
         out: list[Piece] = []
         while text:
             text = self._feed_body(text, out) if self._in_body else self._feed_content(text, out)
@@ -338,6 +357,10 @@ class Llama3JsonParser(_JsonBodyParser):
         super().__init__(new_id)
         self._may_bare = True  # a bare JSON call may start here
         self._bare = False  # the open body has no tag
+
+    def feed(self, text: str) -> list[Piece]:
+        # While a bare JSON call may start, every text needs the full scan.
+        return self._scan(text) if self._may_bare else super().feed(text)
 
     def _feed_content(self, text: str, out: list[Piece]) -> str:
         if self._may_bare:
