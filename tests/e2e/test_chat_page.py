@@ -83,6 +83,7 @@ class CuttableRelay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/"
         self.accepted = 0
+        self.refusing = threading.Event()  # set: new connections are closed at once
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
@@ -93,6 +94,9 @@ class CuttableRelay:
                 client, _ = self.listener.accept()
             except OSError:
                 return  # closed
+            if self.refusing.is_set():
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
             except OSError:
@@ -409,3 +413,30 @@ def test_a_reload_mid_answer_keeps_the_conversation_and_resumes(
         {"role": "assistant", "content": ANSWER},
         {"role": "user", "content": "third"},
     ]
+
+
+def test_stop_while_disconnected_cancels_after_the_resume(
+    browser: Any, relay: CuttableRelay
+) -> None:
+    page = ChatPage(browser, relay.url)
+    page.record_sent_messages()
+    page.say(ANSWER)
+    wait_mid_answer(page, ANSWER)
+    relay.refusing.set()  # the server stays out of reach for a while
+    relay.cut()
+    page.wait_for(
+        lambda: page.js("return $('connection').dataset.state") != "open",
+        what="the page to notice the drop",
+    )
+    assert page.button_enabled("stop")
+    page.element("#stop").click()
+    time.sleep(0.5)
+    assert page.assistant()["state"] == "streaming", "the stop cannot land while offline"
+    relay.refusing.clear()
+
+    page.wait_for(lambda: page.assistant()["state"] == "aborted", what="the stop to land")
+    stopped = page.assistant()
+    assert stopped["finish"] == "abort"
+    assert ANSWER.startswith(stopped["text"]) and len(stopped["text"]) < len(ANSWER)
+    assert [m["type"] for m in page.sent()] == ["chat", "resume", "cancel"]
+    assert page.error() is None
