@@ -9,13 +9,16 @@ The bundled SmolLM2 template knows no tools, so its model card's parser is Herme
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
-from tests.stack import Stack
+from tests.stack import Stack, batcher_process
 
 pytestmark = pytest.mark.integration
 
@@ -155,3 +158,57 @@ def test_deprecated_functions_are_still_501(client: openai.OpenAI, model: str) -
             model=model, messages=user("x"), functions=[{"name": "f", "parameters": {}}]
         )
     assert info.value.status_code == 501
+
+
+def test_websocket_deltas_carry_the_tool_calls(stack: Stack) -> None:
+    from tests.e2e.test_websocket import ChatClient, ws_url
+
+    ws = ChatClient(ws_url(stack))
+    try:
+        ws.chat("t1", PARALLEL, tools=[WEATHER, TIME])
+        ws.wait_done("t1")
+    finally:
+        ws.close()
+    reply = ws.reply("t1")
+    assert reply.text() == "" and not reply.errors
+    assert reply.finals[0]["finish_reason"] == "tool_calls"
+    fragments = [f for d in reply.deltas for f in d.get("tool_calls", ())]
+    firsts = [f for f in fragments if "id" in f]
+    assert [(f["index"], f["type"], f["function"]["name"]) for f in firsts] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
+    ]
+    arguments = {
+        i: "".join(f["function"]["arguments"] for f in fragments if f["index"] == i) for i in (0, 1)
+    }
+    assert {i: json.loads(a) for i, a in arguments.items()} == {0: {"city": "Paris"}, 1: {}}
+
+
+def test_batch_lines_carry_the_tool_calls(
+    stack: Stack, client: openai.OpenAI, model: str, tmp_path: Path
+) -> None:
+    # The batch driver folds a line's events with the same ResponseFold as a plain request.
+    line = {
+        "custom_id": "tools-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": model, "messages": user(PARALLEL), "tools": [WEATHER, TIME]},
+    }
+    with batcher_process(stack.settings, tmp_path):
+        upload = client.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.output_file_id is not None
+    (out,) = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    body = out["response"]["body"]
+    assert out["response"]["status_code"] == 200
+    message = ChatCompletion.model_validate(body).choices[0].message
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert message.content is None
+    assert calls_of(message) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
