@@ -12,16 +12,13 @@ import pytest
 import redis
 
 from app.batches import BatchStatus, not_run_line, success_line
-from app.chat_template import PromptBuilder
-from app.intake import RecordBuilder
 from app.messages import StopConditions
-from app.model_card import load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileStore, Transition
-from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import RequestStore
+from broker.run import Runner
 from tests.stack import streamer_process, wait_for, worker_process
 from workers.batcher import BatchDriver
 
@@ -234,15 +231,7 @@ def test_an_expired_batch_ends_with_what_finished(
     settings = settings.model_copy(
         update={"echo_tokens_per_second": 20.0, "batch_max_in_flight": 2}
     )
-    card = load_model_card(settings.model_path())
     now = [time.time()]
-    builder = RecordBuilder(
-        card,
-        PromptBuilder.from_card(card),
-        model_name=settings.served_name,
-        request_timeout_s=600,
-        clock=time.time,
-    )
     keys = Keys(settings.key_prefix)
     files = FileStore(redis_client, keys, ttl_s=600)
     batches = BatchStore(redis_client, keys, ttl_s=600)
@@ -259,9 +248,7 @@ def test_an_expired_batch_ends_with_what_finished(
     ]
     f = files.create(filename="in", purpose="batch", content="\n".join(lines).encode(), now=now[0])
     batches.create(body("batch_exp", now[0], input_file_id=f.id), now[0])
-    driver = BatchDriver(
-        settings, redis_client, builder, create_celery(settings), clock=lambda: now[0]
-    )
+    driver = BatchDriver(settings, Runner(settings, max_connections=8), clock=lambda: now[0])
     with worker_process(settings, tmp_path), streamer_process(settings, tmp_path):
 
         def some_done() -> bool:
