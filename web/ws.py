@@ -320,6 +320,10 @@ class ChatSocket:
             if rej.id is not None and rej.final:
                 self.send(done_message(rej.id))
             return
+        except Exception as exc:  # a bug reading one message: answer it, keep the socket
+            logger.exception("reading a WebSocket message failed")
+            self.send(error_message(exc))
+            return
         if isinstance(msg, Ping):
             self.send({"type": "pong", "id": msg.id} if msg.id else {"type": "pong"})
         elif isinstance(msg, CancelChat):
