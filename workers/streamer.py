@@ -190,6 +190,7 @@ class Streamer:
         outputs: list[OutputEntry] = []
         ended: list[Tracked] = []
         failed: list[Tracked] = []
+        cancels: list[str] = []
         for key_raw, entries in res or []:
             key = as_str(key_raw)
             if key == self.keys.new_requests:
@@ -205,24 +206,28 @@ class Streamer:
             except Exception:
                 rid = t.record.request_id
                 logger.exception("request %s: failed while decoding; ending it", rid)
-                self.store.cancel(rid)
                 outputs.append(self._fail(t, REQUEST_FAULT, 500))
                 failed.append(t)
+                cancels.append(rid)  # no worker should spend more on it
                 continue
             if t.choices.all_done:
                 ended.append(t)
             if out is not None:
                 outputs.append(out)
-        self._commit(outputs, ended, failed)
+        self._commit(outputs, ended, failed, cancels)
 
     def _commit(
         self,
         outputs: Sequence[OutputEntry],
         ended: Sequence[Tracked] = (),
         failed: Sequence[Tracked] = (),
+        cancels: Sequence[str] = (),
     ) -> None:
-        """Write ``outputs`` in one round trip, then end the requests they end."""
-        self._commits.append(Commit(list(outputs), list(ended), list(failed)))
+        """Write ``outputs`` in one round trip, then end the requests they end.
+
+        Once a request's decoders have moved on, their events must be committed before
+        any other round trip that could fail and lose them."""
+        self._commits.append(Commit(list(outputs), list(ended), list(failed), list(cancels)))
         self._flush()
 
     def _flush(self) -> None:
@@ -232,6 +237,9 @@ class Streamer:
                 c.tries += 1
                 self.outputs.write(c.outputs if c.tries == 1 else self._unwritten(c.outputs))
                 c.written = True
+            for rid in c.cancels:
+                self.store.cancel(rid)
+            c.cancels = []
             for t in c.ended:  # ending is idempotent: safe to redo after an outage
                 self._end(t)
             for t in c.failed:
@@ -303,7 +311,8 @@ class Streamer:
     def _usage_event(self, t: Tracked) -> OutputEvent:
         usage = dict(t.choices.usage)
         if t.claimed_by_worker is None:  # finished before the watchdog saw the claim
-            t.claimed_by_worker = self.store.claimed_at(t.record.request_id)
+            with contextlib.suppress(redis.RedisError):  # timings are not worth the text
+                t.claimed_by_worker = self.store.claimed_at(t.record.request_id)
         now = self.clock()
         rec = t.record
         usage["timings"] = {
@@ -410,9 +419,10 @@ class Streamer:
         rids = list(self.tracked)
         statuses = self.store.statuses(rids)
         live = LiveModels(self.workers)
-        endings: list[OutputEntry] = []
         for rid, status in zip(rids, statuses, strict=True):
-            t = self.tracked[rid]
+            t = self.tracked.get(rid)
+            if t is None:  # ended meanwhile
+                continue
             try:
                 ending = self._check(t, status, now, live)
             except BACKBONE_ERRORS:
@@ -421,11 +431,9 @@ class Streamer:
                 logger.exception("request %s: watchdog failed on it; ending it", rid)
                 self.store.cancel(rid)
                 ending = self._fail(t, REQUEST_FAULT, 500)
-            if ending is not None:
-                endings.append(ending)
+            if ending is not None:  # committed at once: its decoders have moved on
+                self._commit([ending] if ending.events else [], failed=[t])
         self._resend_queued = False
-        ended = [self.tracked[e.request_id] for e in endings]
-        self._commit([e for e in endings if e.events], failed=ended)
 
     def _check(
         self, t: Tracked, status: RequestStatus | None, now: float, live: LiveModels

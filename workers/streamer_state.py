@@ -78,6 +78,7 @@ class Commit:
     outputs: list[OutputEntry]
     ended: list[Tracked]  # ended normally (usage written)
     failed: list[Tracked]  # ended with an error event
+    cancels: list[str]  # requests to cancel upstream once their error is written
     written: bool = False
     tries: int = 0
 
