@@ -368,7 +368,7 @@ def test_websocket_resumes_on_another_web_process(
         read_ws(ws, on_a)  # what A had sent before it died
         assert on_a.broken and not on_a.done
     ws.close()  # a socket whose peer is dead closes at once
-    ws.shutdown()
+    ws.shutdown()  # type: ignore[no-untyped-call]
     assert on_a.text() != TEXT
 
     resumed = websocket.create_connection(ws_url(backbone.b.url), timeout=WAIT_S)
