@@ -62,9 +62,10 @@ class ChoiceParser:
                 return text, "", None
             content, calls = _collect(tools.feed(text), "", None)
             return content, "", calls
-        was_inside = reasoning.in_reasoning
+        # Tokens fed inside the block, or that opened or closed it, count as reasoning.
+        was_inside, had_block = reasoning.in_reasoning, reasoning.entered
         pieces = reasoning.feed(text) if text else []
-        if was_inside or reasoning.in_reasoning:
+        if was_inside or reasoning.in_reasoning or had_block is not reasoning.entered:
             self.reasoning_tokens += tokens
         return self._route(pieces, final=False)
 

@@ -39,7 +39,7 @@ class _State(Enum):
 class ThinkParser:
     """One choice's reasoning splitter: ``feed(text) -> pieces``, ``flush() -> pieces``."""
 
-    __slots__ = ("_close", "_fresh", "_held", "_open", "_state")
+    __slots__ = ("_close", "_entered", "_fresh", "_held", "_open", "_state")
 
     def __init__(
         self,
@@ -53,6 +53,7 @@ class ThinkParser:
         self._open = open_tag
         self._close = close_tag
         self._state = _State.REASONING if start_in_reasoning else _State.START
+        self._entered = start_in_reasoning
         self._held = ""
         # True until the first non-whitespace reasoning character: leading whitespace of
         # the reasoning is dropped.
@@ -62,6 +63,11 @@ class ThinkParser:
     def in_reasoning(self) -> bool:
         """Inside the think block now (what ``reasoning_tokens`` counts)."""
         return self._state is _State.REASONING
+
+    @property
+    def entered(self) -> bool:
+        """The output has (or had) a think block."""
+        return self._entered
 
     @property
     def passthrough(self) -> bool:
@@ -106,6 +112,7 @@ class ThinkParser:
         self._held = ""
         if rest.startswith(self._open):
             self._state = _State.REASONING
+            self._entered = True
             return rest[len(self._open) :]
         self._state = _State.CONTENT
         out.append(Content(window))

@@ -15,14 +15,25 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from app.choice_parser import ChoiceParser
-from app.messages import ToolCallDelta
+from app.decoder import RequestDecoder
+from app.messages import (
+    FinishReason,
+    OutputEvent,
+    OutputKind,
+    StopConditions,
+    TokenDelta,
+    TokenLogprob,
+    ToolCallDelta,
+)
 
 TAGS = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
 CHARS = [*'ab <>/{}[];\n\t_"|', "é", "日", "😀"]
@@ -201,9 +212,18 @@ def reassemble(deltas: list[ToolCallDelta]) -> list[tuple[str, dict[str, Any]]]:
     return [(n, json.loads(a)) for n, a in calls.values()]
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), fmt=st.sampled_from(sorted(TAGS)))
-def test_split_documents_parse_as_their_segments(data: st.DataObject, fmt: str) -> None:
+@dataclass
+class Drawn:
+    """A drawn document and what it must parse to."""
+
+    doc: str
+    think: str  # "none", "block" (in the output) or "opened" (by the template)
+    reasoning: str
+    content: str
+    calls: list[tuple[str, dict[str, Any]]]
+
+
+def draw_document(data: st.DataObject, fmt: str) -> Drawn:
     segs = data.draw(documents(fmt), label="segments")
     think = data.draw(st.sampled_from(["none", "block", "opened"]), label="think")
     thought = scrub(data.draw(text, label="reasoning"))
@@ -216,25 +236,90 @@ def test_split_documents_parse_as_their_segments(data: st.DataObject, fmt: str) 
         segs[0] = Seg("content", "x" + segs[0].text)
     body = "".join(s.text for s in segs)
     prelude = {"none": "", "block": f"\n<think>{thought}</think>\n", "opened": f"{thought}</think>"}
-    doc = prelude[think] + body
+    return Drawn(
+        doc=prelude[think] + body,
+        think=think,
+        reasoning="" if think == "none" else thought.lstrip(),
+        content=expected_content(segs, fmt),
+        calls=[call for s in segs if s.kind == "call" for call in s.calls],
+    )
 
+
+def counter_ids() -> Callable[[], str]:
+    numbers = itertools.count()
+    return lambda: f"call_{next(numbers):024x}"
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), fmt=st.sampled_from(sorted(TAGS)))
+def test_split_documents_parse_as_their_segments(data: st.DataObject, fmt: str) -> None:
+    want = draw_document(data, fmt)
+    doc = want.doc
     if data.draw(st.booleans(), label="one character at a time"):
         cuts = list(range(1, len(doc)))
     else:
         cuts = sorted(data.draw(st.sets(st.integers(1, max(len(doc) - 1, 1))), label="cuts"))
     pieces = [doc[a:b] for a, b in zip([0, *cuts], [*cuts, len(doc)], strict=True)]
 
-    numbers = itertools.count()
     parser = ChoiceParser(
         reasoning_parser="think",
-        start_in_reasoning=think == "opened",
+        start_in_reasoning=want.think == "opened",
         tool_parser=fmt,
-        new_id=lambda: f"call_{next(numbers):024x}",
+        new_id=counter_ids(),
     )
     content, reasoning, deltas = run(parser, pieces)
-    want_calls = [call for s in segs if s.kind == "call" for call in s.calls]
-    event(f"{fmt}: calls {min(len(want_calls), 2)}, think {think}")
-    assert reassemble(deltas) == want_calls
-    assert parser.calls == len(want_calls)
-    assert reasoning == ("" if think == "none" else thought.lstrip())
-    assert content == expected_content(segs, fmt)
+    event(f"{fmt}: calls {min(len(want.calls), 2)}, think {want.think}")
+    assert reassemble(deltas) == want.calls
+    assert parser.calls == len(want.calls)
+    assert reasoning == want.reasoning
+    assert content == want.content
+
+
+PROMPT = "<|im_start|>user\nGo.<|im_end|>\n<|im_start|>assistant\n"
+EOS = 2
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), fmt=st.sampled_from(sorted(TAGS)))
+def test_token_stream_through_the_request_decoder(
+    smollm_tokenizer: Tokenizer, data: st.DataObject, fmt: str
+) -> None:
+    """The same documents as SmolLM2 tokens, in random groups, through the
+    RequestDecoder with logprobs: the parse is the same, every token's logprob rides on
+    the DELTA of its group, and the finish says whether tools were called."""
+    tok = smollm_tokenizer
+    want = draw_document(data, fmt)
+    ids = tok.encode(want.doc).ids
+    assert tok.decode(ids) == want.doc  # byte-level BPE round-trips exactly
+    ids.append(EOS)
+    every = st.sets(st.integers(1, len(ids) - 1)) if len(ids) > 1 else st.just(set[int]())
+    cuts = sorted(data.draw(every, label="cuts"))
+    groups = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+    prompt = PROMPT + ("<think>\n" if want.think == "opened" else "")
+    req = RequestDecoder(
+        tok,
+        tok.encode(prompt).ids,
+        StopConditions(eos_token_ids=(EOS,)),
+        logprobs=True,
+        tool_parser=fmt,
+        tools_enabled=True,
+        reasoning_parser="think",
+        new_call_id=counter_ids(),
+    )
+    content = reasoning = ""
+    deltas: list[ToolCallDelta] = []
+    finals: list[OutputEvent] = []
+    for group in groups:
+        events = req.feed(TokenDelta(0, group, logprobs=[TokenLogprob(i, -1.0, []) for i in group]))
+        (delta,) = [e for e in events if e.kind is OutputKind.DELTA]
+        assert [lp.token_id for lp in delta.logprobs or []] == group
+        content += delta.text
+        reasoning += delta.reasoning
+        deltas += delta.tool_calls or []
+        finals += [e for e in events if e.kind is OutputKind.FINAL]
+    assert reassemble(deltas) == want.calls
+    assert (content, reasoning) == (want.content, want.reasoning)
+    (fin,) = finals
+    assert fin.finish_reason is (FinishReason.TOOL_CALLS if want.calls else FinishReason.STOP)
+    reasoning_tokens = req.usage["completion_tokens_details"]["reasoning_tokens"]
+    assert (reasoning_tokens > 0) is (want.think != "none")
