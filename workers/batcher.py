@@ -164,6 +164,7 @@ class BatchDriver:
         self._last_maintain = -MAINTAIN_S
         self._last_heartbeat = -HEARTBEAT_S
         self._last_refresh = 0.0
+        self._maintained = 0.0  # monotonic end of the last ``maintain`` that got through
         self._strikes: dict[str, int] = {}
 
     # -- main loop ---------------------------------------------------------------------
@@ -176,7 +177,9 @@ class BatchDriver:
         while not self.stopping.is_set():
             try:
                 self.iterate()
-                if down_since is not None:
+                # Back only once ``maintain`` got through: most iterations touch no
+                # Redis at all (nothing to submit, the hub's queues are local).
+                if down_since is not None and self._maintained > down_since:
                     logger.info("redis is back after %.1fs", time.monotonic() - down_since)
                     down_since, backoff = None, 0.0
             except (redis.RedisError, OperationalError) as exc:
@@ -280,6 +283,7 @@ class BatchDriver:
                     batches=sorted(self.driven),
                 )
             )
+        self._maintained = time.monotonic()
 
     def _check(self, b: DrivenBatch) -> None:
         progress = self.batches.progress(b.id)

@@ -249,7 +249,9 @@ def test_batch_driver_through_a_redis_restart(
             out = st.file_lines(batch.get("output_file_id"))
             errors = st.file_lines(batch.get("error_file_id"))
             got = {k: content_of(v) for k, v in out.items()}
-        log_lines = len(driver.log.read_text(errors="replace").splitlines()) - lines_before
+        since_kill = driver.log.read_text(errors="replace").splitlines()[lines_before:]
+        log_lines = len(since_kill)
+        went = sum("redis unavailable" in line for line in since_kill)
         logger.warning(
             "redis restart under the batch driver (%s, 3 s down): batch %s %.1f s after "
             "redis was back, counts %s, %d exact lines, error lines %s; driver log lines "
@@ -270,4 +272,5 @@ def test_batch_driver_through_a_redis_restart(
         else:
             assert gone is None
             assert got == {f"line-{i}": contents[i] for i in range(2)}, st.report()
-        assert log_lines < 60, driver.output()
+        # One line when Redis goes, one when it is back (and the hub's two): no storm.
+        assert log_lines < 30 and went == 1, driver.output()
