@@ -146,7 +146,10 @@ class RecordBuilder:
     ) -> RequestRecord:
         self.check_model(req.model)
         messages = [m.for_template() for m in req.messages]
-        tools_enabled = req.tools_enabled
+        constraint = self.constraint(req)
+        # Under a JSON response_format the grammar leaves no room for a call, so "auto"
+        # tools are neither offered nor parsed (a JSON answer is never taken for a call).
+        tools_enabled = req.tools_enabled and (constraint is None or constraint.kind == "tool_call")
         if tools_enabled and self.card.tool_call_parser is None:
             raise InvalidRequest(
                 f"The model {self.model_name!r} has no tool-call parser (its model card sets "
@@ -159,7 +162,6 @@ class RecordBuilder:
         echo = (
             [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
         )
-        constraint = self.constraint(req)
         return self._record(
             req,
             [prompt],
@@ -253,9 +255,10 @@ class RecordBuilder:
             queue=queue,
             endpoint="/v1/chat/completions" if chat else "/v1/completions",
             include_usage=req.include_usage,
-            # Completions are raw text: no chat template wrote tool syntax or think tags.
             tool_parser=self.card.tool_call_parser if tools_enabled else None,
-            reasoning_parser=self.card.reasoning_parser if chat else None,
+            # Completions are raw text (no template wrote think tags), and a constrained
+            # output has no room for thinking: its text is the answer.
+            reasoning_parser=self.card.reasoning_parser if chat and constraint is None else None,
             tools_enabled=tools_enabled,
         )
 

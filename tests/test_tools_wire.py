@@ -611,3 +611,17 @@ def test_reasoning_then_a_call(builder: RecordBuilder) -> None:
     assert streamed_reasoning == "Paris, so get_weather."
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
     assert sdk_reassembled(chunks) == message_of(body)
+
+
+def test_a_json_response_format_turns_auto_tools_off(builder: RecordBuilder) -> None:
+    rec = record(builder, tools=[WEATHER], response_format={"type": "json_object"})
+    assert (rec.tools_enabled, rec.tool_parser) == (False, None)
+    assert rec.prompts == record(builder).prompts  # not offered either
+
+
+def test_constrained_outputs_are_not_parsed_for_reasoning(card: ModelCard) -> None:
+    thinking = builder_for(card.model_copy(update={"reasoning_parser": "think"}))
+    assert record(thinking, response_format={"type": "json_object"}).reasoning_parser is None
+    forced = record(thinking, tools=[WEATHER], tool_choice="required")
+    assert (forced.reasoning_parser, forced.tool_parser) == (None, "hermes")
+    assert record(thinking, tools=[WEATHER]).reasoning_parser == "think"
