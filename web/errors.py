@@ -14,6 +14,7 @@ it answers 503 + Retry-After, as the generation routes' fail-fast check does.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from flask import Flask, Response, g, jsonify, request
@@ -31,6 +32,8 @@ from app.errors import (
 from broker.run import BACKBONE_DOWN, backbone_unavailable
 
 logger = logging.getLogger(__name__)
+
+OUTAGE_LOG_S = 10.0
 
 
 class MethodNotAllowed(TokenRelayError):
@@ -106,8 +109,15 @@ def register(app: Flask) -> None:
             return exc
         return error_response(translate_http_exception(exc))
 
+    # One log line per OUTAGE_LOG_S at most: during an outage every request would
+    # otherwise log the same thing (the 503s are counted in the request metrics).
+    last_logged = [-OUTAGE_LOG_S]
+
     def _backbone_down(exc: Exception) -> Response:
-        logger.warning("%s %s: redis unavailable (%s)", request.method, request.path, exc)
+        now = time.monotonic()
+        if now - last_logged[0] >= OUTAGE_LOG_S:
+            last_logged[0] = now
+            logger.warning("%s %s: redis unavailable (%s)", request.method, request.path, exc)
         return error_response(backbone_unavailable())
 
     for outage in BACKBONE_DOWN:

@@ -231,6 +231,7 @@ def test_web_tier_through_a_redis_restart(
             assert s.started.wait(30), f"a stream got no text before the kill\n{report()}"
         assert not any(s.ended.is_set() for s in streams), "streams too short to be mid-stream"
 
+        web_lines_before = len(web_log(procs["web"]).splitlines())
         server.kill()
         killed = time.monotonic()
         if streamer_lost:
@@ -293,6 +294,8 @@ def test_web_tier_through_a_redis_restart(
         tally = {k: outcomes.count(k) for k in ("exact", "error", "hung", "wrong", "broken")}
         ended = [s.ended_at for s in streams] + [u.ended_at for u in unaries]
         late = [(t or back + 99) - back for t in ended] + [ws_ended]
+        log = web_log(procs["web"])
+        web_lines = len(log.splitlines()) - web_lines_before
         details = "\n".join(
             [s.describe() for s in streams]
             + [u.describe() for u in unaries]
@@ -303,7 +306,7 @@ def test_web_tier_through_a_redis_restart(
             "redis restart under the web tier (%s%s, %.0f s down): %d probes during the outage, "
             "slowest %s; websocket errors+done and pongs %.1f s after the kill; in-flight %s, "
             "the last ended %.1f s after redis was back; first new request ok %s s after "
-            "redis was back (%s)\n%s",
+            "redis was back (%s); %d web log lines since the kill\n%s",
             "aof" if appendonly else "no persistence",
             ", streamer lost" if streamer_lost else "",
             OUTAGE_S,
@@ -314,9 +317,9 @@ def test_web_tier_through_a_redis_restart(
             max(late),
             f"{first_ok:.2f}" if first_ok is not None else "never",
             "; ".join(attempts),
+            web_lines,
             details,
         )
-        log = web_log(procs["web"])
 
         bad = wrong_outage_answers(probes)
         assert not bad, "\n".join(bad[:20]) + "\n" + report()
@@ -331,6 +334,8 @@ def test_web_tier_through_a_redis_restart(
         assert not dead, f"{dead} died\n{report()}"
         assert children(procs["web"].pid) == gunicorn_workers, "a gunicorn worker was replaced"
         assert "unhandled error" not in log, log[-4000:]
+        # A few lines per gunicorn worker for the whole outage, not one per request.
+        assert web_lines < 40, log[-4000:]
         assert tally["hung"] == tally["wrong"] == tally["broken"] == 0, f"{details}\n{report()}"
         assert max(late) < BACK_WITHIN_S, f"{details}\n{report()}"
         if not appendonly:  # records and streams are gone: nothing can finish them
