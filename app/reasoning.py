@@ -25,7 +25,8 @@ __all__ = ["REASONING_PARSERS", "ThinkParser", "make_reasoning_parser", "prompt_
 
 # name -> (open tag, close tag); the model card's ``reasoning_parser`` picks one.
 REASONING_PARSERS: dict[str, tuple[str, str]] = {
-    "think": ("<think>", "</think>"),
+    "think": ("<think>", "</think>"),  # DeepSeek-R1, Qwen3, QwQ, SmolLM3, ...
+    "seed_think": ("<seed:think>", "</seed:think>"),  # ByteDance Seed-OSS
 }
 
 

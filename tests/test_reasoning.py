@@ -77,6 +77,13 @@ def test_partial_close_tag_is_never_reasoning_or_content_early() -> None:
     assert parser.feed("</think>") == [Content("</think>")]
 
 
+def test_model_specific_tags() -> None:
+    parser = make_reasoning_parser("seed_think")
+    pieces = [p for c in "<seed:think>hm</seed:think> ok <think>" for p in parser.feed(c)]
+    assert collect(pieces + parser.flush()) == ("hm", "ok <think>")
+    assert prompt_opens_block("assistant\n<seed:think>", "seed_think")
+
+
 def test_prompt_opens_block_reads_the_last_tag() -> None:
     assert prompt_opens_block("<|im_start|>assistant\n<think>\n", "think")
     assert not prompt_opens_block("<|im_start|>assistant\n<think>\n\n</think>\n\n", "think")
