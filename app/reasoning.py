@@ -53,7 +53,9 @@ class ThinkParser:
             raise ValueError("reasoning tags must not be empty")
         self._open = open_tag
         self._close = close_tag
-        self._state = _State.REASONING if start_in_reasoning else _State.START
+        # Even when the template opened the block, the output may repeat the open tag:
+        # START drops it then.
+        self._state = _State.START
         self._entered = start_in_reasoning
         self._held = ""
         # True until the first non-whitespace reasoning character: leading whitespace of
@@ -63,7 +65,8 @@ class ThinkParser:
     @property
     def in_reasoning(self) -> bool:
         """Inside the think block now (what ``reasoning_tokens`` counts)."""
-        return self._state is _State.REASONING
+        state = self._state
+        return state is _State.REASONING or (state is _State.START and self._entered)
 
     @property
     def entered(self) -> bool:
@@ -97,10 +100,12 @@ class ThinkParser:
         held, self._held = self._held, ""
         if not held:
             return []
-        if self._state is _State.START:
+        if self._state is _State.START and not self._entered:
             self._state = _State.CONTENT
             return [Content(held)]
-        return [Reasoning(held)]
+        if self._fresh:
+            held = held.lstrip()
+        return [Reasoning(held)] if held else []
 
     def _start(self, text: str, out: list[Piece]) -> str:
         """Before anything but whitespace: is this output a think block? Returns the
@@ -115,6 +120,9 @@ class ThinkParser:
             self._state = _State.REASONING
             self._entered = True
             return rest[len(self._open) :]
+        if self._entered:  # the template opened the block: this is reasoning already
+            self._state = _State.REASONING
+            return window
         self._state = _State.CONTENT
         out.append(Content(window))
         return ""

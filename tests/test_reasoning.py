@@ -63,6 +63,10 @@ def test_block_opened_by_the_template() -> None:
     text = "Okay, so 4.\n</think>\n\n4"
     assert every_split(text, start_in_reasoning=True) == ("Okay, so 4.\n", "4")
     assert every_split("never closed", start_in_reasoning=True) == ("never closed", "")
+    # A model that writes the open tag again anyway: it is no reasoning text.
+    assert every_split(" <think>\nhm</think>ok", start_in_reasoning=True) == ("hm", "ok")
+    assert every_split(" \n", start_in_reasoning=True) == ("", "")
+    assert every_split("<thin", start_in_reasoning=True) == ("<thin", "")
 
 
 def test_partial_close_tag_is_never_reasoning_or_content_early() -> None:
