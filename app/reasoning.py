@@ -10,8 +10,9 @@ Rules (as llama.cpp's ``reasoning_format``): the block counts only at the start 
 output (leading whitespace allowed); once closed, everything after is content. Some
 templates open the block in the prompt (DeepSeek-R1's ends with ``<think>\\n``): then
 the output starts inside it (``start_in_reasoning``; ``prompt_opens_block`` detects it
-from the prompt's tail). Whitespace right after either tag is dropped, so neither the
-reasoning nor the answer starts with the template's newlines. A block the model never
+from the prompt's tail), and an open tag the model writes again anyway is dropped.
+Whitespace right after either tag is dropped, so neither the reasoning nor the answer
+starts with the template's newlines. A block the model never
 closes (cut by ``max_tokens``) stays reasoning.
 """
 
