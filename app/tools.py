@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.messages import OutputConstraint
+from app.reasoning import REASONING_PARSERS
 
 # OpenAI's rule for function and schema names.
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -131,8 +132,6 @@ FALLBACK_TOOL_PARSER = "hermes"
 # while "<tool_call>" is the most widely copied one.
 _DETECTION_ORDER = ("mistral", "llama3_json", "hermes")
 
-REASONING_MARKERS: dict[str, tuple[str, ...]] = {"think": ("<think>",)}
-
 
 def native_tool_parser(template: str | None) -> str | None:
     """The tool-call syntax a chat template writes itself, from its markers (None: it
@@ -154,11 +153,14 @@ def detect_tool_call_parser(template: str | None) -> str | None:
 
 
 def detect_reasoning_parser(template: str | None) -> str | None:
-    """``"think"`` for templates that open or strip ``<think>`` blocks."""
+    """The reasoning parser whose open tag the template writes or strips (``<think>`` ->
+    ``"think"``, ``<seed:think>`` -> ``"seed_think"``); the longest tag wins, so a
+    specific variant is not taken for a generic one."""
     if not template:
         return None
-    for name, markers in REASONING_MARKERS.items():
-        if any(marker in template for marker in markers):
+    by_length = sorted(REASONING_PARSERS.items(), key=lambda item: -len(item[1][0]))
+    for name, (open_tag, _close) in by_length:
+        if open_tag in template:
             return name
     return None
 

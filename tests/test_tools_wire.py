@@ -118,6 +118,7 @@ def test_bundled_template_knows_no_tools_so_its_parser_is_the_fallbacks(card: Mo
         ("<|python_tag|>{{ tools }}", "llama3_json", None),
         ("{% if m.role == 'ipython' %}{% endif %}", "llama3_json", None),
         ("<think>\n{{ tools }}<tool_call>", "hermes", "think"),
+        ("<seed:think>{{ m }}</seed:think><think>", "hermes", "seed_think"),
     ],
 )
 def test_parsers_are_detected_from_the_template(
