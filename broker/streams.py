@@ -332,6 +332,7 @@ class OutputHub:
                 key: min((sub.cursor for sub in subs), key=_id_order)
                 for key, subs in self._subs.items()
             }
+        streams[self.wake_key] = self._wake_cursor
         try:
             pipe = self.redis.pipeline(transaction=False)
             for key, cursor in streams.items():
@@ -340,6 +341,16 @@ class OutputHub:
         except redis.RedisError:  # gone meanwhile: the next read reconnects
             return
         bad = [k for k, r in zip(streams, results, strict=True) if isinstance(r, Exception)]
+        if self.wake_key in bad:  # our own key, overwritten: start it afresh
+            bad.remove(self.wake_key)
+            logger.error("output hub: wake-up key %s is not a stream; recreating it", exc)
+            self._wake_cursor = "0-0"
+            try:
+                self.redis.delete(self.wake_key)
+            except redis.RedisError:
+                return
+            if not bad:
+                return
         if not bad:  # nothing to blame on one stream: do not spin on it
             logger.error("output hub: redis refused a read (%s)", exc)
             self.stopping.wait(0.5)
