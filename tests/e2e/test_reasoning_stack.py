@@ -1,4 +1,5 @@
-"""Reasoning through a real stack (echo engine) and on the chat page.
+"""Reasoning through a real stack (echo engine), and reasoning and tool calls on the chat
+page.
 
 The model is the bundled SmolLM2 as a Hugging Face-style directory whose chat template
 mentions ``<think>``, so its card's reasoning parser is detected as ``think`` — as for
@@ -8,6 +9,7 @@ test writes the "model's" thinking and answer exactly.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +30,13 @@ __all__ = ["browser"]  # the Chromium fixture, shared with the chat page's tests
 THINKING = "<think>The user greets me, so I greet back.</think>Hello to you too!"
 REASONING = "The user greets me, so I greet back."
 ANSWER = "Hello to you too!"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +117,38 @@ def test_the_chat_page_shows_reasoning_apart_from_the_answer(
         """
     )
     assert shown == {"text": REASONING, "label": "Thinking", "before": "content"}
+
+
+@pytest.mark.skipif(
+    not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()),
+    reason="needs Chromium and its driver (Debian: apt install chromium chromium-driver)",
+)
+def test_the_chat_page_shows_tool_calls(browser: Any, thinking_stack: Stack) -> None:
+    page = ChatPage(browser, thinking_stack.base_url + "/")
+    # The page offers no tools itself: add one to every chat it sends, as an app would.
+    page.js(
+        """
+        const send = WebSocket.prototype.send;
+        WebSocket.prototype.send = function (data) {
+          const msg = JSON.parse(data);
+          if (msg.type === 'chat') msg.tools = [arguments[0]];
+          return send.call(this, JSON.stringify(msg));
+        };
+        """.replace("arguments[0]", json.dumps(WEATHER))
+    )
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    # Set, not typed: Enter in the prompt box sends the message.
+    page.js("$('prompt').value = arguments[0]", text + "\n</tool_call>")
+    page.element("#send").click()
+    page.wait_for(lambda: page.assistant()["state"] == "done", what="the reply")
+    reply = page.assistant()
+    assert (reply["text"], reply["finish"]) == ("Checking.", "tool_calls")
+    assert reply["label"].startswith("called tools")
+    calls = page.js(
+        """
+        const turns = document.querySelectorAll('.message.assistant');
+        const block = turns[turns.length - 1].querySelector('.tool-calls');
+        return block && [block.textContent, block.dataset.label];
+        """
+    )
+    assert calls == ['get_weather({"city": "Paris"})', "Tool calls"]

@@ -275,6 +275,7 @@
     length: "stopped: max tokens reached",
     abort: "stopped",
     error: "error",
+    tool_calls: "called tools",
   };
 
   // -- requests ---------------------------------------------------------------------------
