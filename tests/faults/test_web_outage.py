@@ -37,7 +37,7 @@ from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import worker_registry
-from broker.run import LOST_MESSAGE
+from broker.run import LOST_MESSAGE, READY_CACHE_S
 from broker.server import RedisServer
 from tests.e2e.test_websocket import ChatClient
 from tests.faults.web_clients import (
@@ -401,7 +401,7 @@ def test_fail_fast_after_the_last_worker_dies(models_dir: Path, tmp_path: Path) 
                     noticed = time.monotonic() - killed
                 sent = time.monotonic() - killed
                 probes.append((sent, stream_head(base, model)))
-                if noticed is not None and len([s for s, _ in probes if s > noticed]) >= 4:
+                if noticed is not None and len([s for s, _ in probes if s > noticed]) >= 6:
                     break
                 time.sleep(0.5)
             bound = REGISTRATION_TTL_S + NO_WORKER_TIMEOUT_S + LEASE_TTL_S + 4.0
@@ -423,7 +423,8 @@ def test_fail_fast_after_the_last_worker_dies(models_dir: Path, tmp_path: Path) 
             admitted.describe(),
             "; ".join(f"{t:.1f}s {p}" for t, p in probes),
         )
-        assert noticed is not None and noticed < REGISTRATION_TTL_S + 1.0
+        # Checked every probe (~1.5 s apart while requests are still admitted).
+        assert noticed is not None and noticed < REGISTRATION_TTL_S + 2.5
         for s in (running, admitted):
             # An error event in the stream, or (admitted) the 503 before the stream started.
             refused = s.status == 503 and s.failure is not None
@@ -431,7 +432,8 @@ def test_fail_fast_after_the_last_worker_dies(models_dir: Path, tmp_path: Path) 
             assert s.ended_at is not None and s.ended_at - killed < bound, s.describe()
             if s.error is not None:
                 assert "No worker" in s.error["message"], s.describe()
-        after = [p for t, p in probes if t > noticed + 0.5]
+        # A web worker reuses a positive readiness answer for READY_CACHE_S.
+        after = [p for t, p in probes if t > noticed + READY_CACHE_S]
         assert after, probes
         for p in after:
             assert p.status == 503 and p.retry_after is not None, p
