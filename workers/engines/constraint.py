@@ -5,7 +5,17 @@ asks it which tokens the grammar allows (``mask_logits`` on a numpy row for llam
 ``allowed_ids`` for exllamav2's filter interface), after it feeds the sampled token back
 (``consume``). When the grammar is complete (``complete``) the choice ends as if by EOS.
 It knows nothing of llama.cpp, exllamav2 or torch: each engine builds the
-``llguidance.LLTokenizer`` from its own vocabulary and passes it in.
+``llguidance.LLTokenizer`` from its own vocabulary and wraps it in a ``GrammarVocab``.
+
+Closing: a grammar alone guarantees a valid *prefix*; a choice cut off by max_tokens
+would still end in the middle of a string (a small model easily writes prose inside a
+JSON string until its budget runs out). So once a choice has ``CLOSING_TOKENS`` or fewer
+tokens left, its allowed set is narrowed to tokens made only of closing characters
+(``"``, ``}``, ``]``, ``:`` and space) whenever the grammar allows one: strings close,
+no new member, element or nesting level can start (``,``, ``{``, ``[`` are not closing),
+and where the grammar forces something else (a required key, a separator, the suffix)
+that is taken as it is. The output then completes within a few tokens per open level
+and per missing required property.
 """
 
 from __future__ import annotations
@@ -22,29 +32,50 @@ from app.messages import OutputConstraint
 
 logger = logging.getLogger(__name__)
 
+# Left-over token budget below which a constrained choice only closes what is open.
+CLOSING_TOKENS = 48
+_CLOSING_BYTES = frozenset(b'"}]: ')
+
 
 class ConstraintError(Exception):
     """A constraint that cannot be compiled or followed; its message names why and is
     safe to show a client (as a 400: the request asked for it)."""
 
 
+class GrammarVocab:
+    """An engine's vocabulary as llguidance sees it, built once per engine (~0.5 s)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.size = tokenizer.vocab_size
+        self.eos_ids = frozenset(tokenizer.eos_tokens)
+        closing = np.zeros(self.size, dtype=bool)
+        for tok in range(self.size):
+            if tokenizer.is_special_token(tok):
+                continue
+            piece = tokenizer.decode_bytes([tok])
+            closing[tok] = bool(piece) and _CLOSING_BYTES.issuperset(piece)
+        self.closing = closing
+
+
 class JobGrammar:
     """One compiled grammar for all choices of a job (they share ``SamplingParams``);
     ``start`` gives each choice its own state, a cheap copy of the compiled matcher."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, constraint: OutputConstraint):
+    def __init__(self, vocab: GrammarVocab, constraint: OutputConstraint) -> None:
         problem = grammar_problem(constraint)
         if problem is not None:
             raise ConstraintError(f"this JSON schema cannot be enforced: {problem}")
-        self._matcher = llguidance.LLMatcher(tokenizer, constraint_grammar(constraint), log_level=0)
+        self.vocab = vocab
+        self._matcher = llguidance.LLMatcher(
+            vocab.tokenizer, constraint_grammar(constraint), log_level=0
+        )
         if self._matcher.is_error():
             raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
-        self.vocab_size = tokenizer.vocab_size
-        self.eos_ids = tuple(tokenizer.eos_tokens)
 
     def start(self, prefix_ids: Iterable[int] = ()) -> SequenceGrammar:
         """A choice's grammar, advanced over the tokens it generated before a resume."""
-        seq = SequenceGrammar(self._matcher.deep_copy(), self.vocab_size, self.eos_ids)
+        seq = SequenceGrammar(self._matcher.deep_copy(), self.vocab)
         for tok in prefix_ids:
             seq.consume(tok)
         return seq
@@ -53,51 +84,51 @@ class JobGrammar:
 class SequenceGrammar:
     """The grammar state of one choice (see module doc)."""
 
-    __slots__ = ("_bitmask", "_matcher", "eos_ids", "vocab_size")
+    __slots__ = ("_bitmask", "_matcher", "vocab")
 
-    def __init__(
-        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: Iterable[int]
-    ) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: GrammarVocab) -> None:
         self._matcher = matcher
-        self.vocab_size = vocab_size
-        self.eos_ids = frozenset(eos_ids)
-        self._bitmask = allocate_token_bitmask(1, vocab_size)
+        self.vocab = vocab
+        self._bitmask = allocate_token_bitmask(1, vocab.size)
 
     @property
     def complete(self) -> bool:
         """True once the grammar admits no further token (the output is whole)."""
         return bool(self._matcher.is_stopped())
 
-    def allowed(self) -> np.ndarray:
-        """A bool array over the vocabulary: True where the grammar allows the token."""
+    def allowed(self, tokens_left: int | None = None) -> np.ndarray:
+        """A bool array over the vocabulary: True where the grammar allows the token,
+        narrowed to closing tokens when ``tokens_left`` is within ``CLOSING_TOKENS``."""
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         if self._matcher.is_error():
             raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
         bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
-        return bits[: self.vocab_size].astype(bool)
+        allowed = bits[: self.vocab.size].astype(bool)
+        if tokens_left is not None and tokens_left <= CLOSING_TOKENS:
+            closing = allowed & self.vocab.closing
+            if closing.any():
+                return closing
+        return allowed
 
-    def mask_logits(self, row: np.ndarray) -> None:
+    def mask_logits(self, row: np.ndarray, tokens_left: int | None = None) -> None:
         """Set the logits of every token the grammar forbids to -inf, in place."""
-        allowed = self.allowed()
+        allowed = self.allowed(tokens_left)
         n = min(len(row), len(allowed))
         row[:n][~allowed[:n]] = -np.inf
         row[n:] = -np.inf  # padding past the tokenizer's vocabulary
 
-    def allowed_ids(self) -> tuple[list[int], set[int]]:
-        """The token ids the grammar allows next (ascending) and the EOS ids among them."""
-        allowed = self.allowed()
-        return np.flatnonzero(allowed).tolist(), self.end_ids(allowed)
-
-    def end_ids(self, allowed: np.ndarray) -> set[int]:
-        """The EOS ids among ``allowed`` (the grammar is complete or may stop here)."""
-        return {t for t in self.eos_ids if t < len(allowed) and allowed[t]}
+    def allowed_ids(self, tokens_left: int | None = None) -> tuple[list[int], set[int]]:
+        """The token ids the grammar allows next (ascending) and the EOS ids among them
+        (sampling one of those ends the output)."""
+        allowed = self.allowed(tokens_left)
+        ends = {t for t in self.vocab.eos_ids if t < len(allowed) and allowed[t]}
+        return np.flatnonzero(allowed).tolist(), ends
 
     def consume(self, token: int) -> None:
         """Advance over the sampled ``token``; raises ``ConstraintError`` if the grammar
-        refuses it (a token the mask did not allow: a bug or a resumed prefix that no
-        longer fits)."""
+        refuses it (a resumed prefix that does not fit, or a grammar in error)."""
         if not self._matcher.consume_token(token):
             raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
 
 
-__all__ = ["ConstraintError", "JobGrammar", "SequenceGrammar"]
+__all__ = ["CLOSING_TOKENS", "ConstraintError", "GrammarVocab", "JobGrammar", "SequenceGrammar"]

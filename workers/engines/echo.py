@@ -7,6 +7,8 @@ cancel, at a configurable rate: steps per second, each advancing every running c
 by one token as a real engine's batched step does (0 = as fast as the caller steps).
 Logprobs are exact for a deterministic model: 0.0 for the echoed token, alternatives at
 -9999.0 (vLLM's stand-in for -inf, which JSON cannot carry).
+An output constraint (``SamplingParams.constraint``) is ignored: the output is the
+prompt, so tests of tool calls and structured outputs choose the model's text exactly.
 """
 
 from __future__ import annotations

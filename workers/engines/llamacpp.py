@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ import numpy as np
 
 from app.messages import EngineFinish, SamplingParams, TokenDelta, TokenLogprob
 from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
-from workers.engines.constraint import ConstraintError, JobGrammar, SequenceGrammar
+from workers.engines.constraint import ConstraintError, GrammarVocab, JobGrammar, SequenceGrammar
 
 if TYPE_CHECKING:
     from app.model_card import ModelCard
@@ -176,7 +177,7 @@ class LlamaCppEngine(Engine):
         self._order = 0
         self._kv_used = 0
         self._closed = False
-        self._llg_tokenizer: Any = None  # built on the first constrained job (~0.5 s)
+        self._grammar_vocab: GrammarVocab | None = None  # on the first constrained job
         logger.info(
             "llama.cpp engine: %s, n_ctx %d, %d sequences, %d threads",
             Path(model_path).name,
@@ -417,13 +418,18 @@ class LlamaCppEngine(Engine):
         if constraint is None:
             return {}
         try:
-            if self._llg_tokenizer is None:
+            if self._grammar_vocab is None:
                 from llguidance.llamacpp import lltokenizer_from_vocab
 
                 vocab = lc.llama_model_get_vocab(self._model)
                 eos = sorted({lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)} - {-1})
-                self._llg_tokenizer = lltokenizer_from_vocab(vocab, eos_token=eos)
-            compiled = JobGrammar(self._llg_tokenizer, constraint)
+                with warnings.catch_warnings():
+                    # llguidance reads token attributes through llama_token_get_attr,
+                    # which this llama-cpp-python marks deprecated (same function).
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    tokenizer = lltokenizer_from_vocab(vocab, eos_token=eos)
+                self._grammar_vocab = GrammarVocab(tokenizer)
+            compiled = JobGrammar(self._grammar_vocab, constraint)
             return {c.index: compiled.start(c.prefix_ids) for c in job.choices}
         except ConstraintError as exc:
             raise JobRejected(str(exc)) from exc
@@ -506,7 +512,7 @@ class LlamaCppEngine(Engine):
             try:
                 if grammar is not None and row is not None:
                     # The sampler copies the logits buffer: editing it is the mask.
-                    grammar.mask_logits(row)
+                    grammar.mask_logits(row, s.max_new - s.new)
                 elif stops and s.generated < job.min_tokens and row is not None:
                     row[list(stops)] = -np.inf  # min_tokens bans the stop ids
                 tok = int(lc.llama_sampler_sample(s.chain, self._ctx, idx))
