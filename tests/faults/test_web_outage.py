@@ -544,6 +544,26 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
             assert bystander.outcome() == "exact", bystander.describe()
             assert [s.outcome() for s in after] == ["exact", "exact"], [s.describe() for s in after]
 
+            # The same on a WebSocket: an error then done for that id; the socket serves on.
+            ws = ChatClient(ws_url(settings))
+            stack.callback(ws.close)
+            ws.chat("victim", words("websocket victim"), max_tokens=1000)
+            started: dict[str, Any] = {}
+            while "victim" not in started:
+                msg = ws.receive()
+                if msg.get("type") == "started":
+                    started[msg["id"]] = msg["request_id"]
+            ws.until(lambda: bool(ws.reply("victim").deltas), timeout=30)
+            client.xadd(keys.output(started["victim"]), {"e": b"\xff", "s": "0-0"})
+            ws.wait_done("victim", timeout=10)
+            ws.chat("next", "still served")
+            ws.wait_done("next", timeout=30)
+            (ws_error,) = ws.reply("victim").errors
+            logger.warning("websocket victim: %s", ws_error)
+            assert "unreadable" in ws_error["error"]["message"], ws_error
+            assert ws.reply("next").text() == "still served" and not ws.reply("next").errors
+            assert bool(client.exists(keys.cancel(started["victim"])))
+
             # A key that is not a stream at all (WRONGTYPE for XREAD): the web process's
             # one reader must end only the request that follows it, here a client
             # replaying a finished stream, while another stream goes on.
