@@ -19,8 +19,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal, cast
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -29,7 +27,6 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from app.errors import InvalidRequest
 from app.messages import OutputConstraint, SamplingParams, StopConditions
 from app.tools import (
     FunctionDefinition,
@@ -39,6 +36,10 @@ from app.tools import (
     ToolChoice,
     ToolDefinition,
     forced_functions,
+)
+from app.validation import RequestModel, invalid
+from app.validation import (
+    validation_error_to_invalid_request as validation_error_to_invalid_request,
 )
 
 DEFAULT_MAX_STOP_SEQUENCES = 16
@@ -56,17 +57,8 @@ _LIMIT_DEFAULTS = {
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # ---------------------------------------------------------------------------------------
-# Validation plumbing
+# Validation plumbing (the errors themselves: app.validation)
 # ---------------------------------------------------------------------------------------
-
-
-def _invalid(message: str, *, subpath: str | None = None) -> PydanticCustomError:
-    """A validation error with a client-ready message.
-
-    ``subpath`` extends the error's location (a model validator's error has none of its
-    own): ``"stream_options"`` or ``"[2].type"``.
-    """
-    return PydanticCustomError("invalid_request", message, {"subpath": subpath})
 
 
 def _limit(info: ValidationInfo, name: str) -> int:
@@ -76,94 +68,18 @@ def _limit(info: ValidationInfo, name: str) -> int:
     return _LIMIT_DEFAULTS[name]
 
 
-def _format_loc(loc: Iterable[int | str]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else part
-    return out
-
-
-def _short(value: Any) -> str | None:
-    if isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= 40):
-        return repr(value)
-    return None
-
-
-def _join_path(param: str, subpath: str) -> str:
-    return param + subpath if subpath.startswith("[") or not param else f"{param}.{subpath}"
-
-
-def _unknown_fields(errors: Iterable[Any]) -> list[str]:
-    """The paths of every unrecognized field, in the order pydantic found them."""
-    names: list[str] = []
-    for err in errors:
-        if err["type"] != "extra_forbidden":
-            continue
-        param = _format_loc(err["loc"])
-        ctx = err.get("ctx") or {}
-        subpaths = [ctx["subpath"], *ctx.get("also", ())] if ctx.get("subpath") else [""]
-        names += [_join_path(param, sub) if sub else param for sub in subpaths]
-    return [n for n in dict.fromkeys(names) if n]
-
-
-def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequest:
-    """The 400 for a request that failed validation.
-
-    Unrecognized fields come first and are all named in one message, so a client fixes
-    them in one round trip (``"Unrecognized request arguments supplied: a, b"``);
-    otherwise the first error is reported, like OpenAI. ``param`` is the offending
-    field's path, e.g. ``"temperature"``, ``"messages[0].role"``, ``"stream_options"``
-    (the first unknown field's); ``None`` when the body itself is wrong.
-    """
-    errors = exc.errors(include_url=False)
-    if not errors:  # pragma: no cover - pydantic never raises an empty ValidationError
-        return InvalidRequest("Invalid request.")
-    unknown = _unknown_fields(errors)
-    if unknown:
-        plural = "s" if len(unknown) > 1 else ""
-        return InvalidRequest(
-            f"Unrecognized request argument{plural} supplied: {', '.join(unknown)}",
-            param=unknown[0],
-        )
-    err = errors[0]
-    param = _format_loc(err["loc"])
-    ctx = err.get("ctx") or {}
-    subpath = ctx.get("subpath")
-    if subpath:
-        param = _join_path(param, subpath)
-    kind = err["type"]
-    if kind == "invalid_request":
-        message = err["msg"]
-    elif not param:
-        message = "The request body must be a JSON object."
-    elif kind == "missing":
-        message = f"Missing required parameter: '{param}'."
-    else:
-        got = _short(err.get("input"))
-        suffix = f" (got {got})" if got is not None else ""
-        message = f"Invalid value for '{param}': {err['msg']}{suffix}."
-    return InvalidRequest(message, param=param or None)
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
 # ---------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool | None = Field(
         default=None, description="Send a final chunk with the request's usage."
     )
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestModel):
     """Fields shared by chat and text completions (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = Field(default=None, description="Served model name (default: ours).")
@@ -196,7 +112,7 @@ class _GenerationRequest(_Request):
     def _check_n(cls, n: int, info: ValidationInfo) -> int:
         max_n = _limit(info, "max_n")
         if n > max_n:
-            raise _invalid(f"'n' must be at most {max_n} (got {n}).")
+            raise invalid(f"'n' must be at most {max_n} (got {n}).")
         return n
 
     @field_validator("stop", mode="before")
@@ -206,12 +122,12 @@ class _GenerationRequest(_Request):
             return []
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise _invalid("'stop' must be a string or a list of strings.")
+            raise invalid("'stop' must be a string or a list of strings.")
         # An empty stop string would end every completion at once: treat it as absent.
         stops = list(dict.fromkeys(s for s in items if s))
         most = _limit(info, "max_stop_sequences")
         if len(stops) > most:
-            raise _invalid(f"'stop' may hold at most {most} sequences (got {len(stops)}).")
+            raise invalid(f"'stop' may hold at most {most} sequences (got {len(stops)}).")
         return stops
 
     @field_validator("stop_token_ids", mode="before")
@@ -220,13 +136,13 @@ class _GenerationRequest(_Request):
         if value is None:
             return []
         if not isinstance(value, list):
-            raise _invalid("'stop_token_ids' must be a list of non-negative token ids.")
+            raise invalid("'stop_token_ids' must be a list of non-negative token ids.")
         # Counted before the ids are checked: a million ids is one cheap 400.
         most = _limit(info, "max_stop_token_ids")
         if len(value) > most:
-            raise _invalid(f"'stop_token_ids' may hold at most {most} ids (got {len(value)}).")
+            raise invalid(f"'stop_token_ids' may hold at most {most} ids (got {len(value)}).")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-            raise _invalid("'stop_token_ids' must be a list of non-negative token ids.")
+            raise invalid("'stop_token_ids' must be a list of non-negative token ids.")
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -235,7 +151,7 @@ class _GenerationRequest(_Request):
         if value is None:
             return None
         if not isinstance(value, dict):
-            raise _invalid("'logit_bias' must be an object mapping token ids to biases.")
+            raise invalid("'logit_bias' must be an object mapping token ids to biases.")
         out: dict[int, float] = {}
         for key, bias in value.items():
             try:
@@ -243,11 +159,11 @@ class _GenerationRequest(_Request):
             except ValueError:
                 token = -1
             if isinstance(key, bool) or token < 0:
-                raise _invalid(f"Invalid key in 'logit_bias': {key!r} is not a token id.")
+                raise invalid(f"Invalid key in 'logit_bias': {key!r} is not a token id.")
             if isinstance(bias, bool) or not isinstance(bias, int | float):
-                raise _invalid(f"Invalid bias for token {key!r} in 'logit_bias': not a number.")
+                raise invalid(f"Invalid bias for token {key!r} in 'logit_bias': not a number.")
             if not -100 <= bias <= 100:
-                raise _invalid(
+                raise invalid(
                     f"Invalid bias for token {key!r} in 'logit_bias': "
                     f"must be between -100 and 100 (got {bias!r})."
                 )
@@ -257,13 +173,13 @@ class _GenerationRequest(_Request):
     @model_validator(mode="after")
     def _check_combinations(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
-            raise _invalid(
+            raise invalid(
                 "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                 subpath="stream_options",
             )
         limit = self.max_new_tokens
         if limit is not None and self.min_tokens > limit:
-            raise _invalid(
+            raise invalid(
                 f"'min_tokens' ({self.min_tokens}) must not exceed 'max_tokens' ({limit}).",
                 subpath="min_tokens",
             )
@@ -280,7 +196,7 @@ class _GenerationRequest(_Request):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class TextContentPart(_Request):
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
@@ -288,7 +204,7 @@ class TextContentPart(_Request):
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One message of a conversation. Only text content is supported."""
 
     role: ChatRole
@@ -303,22 +219,22 @@ class ChatMessage(_Request):
         if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise _invalid("Message content must be a string or a list of text parts.")
+            raise invalid("Message content must be a string or a list of text parts.")
         parts = []
         unknown: list[str] = []
         for i, part in enumerate(value):
             if not isinstance(part, dict):
-                raise _invalid(f"Content part {i} must be an object.", subpath=f"[{i}]")
+                raise invalid(f"Content part {i} must be an object.", subpath=f"[{i}]")
             kind = part.get("type")
             if kind != "text":
-                raise _invalid(
+                raise invalid(
                     f"Content part type {kind!r} is not supported; only 'text' parts are.",
                     subpath=f"[{i}].type",
                 )
             unknown += [f"[{i}].{name}" for name in part if name not in ("type", "text")]
             text = part.get("text")
             if not isinstance(text, str):
-                raise _invalid(f"Content part {i} needs a string 'text'.", subpath=f"[{i}].text")
+                raise invalid(f"Content part {i} needs a string 'text'.", subpath=f"[{i}].text")
             parts.append(TextContentPart(type="text", text=text))
         if unknown:
             # One error naming every unknown key ("also"), so the 400 can list them all.
@@ -332,17 +248,17 @@ class ChatMessage(_Request):
     @model_validator(mode="after")
     def _check_role_content(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
-            raise _invalid(
+            raise invalid(
                 f"Missing required parameter: 'content' of a {self.role!r} message.",
                 subpath="content",
             )
         if self.role == "tool" and not self.tool_call_id:
-            raise _invalid(
+            raise invalid(
                 "Missing required parameter: 'tool_call_id' of a 'tool' message.",
                 subpath="tool_call_id",
             )
         if self.tool_calls is not None and self.role != "assistant":
-            raise _invalid(
+            raise invalid(
                 f"Only 'assistant' messages may have 'tool_calls' (got a {self.role!r} message).",
                 subpath="tool_calls",
             )
@@ -393,7 +309,7 @@ class ChatCompletionRequest(_GenerationRequest):
     @classmethod
     def _check_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
         if not messages:
-            raise _invalid("'messages' must be a non-empty list of messages.")
+            raise invalid("'messages' must be a non-empty list of messages.")
         return messages
 
     @field_validator("top_logprobs")
@@ -401,14 +317,14 @@ class ChatCompletionRequest(_GenerationRequest):
     def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         most = _limit(info, "max_logprobs")
         if value is not None and value > most:
-            raise _invalid(f"'top_logprobs' must be at most {most} (got {value}).")
+            raise invalid(f"'top_logprobs' must be at most {most} (got {value}).")
         return value
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _check_tool_choice(cls, value: Any) -> Any:
         if isinstance(value, str) and value not in ("none", "auto", "required"):
-            raise _invalid(
+            raise invalid(
                 f"Invalid value for 'tool_choice': {value!r}; use 'none', 'auto', 'required' "
                 "or {'type': 'function', 'function': {'name': ...}}."
             )
@@ -419,18 +335,18 @@ class ChatCompletionRequest(_GenerationRequest):
         names = [t.function.name for t in self.tools or ()]
         for i, name in enumerate(names):
             if name in names[:i]:
-                raise _invalid(
+                raise invalid(
                     f"Duplicate function name {name!r} in 'tools'.", subpath=f"tools[{i}]"
                 )
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise _invalid(
+            raise invalid(
                 f"'tool_choice' names the function {choice.function.name!r}, which is not "
                 "in 'tools'.",
                 subpath="tool_choice",
             )
         if choice == "required" and not names:
-            raise _invalid(
+            raise invalid(
                 "'tool_choice' 'required' is only allowed when 'tools' are specified.",
                 subpath="tool_choice",
             )
@@ -439,12 +355,12 @@ class ChatCompletionRequest(_GenerationRequest):
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
-                raise _invalid(
+                raise invalid(
                     "Missing required parameter: 'response_format.json_schema'.",
                     subpath="response_format.json_schema",
                 )
         elif fmt is not None and fmt.json_schema is not None:
-            raise _invalid(
+            raise invalid(
                 f"'response_format.json_schema' is only allowed with type 'json_schema' "
                 f"(got {fmt.type!r}).",
                 subpath="response_format.json_schema",
@@ -475,12 +391,12 @@ class ChatCompletionRequest(_GenerationRequest):
             and self.max_tokens is not None
             and self.max_completion_tokens != self.max_tokens
         ):
-            raise _invalid(
+            raise invalid(
                 "'max_tokens' and 'max_completion_tokens' disagree; set only one.",
                 subpath="max_completion_tokens",
             )
         if self.top_logprobs is not None and not self.logprobs:
-            raise _invalid(
+            raise invalid(
                 "'top_logprobs' is only allowed when 'logprobs' is true.", subpath="top_logprobs"
             )
         return self
@@ -529,44 +445,44 @@ class CompletionRequest(_GenerationRequest):
         )
         if isinstance(value, str):
             if not value:
-                raise _invalid("'prompt' must not be empty.")
+                raise invalid("'prompt' must not be empty.")
             return value
         if not isinstance(value, list) or not value:
-            raise _invalid(bad)
+            raise invalid(bad)
         if all(isinstance(p, str) for p in value):
             if not all(value):
-                raise _invalid("'prompt' must not contain empty strings.")
+                raise invalid("'prompt' must not contain empty strings.")
             return value
         if _is_token_ids(value) or all(_is_token_ids(p) for p in value):
             return value
-        raise _invalid(bad)
+        raise invalid(bad)
 
     @field_validator("logprobs")
     @classmethod
     def _check_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         most = _limit(info, "max_logprobs")
         if value is not None and value > most:
-            raise _invalid(f"'logprobs' must be at most {most} (got {value}).")
+            raise invalid(f"'logprobs' must be at most {most} (got {value}).")
         return value
 
     @field_validator("echo")
     @classmethod
     def _check_echo(cls, value: bool | None) -> bool | None:
         if value:
-            raise _invalid("'echo' is not supported by this server.")
+            raise invalid("'echo' is not supported by this server.")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _check_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise _invalid("'suffix' is not supported by this server.")
+            raise invalid("'suffix' is not supported by this server.")
         return value
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise _invalid(
+            raise invalid(
                 f"'best_of' must equal 'n' ({self.n}) when set (got {self.best_of}).",
                 subpath="best_of",
             )
