@@ -266,11 +266,9 @@ class ChatMessage(RequestModel):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates receive it (``app.chat_template``): content as
-        text (None only for an assistant turn that only called tools), and ``name``,
-        ``tool_calls``, ``tool_call_id`` when present."""
+        text ("" for null: templates concatenate it), and ``name``, ``tool_calls``,
+        ``tool_call_id`` when present."""
         out: dict[str, Any] = {"role": self.role, "content": self.text}
-        if self.content is None:
-            out["content"] = None
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:

@@ -626,3 +626,13 @@ def test_constrained_outputs_are_not_parsed_for_reasoning(card: ModelCard) -> No
     forced = record(thinking, tools=[WEATHER], tool_choice="required")
     assert (forced.reasoning_parser, forced.tool_parser) == (None, "hermes")
     assert record(thinking, tools=[WEATHER]).reasoning_parser == "think"
+
+
+def test_an_assistant_turn_with_null_content_renders(builder: RecordBuilder) -> None:
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"},
+    ]
+    text = prompt_text(builder, builder.chat(parse_chat_request({"messages": history})))
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nAgain<|im_end|>" in text
