@@ -31,8 +31,10 @@ import redis
 import requests
 
 from app.settings import Settings
+from broker.batches import BatchBody, FileStore
 from broker.connection import redis_client
 from broker.keys import Keys
+from broker.run import Runner
 from broker.server import RedisServer
 from broker.streams import decode_events
 from tests.faults.web_clients import CHAT, words
@@ -46,6 +48,7 @@ from tests.stack import (
     web_settings,
     worker_process,
 )
+from workers.batcher import BatchDriver
 
 pytestmark = pytest.mark.integration
 logger = logging.getLogger(__name__)
@@ -274,3 +277,96 @@ def test_batch_driver_through_a_redis_restart(
             assert got == {f"line-{i}": contents[i] for i in range(2)}, st.report()
         # One line when Redis goes, one when it is back (and the hub's two): no storm.
         assert log_lines < 30 and went == 1, driver.output()
+
+
+class KillAfterContent:
+    """The driver's file store, whose ``content`` kills Redis right after reading the
+    input file: the batch's planning is cut short by an outage at its first write."""
+
+    def __init__(self, files: FileStore, server: RedisServer) -> None:
+        self.files = files
+        self.server = server
+        self.killed = False
+
+    def content(self, fid: str) -> bytes | None:
+        data = self.files.content(fid)
+        if not self.killed:
+            self.killed = True
+            self.server.kill()
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.files, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_cut_short_by_an_outage_is_planned_again(models_dir: Path) -> None:
+    """In-process driver, real Redis with AOF: Redis dies while a new batch is being
+    planned. The batch must not stay half-adopted (no lines known, so it would be
+    finalized as if it had none); once Redis is back the same driver plans it again at
+    once (its lock is still its own) and has every line to run."""
+    server = RedisServer(appendonly=True)
+    server.start()
+    try:
+        settings = isolated_settings(server.url, models_dir)
+        driver = BatchDriver(settings, Runner(settings, max_connections=8))
+        contents = [words(f"line {i}", 3) for i in range(5)]
+        file_id = driver.files.create(
+            filename="in.jsonl",
+            purpose="batch",
+            content="".join(
+                json.dumps(
+                    {
+                        "custom_id": f"line-{i}",
+                        "method": "POST",
+                        "url": CHAT,
+                        "body": {
+                            "model": settings.served_name,
+                            "messages": [{"role": "user", "content": c}],
+                        },
+                    }
+                )
+                + "\n"
+                for i, c in enumerate(contents)
+            ).encode(),
+            now=time.time(),
+        ).id
+        now = int(time.time())
+        bid = "batch_cut_short"
+        driver.batches.create(
+            BatchBody(
+                id=bid,
+                endpoint=CHAT,
+                input_file_id=file_id,
+                completion_window="24h",
+                created_at=now,
+                expires_at=now + 86400,
+            ),
+            now,
+        )
+        wrapped = KillAfterContent(driver.files, server)
+        driver.files = wrapped  # type: ignore[assignment]
+        with pytest.raises(redis.ConnectionError):
+            driver.iterate()
+        assert wrapped.killed and bid not in driver.driven
+
+        server.start()
+        deadline = time.monotonic() + 10
+        while bid not in driver.driven and time.monotonic() < deadline:
+            try:
+                driver.iterate()
+            except redis.ConnectionError:  # pooled connections from before the kill
+                time.sleep(0.1)
+        b = driver.driven.get(bid)
+        assert b is not None, "the batch was not adopted again"
+        assert len(b.pending) + len(b.running) == len(contents)
+        batch = driver.batches.get(bid)
+        assert batch is not None and batch.status.value == "in_progress", batch
+        for _ in range(3):  # a few more turns: nothing finalizes it (no worker runs it)
+            driver.iterate()
+        batch = driver.batches.get(bid)
+        assert batch is not None and batch.status.value == "in_progress", batch
+        for line in b.running.values():
+            line.run.detach()
+    finally:
+        server.stop()
