@@ -343,7 +343,9 @@ class OutputHub:
         bad = [k for k, r in zip(streams, results, strict=True) if isinstance(r, Exception)]
         if self.wake_key in bad:  # our own key, overwritten: start it afresh
             bad.remove(self.wake_key)
-            logger.error("output hub: wake-up key %s is not a stream; recreating it", exc)
+            logger.error(
+                "output hub: wake-up key %s is not a stream (%s); recreating it", self.wake_key, exc
+            )
             self._wake_cursor = "0-0"
             try:
                 self.redis.delete(self.wake_key)
