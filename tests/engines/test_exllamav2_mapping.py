@@ -105,6 +105,8 @@ class StandInJob:
         self.token_healing = token_healing
         self.identifier = identifier
         self.banned_strings = banned_strings
+        self.filters = filters if filters is not None else []
+        self.filter_prefer_eos = filter_prefer_eos
         self.serial_number: int | None = None
 
 

@@ -10,12 +10,14 @@ It knows nothing of llama.cpp, exllamav2 or torch: each engine builds the
 Closing: a grammar alone guarantees a valid *prefix*; a choice cut off by max_tokens
 would still end in the middle of a string (a small model easily writes prose inside a
 JSON string until its budget runs out). So once a choice has ``CLOSING_TOKENS`` or fewer
-tokens left, its allowed set is narrowed to tokens made only of closing characters
-(``"``, ``}``, ``]``, ``:`` and space) whenever the grammar allows one: strings close,
-no new member, element or nesting level can start (``,``, ``{``, ``[`` are not closing),
-and where the grammar forces something else (a required key, a separator, the suffix)
-that is taken as it is. The output then completes within a few tokens per open level
-and per missing required property.
+tokens left, its allowed set is narrowed to the first non-empty one of
+``CLOSING_TIERS``: tokens that close a string (start with ``"``), then tokens that close
+an object or array (start with ``}``/``]``), then a separator (start with ``,``: what
+ends a number when required properties remain), each made only of closing bytes; only
+where the grammar allows none of them (a required key, the suffix, the first digit of
+a number) does the whole allowed set remain. No string grows, no nesting level opens
+unless the schema forces it, so the output completes within a few tokens per open
+level and per missing required property.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ logger = logging.getLogger(__name__)
 
 # Left-over token budget below which a constrained choice only closes what is open.
 CLOSING_TOKENS = 48
-_CLOSING_BYTES = frozenset(b'"}]: ')
+# (first byte, bytes the whole token may hold), in order of preference.
+CLOSING_TIERS: tuple[tuple[bytes, bytes], ...] = (
+    (b'"', b'"}]: '),
+    (b"}]", b'"}]: '),
+    (b",", b', "'),
+)
 
 
 class ConstraintError(Exception):
@@ -49,13 +56,14 @@ class GrammarVocab:
         self.tokenizer = tokenizer
         self.size = tokenizer.vocab_size
         self.eos_ids = frozenset(tokenizer.eos_tokens)
-        closing = np.zeros(self.size, dtype=bool)
+        self.closing = np.zeros((len(CLOSING_TIERS), self.size), dtype=bool)
         for tok in range(self.size):
             if tokenizer.is_special_token(tok):
                 continue
             piece = tokenizer.decode_bytes([tok])
-            closing[tok] = bool(piece) and _CLOSING_BYTES.issuperset(piece)
-        self.closing = closing
+            for tier, (first, allowed) in enumerate(CLOSING_TIERS):
+                if piece and piece[0] in first and set(piece) <= set(allowed):
+                    self.closing[tier, tok] = True
 
 
 class JobGrammar:
@@ -105,9 +113,10 @@ class SequenceGrammar:
         bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
         allowed = bits[: self.vocab.size].astype(bool)
         if tokens_left is not None and tokens_left <= CLOSING_TOKENS:
-            closing = allowed & self.vocab.closing
-            if closing.any():
-                return closing
+            for tier in self.vocab.closing:
+                closing = allowed & tier
+                if closing.any():
+                    return closing
         return allowed
 
     def mask_logits(self, row: np.ndarray, tokens_left: int | None = None) -> None:
@@ -131,4 +140,11 @@ class SequenceGrammar:
             raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
 
 
-__all__ = ["CLOSING_TOKENS", "ConstraintError", "GrammarVocab", "JobGrammar", "SequenceGrammar"]
+__all__ = [
+    "CLOSING_TIERS",
+    "CLOSING_TOKENS",
+    "ConstraintError",
+    "GrammarVocab",
+    "JobGrammar",
+    "SequenceGrammar",
+]

@@ -9,6 +9,10 @@ from outside, so that it is tested on machines without a GPU with stand-ins belo
 engine interface. ``ExLlamaV2Engine.from_model_dir`` is the only place that imports the
 real library, lazily, because importing exllamav2 builds/loads its CUDA extension.
 
+A constrained choice (``SamplingParams.constraint``) gets a ``GrammarFilter``
+(workers/engines/exllamav2_filter.py) on its job: the same llguidance grammar as the
+llama.cpp engine, through exllamav2's filter interface.
+
 Source references are to exllamav2 v0.3.2 (``exllamav2/generator/dynamic.py`` = dyn,
 ``exllamav2/generator/sampler.py`` = smp, ``exllamav2_ext/ext_sampling.cpp`` = ext).
 """
@@ -28,6 +32,8 @@ from app.messages import EngineFinish, SamplingParams, TokenDelta, TokenLogprob
 from app.model_card import ModelCard
 from app.settings import Settings
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep, JobRejected
+from workers.engines.constraint import ConstraintError, GrammarVocab, JobGrammar
+from workers.engines.exllamav2_filter import GrammarFilter
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +170,7 @@ class _Choice:
     index: int
     exl_job: Any = None
     done: bool = False
+    grammar: GrammarFilter | None = None  # a constrained choice's filter
     # A finish decided outside the generator (cancel, error, nothing left to generate),
     # reported at the next step() so that every finish goes out the same way.
     pending: TokenDelta | None = None
@@ -195,11 +202,15 @@ class ExLlamaV2Engine(Engine):
         vocab_size: int,
         api: ExllamaApi | None = None,
         on_close: Callable[[], None] | None = None,
+        grammar_vocab: Callable[[], GrammarVocab] | None = None,
     ) -> None:
         self._generator = generator
         self._vocab_size = vocab_size
         self._api = api
         self._on_close = on_close
+        # Builds llguidance's view of the vocabulary on the first constrained job.
+        self._grammar_vocab_factory = grammar_vocab
+        self._grammar_vocab: GrammarVocab | None = None
         self._jobs: dict[str, _Job] = {}
 
     # --- construction -------------------------------------------------------------
@@ -213,6 +224,7 @@ class ExLlamaV2Engine(Engine):
             card.path,
             cache_tokens=settings.exllamav2_cache_tokens,
             max_batch_size=settings.worker_slots * settings.max_n,
+            eos_token_ids=list(card.eos_token_ids),
         )
 
     @classmethod
@@ -226,6 +238,7 @@ class ExLlamaV2Engine(Engine):
         max_chunk_size: int | None = None,
         paged: bool | None = None,
         warmup: bool = True,
+        eos_token_ids: list[int] | None = None,
     ) -> ExLlamaV2Engine:
         """Load an EXL2 or FP16 HF-style model directory onto the visible GPUs.
 
@@ -282,11 +295,22 @@ class ExLlamaV2Engine(Engine):
         )
         if warmup:
             generator.warmup()  # kernel autotune before the first real job (dyn:514)
+
+        def grammar_vocab() -> GrammarVocab:
+            import llguidance
+
+            text = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
+            eos = eos_token_ids or [tokenizer.eos_token_id]
+            return GrammarVocab(
+                llguidance.LLTokenizer(text, n_vocab=config.vocab_size, eos_token=eos)
+            )
+
         return cls(
             generator,
             vocab_size=config.vocab_size,
             api=ExllamaApi.load(),
             on_close=model.unload,
+            grammar_vocab=grammar_vocab,
         )
 
     # --- Engine interface ------------------------------------------------------------
@@ -308,6 +332,7 @@ class ExLlamaV2Engine(Engine):
         if job.job_id in self._jobs:
             raise JobRejected(f"job {job.job_id} is already running")
         self._validate(job)
+        filters = self._filters(job)
         api = self._load_api()
         bias = self._token_bias(api, job.sampling.logit_bias)
         state = _Job(job.job_id, job.sampling.logprobs)
@@ -320,8 +345,9 @@ class ExLlamaV2Engine(Engine):
                 # A resumed choice with nothing left; exllamav2 would still sample one.
                 c.pending = TokenDelta(choice.index, [], finish=EngineFinish.LENGTH)
                 continue
+            c.grammar = filters.get(choice.index)
             try:
-                c.exl_job = self._make_job(api, job, choice, bias, stop_conditions)
+                c.exl_job = self._make_job(api, job, choice, bias, stop_conditions, c.grammar)
                 self._generator.enqueue(c.exl_job)
             except Exception:
                 logger.exception("exllamav2 refused job %s choice %d", job.job_id, choice.index)
@@ -418,6 +444,28 @@ class ExLlamaV2Engine(Engine):
                     f"context ({context} tokens)"
                 )
 
+    def _filters(self, job: EngineJob) -> dict[int, GrammarFilter]:
+        """Each choice's grammar filter when the job is constrained (built here so that
+        a grammar that cannot be compiled rejects the job as a 400 up front)."""
+        constraint = job.sampling.constraint
+        if constraint is None:
+            return {}
+        try:
+            if self._grammar_vocab is None:
+                if self._grammar_vocab_factory is None:
+                    raise ConstraintError("this engine has no tokenizer for output grammars")
+                self._grammar_vocab = self._grammar_vocab_factory()
+            compiled = JobGrammar(self._grammar_vocab, constraint)
+            return {
+                c.index: GrammarFilter(compiled.start(c.prefix_ids), c.max_new_tokens)
+                for c in job.choices
+            }
+        except ConstraintError as exc:
+            raise JobRejected(str(exc)) from exc
+        except Exception as exc:
+            logger.exception("cannot build the output grammar of job %s", job.job_id)
+            raise JobRejected("the output grammar could not be built") from exc
+
     def _token_bias(self, api: ExllamaApi, logit_bias: dict[int, float]) -> Any:
         if not logit_bias:
             return None
@@ -432,8 +480,12 @@ class ExLlamaV2Engine(Engine):
         choice: ChoiceJob,
         bias: Any,
         stop_conditions: list[int],
+        grammar: GrammarFilter | None = None,
     ) -> Any:
         seed = job.sampling.seed
+        # Only constrained jobs pass filters, so an unconstrained job is built exactly
+        # as before (exllamav2 refuses filters together with banned strings, dyn:1769).
+        extra: dict[str, Any] = {"filters": [grammar]} if grammar is not None else {}
         return api.job_cls(
             # A resumed choice continues from its own tokens; the shared prompt's full
             # pages are still found by hash and reused across choices (dyn:2551).
@@ -450,6 +502,7 @@ class ExLlamaV2Engine(Engine):
             stop_conditions=stop_conditions,
             return_logits=job.sampling.logprobs is not None,
             identifier=(job.job_id, choice.index),
+            **extra,
         )
 
     def _map_result(self, result: dict[str, Any]) -> EngineStep | None:
@@ -472,6 +525,12 @@ class ExLlamaV2Engine(Engine):
                 self._generator.cancel(c.exl_job)
             delta = TokenDelta(c.index, [], finish=EngineFinish.ERROR, error="the engine failed")
         if delta.finish is not None:
+            if c.grammar is not None and c.grammar.error is not None:
+                # The filter ended the job on a grammar error (it never raises into
+                # the generator): the request's constraint failed, a 400.
+                delta.finish = EngineFinish.ERROR
+                delta.error = c.grammar.error
+                delta.error_code = 400
             c.done = True
             c.exl_job = None
         elif not delta.token_ids:
