@@ -320,11 +320,13 @@ class Intake:
         queue: QueueName = "interactive",
         request_id: str | None = None,
         stream: bool | None = None,
+        owner: str = "",
     ) -> PreparedRequest:
         """Validate ``body`` (raw bytes/text are read leniently) and build its record.
 
         ``stream`` overrides the body's own ``stream`` (a WebSocket always streams; a
-        batch line never does). Raises a ``TokenRelayError`` naming what is wrong.
+        batch line never does); ``owner`` (the key's hash) is who may resume it.
+        Raises a ``TokenRelayError`` naming what is wrong.
         """
         if isinstance(body, bytes | str):
             body = loads_lenient(body)
@@ -345,6 +347,8 @@ class Intake:
         else:
             req = parse_completion_request(body, **self.limits.parse_args())
             record = self.builder.completion(req, queue=queue, request_id=request_id)
+        if owner:
+            record = record.model_copy(update={"owner": owner})
         return PreparedRequest(endpoint, record, shape_of(record), stream=bool(req.stream))
 
     def restore(self, record: RequestRecord) -> PreparedRequest:

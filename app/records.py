@@ -64,6 +64,9 @@ class RequestRecord(BaseModel):
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     tools_enabled: bool = False
+    # Who may resume or replay the stream: the hash of the API key that made it ("" when
+    # no keys are configured), as files and batches record theirs.
+    owner: str = ""
 
     @property
     def give_up_at(self) -> float:

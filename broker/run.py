@@ -380,16 +380,18 @@ class Runner:
         *,
         route: str | None = None,
         stream: bool | None = None,
+        owner: str = "",
     ) -> Run:
         """Prepare, check, admit and submit one interactive request; its ``Run``.
 
         Raises the ``TokenRelayError`` the client is answered with (400, 404, 429, 501,
         503, ...), after reporting it as a rejection. ``route`` labels the metrics
-        (the WebSocket's path for its requests; the endpoint's by default).
+        (the WebSocket's path for its requests; the endpoint's by default); ``owner``
+        (the API key's hash, web.auth) is the only tenant that may resume it.
         """
         label = route or endpoint.value
         try:
-            prepared = self.intake.prepare(endpoint, body, stream=stream)
+            prepared = self.intake.prepare(endpoint, body, stream=stream, owner=owner)
             self.check_ready()
             self._admit_and_submit(prepared)
         except Exception as exc:
@@ -412,17 +414,27 @@ class Runner:
             observer = self.metrics.observer(prepared, route or prepared.endpoint.value)
         return Run(self, prepared, cursor=cursor, observer=observer, notify=notify)
 
-    def resume(self, request_id: str, cursor: str | None, *, route: str | None = None) -> Run:
+    def resume(
+        self,
+        request_id: str,
+        cursor: str | None,
+        *,
+        route: str | None = None,
+        scope: str | None = None,
+    ) -> Run:
         """A run that continues request ``request_id``'s output after ``cursor`` (from
         the start when None): what a client that lost its connection reconnects to, on
         any web process, until the request's output expires. It is not admitted again
         and its generation is not cancelled when the reconnected client leaves early
-        unless nothing else is following it (the run's own close decides, as ever)."""
+        unless nothing else is following it (the run's own close decides, as ever).
+
+        ``scope``: the owner the caller may see (None: any, e.g. an admin key); another
+        owner's stream is answered as if it did not exist."""
         try:
             loaded = self.store.load(request_id)
         except redis.RedisError as exc:
             raise backbone_unavailable() from exc
-        if loaded is None:
+        if loaded is None or (scope is not None and loaded[0].owner != scope):
             raise NotFound(
                 f"No stream with id '{request_id}' exists (or it has expired).",
                 param="request_id",

@@ -99,8 +99,13 @@ class Tenant:
 
 def tenant_of(settings: Settings, authorization: str | None) -> Tenant:
     """The tenant of a request whose key the app-wide hook has already accepted."""
+    return tenant_for_key(settings, bearer_key(authorization))
+
+
+def tenant_for_key(settings: Settings, key: str | None) -> Tenant:
+    """The tenant of an accepted key (a WebSocket may present it as ``?api_key=``)."""
     if not settings.api_keys:
         return Tenant(owner="", sees_all=True)
-    key = bearer_key(authorization) or ""
+    key = key or ""
     admin = key_ok(settings.admin_api_keys, key) if settings.admin_api_keys else False
     return Tenant(owner=key_owner(key), sees_all=admin)

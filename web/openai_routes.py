@@ -42,6 +42,7 @@ from app.messages import OutputKind
 from app.response_models import ModelList, ModelObject
 from broker.run import Item, Run
 from web import auth, sse
+from web.auth import tenant_of
 from web.bodies import json_body
 from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
@@ -150,13 +151,16 @@ def resume_stream(request_id: str) -> Response:
     cursor = parse_event_id(
         request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
     )
-    run = runner_of(current_app).resume(request_id, cursor)
+    tenant = tenant_of(settings_of(current_app), request.headers.get("Authorization"))
+    run = runner_of(current_app).resume(request_id, cursor, scope=tenant.scope)
     return _stream(run, opening=cursor is None)
 
 
 def _generate(endpoint: Endpoint) -> Response:
     runner = runner_of(current_app)
-    run = runner.start(endpoint, json_body(request))  # 4xx/5xx raised before any output
+    tenant = tenant_of(settings_of(current_app), request.headers.get("Authorization"))
+    # 4xx/5xx are raised before any output.
+    run = runner.start(endpoint, json_body(request), owner=tenant.owner)
     if not g.client_request_id:
         g.request_id = run.request_id
     try:

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import Blueprint, Flask, Request, Response, current_app, request
 from flask_sock import Sock
@@ -48,7 +49,7 @@ from app.response_models import ChatChoiceLogprobs, DeltaToolCall
 from app.settings import Settings
 from app.timings import timings_from_usage
 from broker.run import Run, Runner
-from web.auth import bearer_key, exempt, key_ok
+from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
 from web.context import runner_of, settings_of
 from web.resume import parse_event_id
 
@@ -261,6 +262,60 @@ def done_message(id: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
+class OriginNotAllowed(TokenRelayError):
+    """A browser page from an origin that may not use this server's WebSocket."""
+
+    status = 403
+    type = "permission_error"
+    code = "origin_not_allowed"
+    public = True
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _origin_parts(origin: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an ``Origin`` value (None: not a usable origin)."""
+    try:
+        parts = urlsplit(origin.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+    if not scheme or not host:
+        return None
+    return scheme, host, port if port is not None else _DEFAULT_PORTS.get(scheme, -1)
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: list[str]) -> bool:
+    """Whether a WebSocket upgrade from ``origin`` may proceed.
+
+    Browsers send ``Origin`` on every WebSocket upgrade and let any page open one to any
+    address, so without this check a page the user visits could drive a server on their
+    loopback (no keys is the default). Non-browser clients send no Origin: allowed (they
+    are not acting for a page). Same origin means the Origin's host and port are the
+    ``Host`` the request was addressed to; ``allowed`` adds exact origins, or ``*``.
+    """
+    if origin is None:
+        return True
+    if "*" in allowed:
+        return True
+    parts = _origin_parts(origin)
+    if parts is None:  # "null" (sandboxed frames, file://) or garbage
+        return False
+    if any(_origin_parts(a) == parts for a in allowed):
+        return True
+    if not host:
+        return False
+    scheme, o_host, o_port = parts
+    try:
+        target = urlsplit(f"//{host.strip()}")
+        h_host, h_port = (target.hostname or "").lower(), target.port
+    except ValueError:
+        return False
+    return o_host == h_host and o_port == (h_port or _DEFAULT_PORTS.get(scheme, -1))
+
+
 def presented_key(req: Request) -> str | None:
     """The API key of an upgrade request: ``Authorization: Bearer`` wins; browsers,
     which cannot set headers on a WebSocket, may pass ``?api_key=`` instead."""
@@ -275,10 +330,14 @@ def presented_key(req: Request) -> str | None:
 class ChatSocket:
     """One client connection: reads messages, runs its requests, writes their output."""
 
-    def __init__(self, ws: Any, runner: Runner, settings: Settings) -> None:
+    def __init__(
+        self, ws: Any, runner: Runner, settings: Settings, tenant: Tenant | None = None
+    ) -> None:
         self.ws = ws
         self.runner = runner
         self.settings = settings
+        # Whose requests these are: only they may resume them (web.auth).
+        self.tenant = tenant or Tenant(owner="", sees_all=True)
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._running: dict[str, Run] = {}
@@ -344,9 +403,13 @@ class ChatSocket:
             return
         try:
             if isinstance(msg, ChatStart):
-                run = self.runner.start(Endpoint.CHAT, msg.body, route=WS_PATH, stream=True)
+                run = self.runner.start(
+                    Endpoint.CHAT, msg.body, route=WS_PATH, stream=True, owner=self.tenant.owner
+                )
             else:
-                run = self.runner.resume(msg.request_id, msg.cursor, route=WS_PATH)
+                run = self.runner.resume(
+                    msg.request_id, msg.cursor, route=WS_PATH, scope=self.tenant.scope
+                )
         except Exception as exc:
             if not (isinstance(exc, TokenRelayError) and exc.public):
                 logger.exception("WebSocket chat request %r failed to start", msg.id)
@@ -432,12 +495,26 @@ def register(sock: Sock) -> None:
     @exempt
     def chat_socket(ws: Any) -> None:
         settings = settings_of(current_app)
-        if not key_ok(settings.api_keys, presented_key(request)):
-            refused = AuthenticationFailed("Invalid or missing API key.")
-            try:
-                ws.send(json.dumps(error_message(refused)))
-                ws.close(reason=CLOSE_POLICY_VIOLATION, message="invalid api key")
-            except ConnectionClosed:
-                pass
+        origin = request.headers.get("Origin")
+        if not origin_allowed(origin, request.host, settings.ws_allowed_origins):
+            logger.warning("WebSocket from origin %r refused (host %r)", origin, request.host)
+            forbidden = OriginNotAllowed(
+                f"WebSocket connections from origin {origin!r} are not allowed; add it to "
+                "TOKENRELAY_WS_ALLOWED_ORIGINS to allow it."
+            )
+            _refuse(ws, forbidden, "origin not allowed")
             return
-        ChatSocket(ws, runner_of(current_app), settings).serve()
+        if not key_ok(settings.api_keys, presented_key(request)):
+            _refuse(ws, AuthenticationFailed("Invalid or missing API key."), "invalid api key")
+            return
+        tenant = tenant_for_key(settings, presented_key(request))
+        ChatSocket(ws, runner_of(current_app), settings, tenant).serve()
+
+
+def _refuse(ws: Any, error: TokenRelayError, reason: str) -> None:
+    """Tell a refused client why (an error message), then close with 1008."""
+    try:
+        ws.send(json.dumps(error_message(error)))
+        ws.close(reason=CLOSE_POLICY_VIOLATION, message=reason)
+    except ConnectionClosed:
+        pass

@@ -657,3 +657,22 @@ def test_timings_as_llama_cpp_names_them(
         assert timings["prompt_n"] == 5
         for name in ("prompt_ms", "predicted_ms", "predicted_per_second", "queue_ms", "ttft_ms"):
             assert name in timings
+
+
+def test_only_the_key_that_made_a_stream_may_resume_it(
+    make_client: Callable[..., Any], ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    """Streams are tenants' like files and batches: another key is told the stream does
+    not exist; an admin key sees every stream."""
+    client, _ = make_client(api_keys=["k-alpha", "k-beta", "k-admin"], admin_api_keys=["k-admin"])
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "secret"), final(0), usage())
+    alpha = {"Authorization": "Bearer k-alpha"}
+    beta = {"Authorization": "Bearer k-beta"}
+    admin = {"Authorization": "Bearer k-admin"}
+    assert client.post(CHAT, json=chat(stream=True), headers=alpha).status_code == 200
+    other = client.get(f"/v1/streams/{rid}", headers=beta)
+    assert other.status_code == 404 and error_of(other)["code"] == "stream_not_found"
+    for headers in (alpha, admin):
+        again = client.get(f"/v1/streams/{rid}", headers=headers)
+        assert again.status_code == 200 and "secret" in again.get_data(as_text=True)
