@@ -46,8 +46,16 @@ WEATHER: Any = {
 
 @pytest.fixture(scope="module")
 def llama_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # A long lease: on a loaded 2-core machine a constrained job's first step (building
+    # its grammar) can outlast the default 5 s, and a lost-worker resume is the subject
+    # of the fault suites, not of this one.
     settings = isolated_settings(
-        "redis://unused", models_dir, web_workers=1, web_threads=8, worker_slots=4
+        "redis://unused",
+        models_dir,
+        web_workers=1,
+        web_threads=8,
+        worker_slots=4,
+        lease_ttl_s=30.0,
     )
     with full_stack(settings, tmp_path_factory.mktemp("tools-llama"), engine="llamacpp") as s:
         yield s
