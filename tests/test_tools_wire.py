@@ -9,18 +9,21 @@ own stream state and must equal the non-streamed message.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from app.chat_template import PromptBuilder, template_uses_tools
 from app.errors import InvalidRequest, ModelError
 from app.fold import ResponseFold
-from app.intake import RecordBuilder, shape_of
+from app.intake import RecordBuilder, ResponseShape, shape_of
 from app.messages import (
     EngineFinish,
     FinishReason,
@@ -636,3 +639,60 @@ def test_an_assistant_turn_with_null_content_renders(builder: RecordBuilder) -> 
     ]
     text = prompt_text(builder, builder.chat(parse_chat_request({"messages": history})))
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nAgain<|im_end|>" in text
+
+
+_ARGS = st.dictionaries(
+    st.text("abcxyz_", min_size=1, max_size=6),
+    st.one_of(st.integers(-5, 5), st.text(max_size=8), st.booleans(), st.none()),
+    max_size=4,
+)
+
+
+@given(
+    calls=st.lists(
+        st.tuples(st.sampled_from(["get_weather", "get_time"]), _ARGS), min_size=1, max_size=3
+    ),
+    cuts=st.lists(st.integers(1, 40), max_size=6),
+    text=st.text(max_size=10),
+)
+@settings(max_examples=60, deadline=None)
+def test_any_fragmentation_reassembles_to_the_plain_message(
+    calls: list[tuple[str, dict[str, Any]]], cuts: list[int], text: str
+) -> None:
+    """However the arguments are cut into fragments, the SDK's reassembly of the SSE
+    chunks equals the folded message, and the WebSocket fragments concatenate to it."""
+    events = [delta(text=text)] if text else []
+    for index, (name, arguments) in enumerate(calls):
+        events.append(delta(tool_calls=[ToolCallDelta(index, f"call_{index:024x}", name)]))
+        body = json.dumps(arguments)
+        points = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
+        events += [
+            delta(tool_calls=[ToolCallDelta(index, arguments=body[a:b])])
+            for a, b in itertools.pairwise(points)
+            if b > a
+        ]
+    events.append(OutputEvent(OutputKind.FINAL, 0, finish_reason=FinishReason.TOOL_CALLS))
+    events.append(OutputEvent(OutputKind.USAGE, usage={"prompt_tokens": 1}))
+    shape = ResponseShape(chat=True, response_id="chatcmpl-x", model="m", created=1, num_choices=1)
+    stream = ChunkStream(shape)
+    chunks = [c.to_dict() for c in stream.opening()]
+    chunks += [c.to_dict() for ev in events for c in stream.feed(ev)]
+    fold = ResponseFold.for_shape(shape)
+    for ev in events:
+        fold.feed(ev)
+    body = fold.response().to_dict()
+    plain = message_of(body)
+    assert plain["tool_calls"] == [
+        {
+            "id": f"call_{i:024x}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)},
+        }
+        for i, (name, arguments) in enumerate(calls)
+    ]
+    assert plain["content"] == (text if text.strip() else None)
+    assert sdk_reassembled(chunks) == {**plain, "content": text or None}
+    fragments = [f for ev in events for f in server_message("w", ev).get("tool_calls", ())]
+    for i, (_name, arguments) in enumerate(calls):
+        joined = "".join(f["function"]["arguments"] for f in fragments if f["index"] == i)
+        assert json.loads(joined) == arguments
