@@ -176,6 +176,28 @@ class Settings(BaseSettings):
         "disconnected and its requests cancelled. 0 disables pings.",
     )
 
+    ws_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description='Extra browser origins (JSON list, e.g. ["https://chat.example.com"]; '
+        '"*" allows any) that may open the WebSocket. A page from the server\'s own '
+        "origin (the Host it was reached at) and clients that send no Origin (non-browser "
+        "clients) are always allowed; any other Origin is refused (1008).",
+    )
+    stream_buffer_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Output a web process holds for one streaming client that has not "
+        "taken it (encoded events); past it the rest waits in Redis until the client "
+        "catches up.",
+    )
+    stream_stall_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A streaming client whose buffer (stream_buffer_bytes) stays full "
+        "while it takes nothing for this long is dropped: its stream ends with an error "
+        "and its generation is cancelled. A client that keeps reading is never dropped.",
+    )
+
     # Batches (the Files + Batches API and the batch driver)
     batch_max_file_bytes: int = Field(
         default=100 * 1024 * 1024,

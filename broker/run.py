@@ -86,6 +86,9 @@ UNAVAILABLE_MESSAGE = "The server cannot reach its queue right now; please retry
 TIMEOUT_MESSAGE = "The request timed out waiting for output."
 LOST_MESSAGE = "The request was lost: the server's state was reset while it ran. Please retry it."
 OUTAGE_MESSAGE = "The server lost its connection to Redis while the request ran."
+STALLED_MESSAGE = (
+    "The client stopped reading its stream, so the request was cancelled (see stream_stall_s)."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,9 @@ class Run:
         self._skip = (entry, skip)  # resuming: events of that entry already seen
         self._last_seen = runner.clock()
         self._closed = False
-        self._sub = runner.hub.subscribe(self.request_id, entry_before(entry), notify=notify)
+        self._sub = runner.hub.subscribe(
+            self.request_id, entry_before(entry), notify=notify, on_drop=self._stalled
+        )
         try:
             runner.followers(self.request_id, +1)
         except redis.RedisError as exc:  # best effort: only delays a disconnect's cancel
@@ -161,8 +166,10 @@ class Run:
             return self._deliver(self._pending.popleft())
         if self.ended:
             return None
+        if self._sub.dropped:
+            return self._fail(STALLED_MESSAGE, 504)
         try:
-            eid, events = self._sub.entries.get(timeout=max(timeout_s, 0.0))
+            eid, events = self._sub.take(timeout_s)
         except queue.Empty:
             return self._guard()
         self._queue(eid, events)
@@ -175,8 +182,11 @@ class Run:
             if self._pending:
                 out.append(self._deliver(self._pending.popleft()))
                 continue
+            if self._sub.dropped:
+                out.append(self._fail(STALLED_MESSAGE, 504))
+                break
             try:
-                eid, events = self._sub.entries.get_nowait()
+                eid, events = self._sub.take(None)
             except queue.Empty:
                 guarded = self._guard()
                 if guarded is not None:
@@ -214,6 +224,15 @@ class Run:
             self.ended_here = not eid or ev is MALFORMED_OUTPUT
             self._pending.clear()
         return self.cursor, ev
+
+    def _stalled(self) -> None:
+        """The hub dropped this run's reader (it took nothing for ``stream_stall_s``
+        with a full buffer): cancel generation and free the slot now, on the hub's
+        thread, since the reader's own thread may be stuck writing to its client."""
+        try:
+            self.runner.cancel(self.request_id)
+        except redis.RedisError as exc:
+            logger.warning("could not cancel stalled request %s: %s", self.request_id, exc)
 
     def _guard(self) -> Item | None:
         """The request-level error the run owes its reader, if any (else None)."""
@@ -365,7 +384,13 @@ class Runner:
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)
-        self.hub = OutputHub(self.redis, keys, ttl_s=settings.stream_ttl_s)
+        self.hub = OutputHub(
+            self.redis,
+            keys,
+            ttl_s=settings.stream_ttl_s,
+            buffer_bytes=settings.stream_buffer_bytes,
+            stall_s=settings.stream_stall_s,
+        )
         self.workers = worker_registry(self.redis, keys)
         self.streamers = streamer_registry(self.redis, keys)
         self.celery = celery_app or create_celery(settings)

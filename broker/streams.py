@@ -23,8 +23,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -38,6 +38,9 @@ GROUP = "streamers"
 MALFORMED_OUTPUT = OutputEvent(
     OutputKind.ERROR, error="The server produced an unreadable output for this request.", code=500
 )
+
+# How often the hub looks again at a paused subscription (full buffer) for room.
+PAUSED_POLL_MS = 100
 
 logger = logging.getLogger(__name__)
 
@@ -215,13 +218,44 @@ def _id_order(entry_id: str) -> tuple[int, int]:
 
 @dataclass(slots=True, eq=False)
 class Subscription:
-    """One reader's view of one output stream, fed by an ``OutputHub``."""
+    """One reader's view of one output stream, fed by an ``OutputHub``.
+
+    The hub hands it entries until ``buffered`` (encoded bytes not yet taken) reaches
+    the hub's ``buffer_bytes``; the rest waits in Redis, so a client that does not read
+    costs its web process at most that much. Readers take entries with ``take`` (which
+    keeps the count); ``taken_at`` is when the reader last took one, which tells a
+    stalled reader (dropped: ``dropped`` is set, ``on_drop`` called) from a slow one.
+    """
 
     request_id: str
     key: str
     cursor: str
-    entries: queue.SimpleQueue[tuple[str, list[OutputEvent]]]
+    entries: queue.SimpleQueue[tuple[str, list[OutputEvent], int]]
     notify: threading.Event | None = None  # set on every entry (one wait for many streams)
+    on_drop: Callable[[], None] | None = None
+    buffered: int = 0
+    taken_at: float = field(default_factory=time.monotonic)
+    dropped: bool = False
+    _count_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, eid: str, events: list[OutputEvent], size: int) -> None:
+        with self._count_lock:
+            self.buffered += size
+        self.entries.put((eid, events, size))
+
+    def take(self, timeout_s: float | None) -> tuple[str, list[OutputEvent]]:
+        """The next entry (``timeout_s`` None: do not wait); raises ``queue.Empty``."""
+        if timeout_s is None:
+            eid, events, size = self.entries.get_nowait()
+        else:
+            eid, events, size = self.entries.get(timeout=max(timeout_s, 0.0))
+        with self._count_lock:
+            self.buffered -= size
+            self.taken_at = time.monotonic()
+        return eid, events
+
+    def full(self, limit: int | None) -> bool:
+        return limit is not None and self.buffered >= limit
 
 
 class OutputHub:
@@ -235,12 +269,24 @@ class OutputHub:
     """
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, *, block_ms: int = 1000, ttl_s: int = 3600
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        block_ms: int = 1000,
+        ttl_s: int = 3600,
+        buffer_bytes: int | None = None,
+        stall_s: float = 30.0,
     ) -> None:
         self.redis = client
         self.keys = keys
         self.block_ms = block_ms
         self.ttl_s = ttl_s
+        # Per subscription: encoded output held for a reader that has not taken it
+        # (None: unbounded), and how long a full one may go without taking anything
+        # before it is dropped.
+        self.buffer_bytes = buffer_bytes
+        self.stall_s = stall_s
         self.wake_key = keys.hub_wake(uuid.uuid4().hex)
         self._wake_cursor = "0-0"
         # Usually one subscriber per stream; two while a client resumes on this process
@@ -256,14 +302,20 @@ class OutputHub:
         self.stopping = threading.Event()
 
     def subscribe(
-        self, rid: str, cursor: str = "0-0", *, notify: threading.Event | None = None
+        self,
+        rid: str,
+        cursor: str = "0-0",
+        *,
+        notify: threading.Event | None = None,
+        on_drop: Callable[[], None] | None = None,
     ) -> Subscription:
-        """Follow ``rid`` from ``cursor``; entries arrive on ``sub.entries`` in order.
+        """Follow ``rid`` from ``cursor``; entries arrive in order (``sub.take``).
 
-        The wake-up is best effort: with Redis down the hub's next read (after its
-        reconnect) picks the new subscription up anyway.
+        ``on_drop`` is called (on the hub's thread) when the reader stalls with a full
+        buffer and the hub drops it. The wake-up is best effort: with Redis down the
+        hub's next read (after its reconnect) picks the new subscription up anyway.
         """
-        sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue(), notify)
+        sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue(), notify, on_drop)
         with self._lock:
             self._subs.setdefault(sub.key, []).append(sub)
             if self._thread is None:  # started lazily: after gunicorn forked us
@@ -305,6 +357,7 @@ class OutputHub:
                     self._down_since = None
                     return
             try:
+                self._drop_stalled()
                 self._read_once()
                 if self._down_since is not None:
                     logger.info("output hub: redis is back after %.1fs", self.down_for())
@@ -363,18 +416,62 @@ class OutputHub:
                 subs = self._subs.pop(key, [])
             for sub in subs:
                 # "": made here, not read from the stream (the reader keeps its cursor).
-                sub.entries.put(("", [MALFORMED_OUTPUT]))
+                sub.put("", [MALFORMED_OUTPUT], 0)
                 if sub.notify is not None:
                     sub.notify.set()
 
-    def _read_once(self) -> None:
+    def _drop_stalled(self) -> None:
+        """Drop subscriptions whose buffer is full and whose reader has taken nothing
+        for ``stall_s``: a client that stopped reading (its socket's buffers full) must
+        not pin its generation and admission slot. A reader that keeps taking, however
+        slowly, is never dropped: its buffer only pauses the hub's reads for it."""
+        if self.buffer_bytes is None:
+            return
+        now = time.monotonic()
         with self._lock:
-            streams: dict[Any, Any] = {
-                key: min((sub.cursor for sub in subs), key=_id_order)
-                for key, subs in self._subs.items()
-            }
+            stalled = [
+                sub
+                for subs in self._subs.values()
+                for sub in subs
+                if sub.full(self.buffer_bytes) and now - sub.taken_at > self.stall_s
+            ]
+            for sub in stalled:
+                subs = self._subs.get(sub.key, [])
+                subs.remove(sub)
+                if not subs:
+                    self._subs.pop(sub.key, None)
+        for sub in stalled:
+            logger.warning(
+                "output hub: reader of %s took nothing for %.0fs with %d bytes waiting; "
+                "dropping it",
+                sub.request_id,
+                now - sub.taken_at,
+                sub.buffered,
+            )
+            sub.dropped = True
+            if sub.notify is not None:
+                sub.notify.set()
+            if sub.on_drop is not None:
+                try:
+                    sub.on_drop()
+                except Exception:  # the hub serves every other stream: never die here
+                    logger.exception("output hub: dropping the reader of %s failed", sub.key)
+
+    def _read_once(self) -> None:
+        limit = self.buffer_bytes
+        with self._lock:
+            # A subscription whose buffer is full is paused: its entries wait in Redis.
+            streams: dict[Any, Any] = {}
+            paused = False
+            for key, subs in self._subs.items():
+                open_subs = [sub for sub in subs if not sub.full(limit)]
+                paused = paused or len(open_subs) < len(subs)
+                if open_subs:
+                    streams[key] = min((sub.cursor for sub in open_subs), key=_id_order)
         streams[self.wake_key] = self._wake_cursor
-        res: Any = self.redis.xread(streams, count=256, block=self.block_ms)
+        # Paused readers free room by taking, which does not wake the hub: look again soon.
+        block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
+        res: Any = self.redis.xread(streams, count=256, block=block)
         for key_raw, entries in res or []:
             key = _s(key_raw)
             if not entries:
@@ -386,15 +483,18 @@ class OutputHub:
                 subs = list(self._subs.get(key, ()))  # none: unsubscribed meanwhile
             for eid_raw, fields in entries:
                 eid = _s(eid_raw)
+                raw = fields[b"e"]
                 try:
-                    events = decode_events(fields[b"e"])
+                    events = decode_events(raw)
                 except Exception:  # a malformed entry ends that request, nothing else
                     logger.exception("output hub: malformed entry %s of %s", eid, key)
                     events = [MALFORMED_OUTPUT]
                 for sub in subs:
-                    if _id_order(eid) > _id_order(sub.cursor):
+                    # A full buffer takes no more: its cursor stays, and the entries
+                    # after it are read again once its reader has caught up.
+                    if _id_order(eid) > _id_order(sub.cursor) and not sub.full(limit):
                         sub.cursor = eid
-                        sub.entries.put((eid, events))
+                        sub.put(eid, events, len(raw))
             for sub in subs:
                 if sub.notify is not None:
                     sub.notify.set()

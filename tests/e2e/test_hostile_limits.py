@@ -1,0 +1,112 @@
+"""Issue 16 ("hostile clients"), the limits on one client's share, through real
+processes: redis-server, an echo worker, a streamer and ``tokenrelay web`` under
+gunicorn, with two keys as the issue probed them. Each test replays a numbered line of
+the issue and checks the exact answer a client gets now.
+
+(Tenancy, file quotas and input limits are ``tests/e2e/test_hostile_clients.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import websocket
+
+from tests.stack import Stack, full_stack, isolated_settings, web_process, web_settings
+
+pytestmark = pytest.mark.integration
+
+ALPHA, BETA = "k-alpha", "k-beta"
+EVIL = "http://evil.example"
+
+
+@pytest.fixture(scope="module")
+def stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        api_keys=[ALPHA, BETA],
+        echo_tokens_per_second=50.0,
+        web_workers=1,
+        web_threads=16,
+    )
+    with full_stack(settings, tmp_path_factory.mktemp("hostile-limits")) as running:
+        yield running
+
+
+def ws_url(base_url: str, key: str = ALPHA) -> str:
+    return base_url.replace("http://", "ws://", 1) + f"/v1/ws?api_key={key}"
+
+
+def hang_up(ws: websocket.WebSocket) -> None:
+    """Close and release the socket (``close`` alone keeps it once the server closed)."""
+    ws.close()
+    ws.shutdown()
+
+
+def ping_ok(ws: websocket.WebSocket) -> bool:
+    ws.send(json.dumps({"type": "ping", "id": "p"}))
+    return bool(json.loads(ws.recv()) == {"type": "pong", "id": "p"})
+
+
+def refused_with_1008(ws: websocket.WebSocket) -> dict[str, object]:
+    """The error message a refused socket gets, after checking the close that follows."""
+    msg: dict[str, object] = json.loads(ws.recv())
+    opcode, frame = ws.recv_data_frame(control_frame=True)
+    assert opcode == websocket.ABNF.OPCODE_CLOSE
+    assert int.from_bytes(frame.data[:2], "big") == 1008
+    return msg
+
+
+# -- 9: the WebSocket checks Origin ---------------------------------------------------------
+
+
+def test_9_a_page_from_another_origin_cannot_open_the_websocket(stack: Stack) -> None:
+    ws = websocket.create_connection(ws_url(stack.base_url), timeout=10, origin=EVIL)
+    try:
+        msg = refused_with_1008(ws)
+    finally:
+        hang_up(ws)
+    assert msg == {
+        "type": "error",
+        "error": {
+            "message": f"WebSocket connections from origin '{EVIL}' are not allowed; add it "
+            "to TOKENRELAY_WS_ALLOWED_ORIGINS to allow it.",
+            "type": "permission_error",
+            "param": None,
+            "code": "origin_not_allowed",
+        },
+    }
+
+
+@pytest.mark.parametrize("how", ["same origin", "no origin"])
+def test_9_same_origin_pages_and_non_browser_clients_are_served(stack: Stack, how: str) -> None:
+    # websocket-client sends Origin http://<host>:<port> (this server's) unless suppressed.
+    ws = websocket.create_connection(
+        ws_url(stack.base_url), timeout=10, suppress_origin=how == "no origin"
+    )
+    try:
+        assert ping_ok(ws)
+    finally:
+        hang_up(ws)
+
+
+def test_9_extra_origins_come_from_a_setting(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    other = web_settings(stack.settings, ws_allowed_origins=[EVIL])
+    with web_process(other, tmp_path_factory.mktemp("origins")):
+        base = f"http://{other.host}:{other.port}"
+        ws = websocket.create_connection(ws_url(base), timeout=10, origin=EVIL)
+        try:
+            assert ping_ok(ws)
+        finally:
+            hang_up(ws)
+        ws = websocket.create_connection(ws_url(base), timeout=10, origin="http://other.example")
+        try:
+            assert refused_with_1008(ws)["error"]["code"] == "origin_not_allowed"  # type: ignore[index]
+        finally:
+            hang_up(ws)
