@@ -129,6 +129,21 @@ class RecordBuilder:
         self.request_timeout_s = request_timeout_s
         self.clock = clock
         self.new_id = new_id
+        # Prompt text longer than this cannot fit the context whatever it says: refused
+        # before the tokenizer spends seconds and gigabytes on an 8 MB prompt.
+        self.max_prompt_chars = (card.context_length - 1) * max_chars_per_token(self.tokenizer)
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """The cheap bound: 400 ``context_length_exceeded`` for a prompt text so long
+        that even at the vocabulary's longest token it has more tokens than the context."""
+        if len(text) > self.max_prompt_chars:
+            ctx = self.card.context_length
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"prompt has {len(text)} characters, more than {ctx} tokens can hold. "
+                "Please reduce the length of the prompt.",
+                param=param,
+            )
 
     def check_model(self, model: str | None) -> None:
         """Only the served model exists here (a missing model field means ours)."""
@@ -157,7 +172,9 @@ class RecordBuilder:
                 param="tools",
             )
         tools = [t.for_template() for t in req.tools or ()] if tools_enabled else None
-        prompt = self.prompts.encode_chat(messages, tools=tools)
+        text = self.prompts.render_chat(messages, tools=tools)
+        self.check_prompt_chars(text, "messages")
+        prompt = self.prompts.encode(text)
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
         echo = (
             [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
@@ -202,6 +219,9 @@ class RecordBuilder:
         request_id: str | None = None,
     ) -> RequestRecord:
         self.check_model(req.model)
+        for p in req.prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(p, "prompt")
         prompts = [p if isinstance(p, list) else self.prompts.encode(p) for p in req.prompts]
         vocab = self.card.vocab_size
         for ids in prompts:
@@ -261,6 +281,24 @@ class RecordBuilder:
             reasoning_parser=self.card.reasoning_parser if chat and constraint is None else None,
             tools_enabled=tools_enabled,
         )
+
+
+# Characters one token covers at most when the vocabulary cannot be listed.
+FALLBACK_CHARS_PER_TOKEN = 128
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The most characters of prompt text one token can cover: the longest entry of
+    the vocabulary (a byte-level entry's symbols are bytes, never fewer than the
+    characters they spell), doubled when a normalizer might drop characters first."""
+    try:
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        longest = max((len(t) for t in vocab), default=0)
+    except Exception:  # not a tokenizers.Tokenizer: be generous instead
+        longest = 0
+    if longest <= 0:
+        return FALLBACK_CHARS_PER_TOKEN
+    return longest * (2 if getattr(tokenizer, "normalizer", None) is not None else 1)
 
 
 def tool_choice_for(tool: ToolDefinition) -> NamedToolChoice:
