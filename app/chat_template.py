@@ -211,17 +211,25 @@ def native_message(message: Message) -> Message:
     """A message for a template that knows tools: tool-call arguments as objects (a
     template writes them with ``tojson``; JSON text would be quoted twice) and no null
     content (templates concatenate it)."""
-    if not message.get("tool_calls") and message.get("content") is not None:
-        return message
+    if not isinstance(message, Mapping) or (
+        not message.get("tool_calls") and message.get("content") is not None
+    ):
+        return message  # malformed input included: normalize_messages names it
     copy = dict(message)
     if copy.get("content") is None:
         copy["content"] = ""
-    if copy.get("tool_calls"):
-        copy["tool_calls"] = [
-            {**call, "function": {**call["function"], "arguments": args}}
-            for call, (_name, args) in zip(copy["tool_calls"], _calls(message), strict=True)
-        ]
+    calls = copy.get("tool_calls")
+    if isinstance(calls, list):
+        copy["tool_calls"] = [_native_call(call) for call in calls]
     return copy
+
+
+def _native_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        return call
+    arguments = _arguments_object(function.get("arguments"))
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def fallback_messages(

@@ -696,3 +696,20 @@ def test_any_fragmentation_reassembles_to_the_plain_message(
     for i, (_name, arguments) in enumerate(calls):
         joined = "".join(f["function"]["arguments"] for f in fragments if f["index"] == i)
         assert json.loads(joined) == arguments
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hello",
+        [{"content": "no role"}],
+        [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}],
+        [{"role": "user", "content": 3}],
+    ],
+)
+def test_a_template_that_knows_tools_refuses_bad_messages_cleanly(
+    card: ModelCard, messages: Any
+) -> None:
+    native = PromptBuilder.from_card(card.model_copy(update={"chat_template": NATIVE_TEMPLATE}))
+    with pytest.raises(InvalidRequest):
+        native.render_chat(messages, tools=[WEATHER])
