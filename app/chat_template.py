@@ -280,7 +280,7 @@ def fallback_messages(
     if tools:
         prompt = fallback_tools_prompt(tools, fmt)
         first = out[0] if out else None
-        if first is not None and first.get("role") in ("system", "developer"):
+        if isinstance(first, Mapping) and first.get("role") in ("system", "developer"):
             text = _content_text(first)
             out[0] = {**first, "content": f"{text}\n\n{prompt}" if text else prompt}
         else:

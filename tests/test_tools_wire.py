@@ -703,13 +703,21 @@ def test_any_fragmentation_reassembles_to_the_plain_message(
     [
         "hello",
         [{"content": "no role"}],
-        [{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}],
         [{"role": "user", "content": 3}],
     ],
 )
-def test_a_template_that_knows_tools_refuses_bad_messages_cleanly(
-    card: ModelCard, messages: Any
+@pytest.mark.parametrize("template", [None, NATIVE_TEMPLATE])
+def test_bad_messages_with_tools_are_refused_cleanly(
+    card: ModelCard, messages: Any, template: str | None
 ) -> None:
-    native = PromptBuilder.from_card(card.model_copy(update={"chat_template": NATIVE_TEMPLATE}))
+    source = template or card.chat_template
+    prompts = PromptBuilder.from_card(card.model_copy(update={"chat_template": source}))
+    assert prompts.native_tools is (template is not None)
     with pytest.raises(InvalidRequest):
-        native.render_chat(messages, tools=[WEATHER])
+        prompts.render_chat(messages, tools=[WEATHER])
+
+
+def test_a_call_without_a_function_is_a_400_from_a_tool_template(card: ModelCard) -> None:
+    native = PromptBuilder.from_card(card.model_copy(update={"chat_template": NATIVE_TEMPLATE}))
+    with pytest.raises(InvalidRequest, match="cannot render"):
+        native.render_chat([{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}])
