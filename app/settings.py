@@ -134,7 +134,23 @@ class Settings(BaseSettings):
         "every key's files and batches; other keys see only their own (404 otherwise).",
     )
     max_queue: int = Field(
-        default=256, ge=1, description="Admission limit: requests in flight before 429."
+        default=256,
+        ge=1,
+        description="Admission limit: choices in flight (each request counts prompts x n) "
+        "before 429; a request larger than this is admitted only when nothing else runs.",
+    )
+    key_max_in_flight: int = Field(
+        default=128,
+        ge=0,
+        description="Quota: requests one API key may have in flight at once, HTTP and "
+        "WebSocket together (429 naming key_max_in_flight above it). Applies only when "
+        "api_keys are set. 0 = no limit.",
+    )
+    max_request_choices: int = Field(
+        default=256,
+        ge=1,
+        description="Quota: choices (prompts x n) one request may ask for (429 naming "
+        "max_request_choices above it). Each request counts its choices against max_queue.",
     )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413)."

@@ -33,6 +33,17 @@ class ClaimResult(str, Enum):
     CANCELLED = "cancelled"  # cancelled before any worker started it
 
 
+class Admission(int, Enum):
+    """``RequestStore.admit``'s answer; only ``ADMITTED`` is truthy."""
+
+    ADMITTED = 1
+    FULL = 0  # the shared in-flight limit
+    OWNER_FULL = -1  # the key's own in-flight quota
+
+    def __bool__(self) -> bool:
+        return self is Admission.ADMITTED
+
+
 class PublishStatus(int, Enum):
     OK = 0
     FENCED = 1  # the lease is no longer ours: stop generating, publish nothing more
@@ -120,20 +131,42 @@ class RequestStore:
         self.create(record)
         send_generate(celery_app, record.request_id, 0, queue=record.queue, model=record.model)
 
-    def admit(self, rid: str, deadline: float, limit: int, now: float) -> bool:
-        """Count ``rid`` against the shared in-flight limit; False when full."""
-        res = self._admit(keys=[self.keys.inflight], args=[now, limit, rid, deadline])
-        return bool(int(res))
+    @property
+    def inflight_weights(self) -> str:
+        """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
+        return f"{self.keys.inflight}:weights"
+
+    def admit(
+        self,
+        rid: str,
+        deadline: float,
+        limit: int,
+        now: float,
+        *,
+        weight: int = 1,
+        owner: str = "",
+        owner_limit: int = 0,
+    ) -> Admission:
+        """Count ``rid`` (``weight`` choices) against the shared in-flight limit and
+        one request against ``owner``'s ``owner_limit`` (0: none); falsy when refused."""
+        res = self._admit(
+            keys=[self.keys.inflight, self.inflight_weights],
+            args=[now, limit, rid, deadline, max(weight, 1), owner, owner_limit],
+        )
+        return Admission(int(res))
 
     def release(self, rid: str) -> None:
-        """The request's reader is done with it: free its admission slot."""
-        self.redis.zrem(self.keys.inflight, rid)
+        """The request's reader is done with it: free its admission slot. ZREM and
+        HDEL only free memory, so Redis allows them even at maxmemory."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(self.keys.inflight, rid)
+        pipe.hdel(self.inflight_weights, rid)
+        pipe.execute()
 
     def in_flight(self, now: float) -> int:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zremrangebyscore(self.keys.inflight, "-inf", now)
-        pipe.zcard(self.keys.inflight)
-        return int(pipe.execute()[1])
+        """Requests holding an admission slot (those past their deadline not counted;
+        ``admit`` prunes them, with their weights)."""
+        return int(self.redis.zcount(self.keys.inflight, f"({now}", "+inf"))
 
     def cancel(self, rid: str) -> None:
         """Ask whoever generates ``rid`` to stop (durable key + a wake-up)."""

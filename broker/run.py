@@ -37,6 +37,7 @@ from kombu.exceptions import OperationalError
 from app.errors import (
     NotFound,
     QueueFull,
+    QuotaExceeded,
     ServiceUnavailable,
     StreamError,
     error_body,
@@ -50,7 +51,7 @@ from broker.celery_app import create_celery
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import streamer_registry, worker_registry
-from broker.requests import RequestStore
+from broker.requests import Admission, RequestStore
 from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, is_terminal
 
 logger = logging.getLogger(__name__)
@@ -501,10 +502,30 @@ class Runner:
 
     def _admit_and_submit(self, prepared: PreparedRequest) -> None:
         record = prepared.record
+        settings = self.settings
+        if record.num_choices > settings.max_request_choices:
+            raise QuotaExceeded(
+                f"This request asks for {record.num_choices} choices (prompts x n); the "
+                f"quota is {settings.max_request_choices} per request (max_request_choices)."
+            )
         try:
             admitted = self.store.admit(
-                record.request_id, record.deadline, self.settings.max_queue, self.clock()
+                record.request_id,
+                record.deadline,
+                settings.max_queue,
+                self.clock(),
+                weight=record.num_choices,
+                # Only with keys configured does an owner stand for one client.
+                owner=record.owner if settings.api_keys else "",
+                owner_limit=settings.key_max_in_flight,
             )
+            if admitted is Admission.OWNER_FULL:
+                full = QuotaExceeded(
+                    f"This API key already has {settings.key_max_in_flight} requests in "
+                    "flight, its quota (key_max_in_flight); retry when one has finished."
+                )
+                full.retry_after = RETRY_AFTER_S  # type: ignore[attr-defined]
+                raise full
             if not admitted:
                 raise QueueFull(
                     "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S

@@ -68,12 +68,44 @@ end
 return out
 """
 
-# KEYS: inflight zset              ARGV: now, limit, rid, deadline
+# KEYS: inflight zset, inflight weights hash
+# ARGV: now, limit, rid, deadline, weight, owner, owner_limit
 # Admission across every web process: requests in flight (pruned at their deadline,
-# so a crashed web process cannot leak capacity). -> 1 admitted, 0 full
+# so a crashed web process cannot leak capacity), each weighing its choices (prompts x
+# n) against ``limit``, and counted against its owner's ``owner_limit`` (0 or owner ""
+# = none). The weights hash holds "<weight> <owner>" per request; a member without an
+# entry weighs 1 and has no owner. A request that weighs more than the limit gets in
+# only when nothing else is in flight, so it is never refused forever.
+# -> 1 admitted, 0 full, -1 the owner's quota is full
 ADMIT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+local function each_chunk(list, fn)
+  for i = 1, #list, 1000 do
+    fn(unpack(list, i, math.min(i + 999, #list)))
+  end
+end
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+  each_chunk(expired, function(...) redis.call('HDEL', KEYS[2], ...) end)
+end
+local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+local total, mine = 0, 0
+local owner, owner_limit = ARGV[6], tonumber(ARGV[7])
+each_chunk(members, function(...)
+  for _, v in ipairs(redis.call('HMGET', KEYS[2], ...)) do
+    if v then
+      local w, o = string.match(v, '^(%d+) (.*)$')
+      total = total + tonumber(w)
+      if owner ~= '' and o == owner then mine = mine + 1 end
+    else
+      total = total + 1
+    end
+  end
+end)
+if owner ~= '' and owner_limit > 0 and mine >= owner_limit then return -1 end
+local weight = tonumber(ARGV[5])
+if total > 0 and total + weight > tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[5] .. ' ' .. owner)
 return 1
 """

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 import websocket
 
 from tests.stack import Stack, full_stack, isolated_settings, web_process, web_settings
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.integration
 
 ALPHA, BETA = "k-alpha", "k-beta"
 EVIL = "http://evil.example"
+QUOTA = 4  # key_max_in_flight
+LONG = " ".join(f"word{i}" for i in range(150))  # ~300 tokens: 6 s at 50 tokens/s
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,7 @@ def stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         models_dir,
         api_keys=[ALPHA, BETA],
         echo_tokens_per_second=50.0,
+        key_max_in_flight=QUOTA,
         web_workers=1,
         web_threads=16,
     )
@@ -110,3 +114,54 @@ def test_9_extra_origins_come_from_a_setting(
             assert refused_with_1008(ws)["error"]["code"] == "origin_not_allowed"  # type: ignore[index]
         finally:
             hang_up(ws)
+
+
+# -- 4: one key cannot take every slot ---------------------------------------------------
+
+
+def test_4_many_chats_on_one_websocket_hit_the_key_quota_not_other_keys(stack: Stack) -> None:
+    ws = websocket.create_connection(ws_url(stack.base_url, ALPHA), timeout=15)
+    try:
+        for i in range(QUOTA + 3):
+            ws.send(
+                json.dumps(
+                    {"type": "chat", "id": f"c{i}", "messages": [{"role": "user", "content": LONG}]}
+                )
+            )
+        started, refused = set(), {}
+        while len(started) + len(refused) < QUOTA + 3:
+            msg = json.loads(ws.recv())
+            if msg["type"] == "started":
+                started.add(msg["id"])
+            elif msg["type"] == "error":
+                refused[msg["id"]] = msg["error"]
+        assert len(started) == QUOTA and len(refused) == 3
+        assert all(
+            e
+            == {
+                "message": f"This API key already has {QUOTA} requests in flight, its quota "
+                "(key_max_in_flight); retry when one has finished.",
+                "type": "rate_limit_error",
+                "param": None,
+                "code": "quota_exceeded",
+            }
+            for e in refused.values()
+        )
+        over = requests.post(  # alpha over HTTP: the same quota
+            f"{stack.base_url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {ALPHA}"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=10,
+        )
+        assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded"
+        other = requests.post(  # beta is served meanwhile
+            f"{stack.base_url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {BETA}"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=10,
+        )
+        assert other.status_code == 200, other.text
+        for i in started:
+            ws.send(json.dumps({"type": "cancel", "id": i}))
+    finally:
+        hang_up(ws)
