@@ -180,6 +180,21 @@ class EngineThread(threading.Thread):
 
     def _start(self, handle: JobHandle) -> None:
         item = handle.item
+        older = self._active.get(item.request_id)
+        if older is not None:
+            # The same request again, here, while its older run is still in the engine:
+            # that run lost its lease (a step outlasted it) and the request was claimed
+            # anew. The older run would be fenced at its next publish; drop it now so
+            # the two never share the request's state or collide in the engine.
+            logger.warning(
+                "request %s: attempt %s supersedes attempt %s still running here",
+                item.request_id,
+                item.attempt,
+                older.handle.item.attempt,
+            )
+            older.outcome = TaskOutcome.FENCED
+            self._cancel_jobs(older)
+            self._release(older)
         choices = {c.index for job in item.jobs for c in job.choices}
         act = _Active(handle=handle, open_choices=set(choices), started=self.clock())
         self._active[item.request_id] = act

@@ -6,6 +6,7 @@ any task runs) and reached by tasks through the Celery app object.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -53,6 +54,7 @@ class WorkerRuntime:
         self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.thread = EngineThread(engine, self.store, lease_ttl_s=settings.lease_ttl_s)
         self._stop = threading.Event()
+        self._submissions = itertools.count()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self.started = time.time()
 
@@ -175,7 +177,9 @@ class WorkerRuntime:
                 continue
             jobs.append(
                 EngineJob(
-                    job_id=f"{record.request_id}/{p}",
+                    # Unique per submission: a request claimed anew on this worker while
+                    # its older run is still in the engine must not collide with it.
+                    job_id=f"{record.request_id}/{attempt}.{next(self._submissions)}/{p}",
                     prompt_ids=prompt,
                     choices=choices,
                     sampling=record.sampling,

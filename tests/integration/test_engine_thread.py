@@ -200,3 +200,43 @@ def test_publishing_survives_a_redis_restart(caplog: pytest.LogCaptureFixture) -
             thread.stop()
             thread.join(5)
             client.close()
+
+
+def test_a_request_claimed_anew_here_supersedes_its_older_run(store: RequestStore) -> None:
+    """A step that outlasts the lease lets the request be claimed again, possibly by
+    this same worker while its older run is still in the engine: the older run is
+    dropped (fenced), the new one runs; no "already running" error reaches the client."""
+    thread = EngineThread(EchoEngine(tokens_per_second=20), store, lease_ttl_s=5.0)
+    thread.start()
+    try:
+        rid = f"again-{uuid.uuid4().hex[:6]}"
+        first = start_request(store, rid, 40)
+        older = thread.submit(first)
+        time.sleep(0.3)
+        again = WorkItem(
+            rid,
+            0,
+            lease_value("w", 0),
+            [
+                EngineJob(
+                    job_id=f"{rid}/0.1/0",  # the runtime's ids are unique per submission
+                    prompt_ids=list(range(100, 140)),
+                    choices=[ChoiceJob(0, 41)],
+                    eos_token_ids=frozenset({2}),
+                )
+            ],
+            deadline=first.deadline,
+        )
+        newer = thread.submit(again)
+        assert older.wait(5)
+        assert older.result is not None and older.result.outcome is TaskOutcome.FENCED
+        assert newer.wait(15)
+        assert newer.result is not None and newer.result.outcome is TaskOutcome.DONE
+        errors = [
+            d for _eid, _a, deltas in store.read_tokens(rid) for d in deltas if d.error is not None
+        ]
+        assert errors == []
+        assert thread.is_alive()
+    finally:
+        thread.stop()
+        thread.join(5)
