@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +36,15 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp as lc
 import numpy as np
 
-from app.messages import EngineFinish, SamplingParams, TokenDelta, TokenLogprob
+from app.messages import EngineFinish, TokenDelta, TokenLogprob
 from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
 from workers.engines.constraint import ConstraintError, GrammarVocab, JobGrammar, SequenceGrammar
+from workers.engines.llamacpp_sampling import (
+    choice_seed,
+    grammar_vocab,
+    log_softmax_top,
+    sampler_chain,
+)
 
 if TYPE_CHECKING:
     from app.model_card import ModelCard
@@ -49,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 # llama.cpp's status for "no KV cells left for this batch" (llama.h, llama_decode).
 _DECODE_NO_KV_SLOT = 1
-_SEED_MASK = 0xFFFFFFFF
 LENGTH = EngineFinish.LENGTH
 # Past this many sequences a CPU step gets slow enough to hurt every stream's latency.
 MAX_CAPACITY = 64
@@ -323,7 +327,9 @@ class LlamaCppEngine(Engine):
                     seq_id=self._free_ids.pop(),
                     job=job,
                     index=c.index,
-                    chain=self._sampler_chain(ej, c.index, c.prefix_ids),
+                    chain=sampler_chain(
+                        ej, c.index, c.prefix_ids, self.n_vocab, self.context_limit
+                    ),
                     max_new=c.max_new_tokens,
                     generated=len(c.prefix_ids),
                     grammar=job.grammars.get(c.index),
@@ -419,16 +425,7 @@ class LlamaCppEngine(Engine):
             return {}
         try:
             if self._grammar_vocab is None:
-                from llguidance.llamacpp import lltokenizer_from_vocab
-
-                vocab = lc.llama_model_get_vocab(self._model)
-                eos = sorted({lc.llama_vocab_eos(vocab), lc.llama_vocab_eot(vocab)} - {-1})
-                with warnings.catch_warnings():
-                    # llguidance reads token attributes through llama_token_get_attr,
-                    # which this llama-cpp-python marks deprecated (same function).
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    tokenizer = lltokenizer_from_vocab(vocab, eos_token=eos)
-                self._grammar_vocab = GrammarVocab(tokenizer)
+                self._grammar_vocab = grammar_vocab(self._model)
             compiled = JobGrammar(self._grammar_vocab, constraint)
             return {c.index: compiled.start(c.prefix_ids) for c in job.choices}
         except ConstraintError as exc:
@@ -436,52 +433,6 @@ class LlamaCppEngine(Engine):
         except Exception as exc:
             logger.exception("cannot build the output grammar of job %s", job.job_id)
             raise JobRejected("the output grammar could not be built") from exc
-
-    def _sampler_chain(self, job: EngineJob, index: int, prefix: list[int]) -> Any:
-        """llama.cpp's sampler chain for one choice, in vLLM's order of transforms.
-
-        Repetition penalty covers prompt + output (as vLLM and HF apply it), presence
-        and frequency penalties the output only (as OpenAI defines them): so they are
-        two penalty samplers, and only the first is shown the prompt.
-        """
-        sp = job.sampling
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        add = lc.llama_sampler_chain_add
-        if sp.logit_bias:
-            valid = [(t, b) for t, b in sp.logit_bias.items() if 0 <= t < self.n_vocab]
-            biases = (lc.llama_logit_bias * len(valid))(
-                *(lc.llama_logit_bias(t, b) for t, b in valid)
-            )
-            add(chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(valid), biases))
-        window = self.context_limit
-        if sp.repetition_penalty != 1.0:
-            rep = lc.llama_sampler_init_penalties(
-                self.n_vocab, window, sp.repetition_penalty, 0.0, 0.0
-            )
-            for t in job.prompt_ids:
-                lc.llama_sampler_accept(rep, t)
-            add(chain, rep)
-        if sp.frequency_penalty or sp.presence_penalty:
-            add(
-                chain,
-                lc.llama_sampler_init_penalties(
-                    self.n_vocab, window, 1.0, sp.frequency_penalty, sp.presence_penalty
-                ),
-            )
-        if sp.temperature == 0.0:
-            add(chain, lc.llama_sampler_init_greedy())
-        else:
-            add(chain, lc.llama_sampler_init_temp(sp.temperature))
-            if sp.top_k > 0:
-                add(chain, lc.llama_sampler_init_top_k(sp.top_k))
-            if sp.top_p < 1.0:
-                add(chain, lc.llama_sampler_init_top_p(sp.top_p, 1))
-            if sp.min_p > 0.0:
-                add(chain, lc.llama_sampler_init_min_p(sp.min_p, 1))
-            add(chain, lc.llama_sampler_init_dist(choice_seed(sp, index)))
-        for t in prefix:  # a resumed choice's penalties continue where they were
-            lc.llama_sampler_accept(chain, t)
-        return chain
 
     def _sample(self, idx: int, seqs: list[_Seq], out: list[EngineStep]) -> None:
         """Sample the next token of ``seqs`` (siblings share one logits row) from the
@@ -502,7 +453,7 @@ class LlamaCppEngine(Engine):
             row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         if k is not None and row is not None:
             # Raw logits, before bias, penalties, the grammar or the min_tokens mask.
-            lse, top = _log_softmax_top(row, k)
+            lse, top = log_softmax_top(row, k)
         # Siblings share the row and each grammar masks it differently after the first.
         raw = row.copy() if constrained and row is not None and len(seqs) > 1 else None
         for i, s in enumerate(seqs):
@@ -586,27 +537,6 @@ class LlamaCppEngine(Engine):
                 )
             )
         self._jobs.pop(ej.job_id, None)
-
-
-def choice_seed(sp: SamplingParams, index: int) -> int:
-    """The seed of choice ``index``: ``seed + index`` so n>1 choices differ, yet a
-    seeded request repeats; without a seed, llama.cpp draws one."""
-    if sp.seed is None:
-        return lc.LLAMA_DEFAULT_SEED
-    seed = (sp.seed + index) & _SEED_MASK
-    # LLAMA_DEFAULT_SEED itself means "random" to llama.cpp.
-    return seed - 1 if seed == lc.LLAMA_DEFAULT_SEED else seed
-
-
-def _log_softmax_top(row: np.ndarray, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """log-sum-exp of ``row`` and its ``k`` most likely ids with their logprobs."""
-    m = float(row.max())
-    lse = m + float(np.log(np.exp(row - m, dtype=np.float64).sum()))
-    if k <= 0:
-        return lse, []
-    ids = np.argpartition(row, -k)[-k:]
-    ids = ids[np.argsort(-row[ids], kind="stable")]
-    return lse, [(int(t), float(row[t]) - lse) for t in ids]
 
 
 __all__ = ["KV_FULL_MESSAGE", "LlamaCppEngine", "choice_seed"]
