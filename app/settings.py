@@ -39,6 +39,13 @@ class Settings(BaseSettings):
         "(docs/scaling.md).",
     )
     key_prefix: str = Field(default="tr:", description="Prefix of every Redis key tokenrelay owns.")
+    redis_maxmemory: str = Field(
+        default="4gb",
+        pattern=r"^\d+(b|kb|mb|gb)?$",
+        description="maxmemory of the redis-server `tokenrelay up` starts (noeviction: at "
+        "the limit writes are refused and clients get 503 + Retry-After; deletes still "
+        "work). Size it for the file quotas. compose.yaml's Redis reads REDIS_MAXMEMORY.",
+    )
 
     # Models
     models_dir: Path = Field(

@@ -299,12 +299,16 @@ class FileStore:
         owner = self.owner(fid)
         if owner is None or not _visible(owner, scope):
             return False
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.keys.file(fid), self.keys.file_data(fid))
+        # No MULTI: a Redis at maxmemory (noeviction) refuses MULTI, but never DEL,
+        # ZREM or HDEL, which only free memory; deleting is how a full Redis gets room
+        # back. Index and quota entries go first, so an interrupted delete leaves at
+        # worst unlisted data that expires with its TTL, never a listed file without data.
+        pipe = self.redis.pipeline(transaction=False)
         pipe.zrem(self.keys.files, fid)
         pipe.zrem(self.keys.owner_files(owner), fid)
         pipe.hdel(self.keys.owner_file_bytes(owner), fid)
-        return bool(pipe.execute()[0])
+        pipe.delete(self.keys.file(fid), self.keys.file_data(fid))
+        return bool(pipe.execute()[-1])
 
     def page(
         self,

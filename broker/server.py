@@ -52,12 +52,16 @@ def port_is_free(host: str, port: int) -> bool:
         return True
 
 
-def redis_server_args(port: int, data_dir: Path, *, appendonly: bool = False) -> list[str]:
+def redis_server_args(
+    port: int, data_dir: Path, *, appendonly: bool = False, maxmemory: str | None = None
+) -> list[str]:
     """The command line of a private, loopback-only redis-server.
 
     ``noeviction``: Celery messages and request records must never be evicted silently;
-    a full Redis should fail writes loudly instead. ``appendonly``: keep every write in
-    ``data_dir`` (fsync once a second), so a restart on the same directory loses nothing
+    a full Redis should fail writes loudly instead (at ``maxmemory``, e.g. ``"4gb"``;
+    None: no limit; clients then get 503 + Retry-After and deletes still work).
+    ``appendonly``: keep every write in ``data_dir`` (fsync once a second), so a restart
+    on the same directory loses nothing
     (``tokenrelay up``); without it the server keeps nothing (tests). No RDB snapshots
     either way: they would only duplicate the append-only file.
     """
@@ -77,6 +81,8 @@ def redis_server_args(port: int, data_dir: Path, *, appendonly: bool = False) ->
         str(data_dir),
         "--maxmemory-policy",
         "noeviction",
+        "--maxmemory",
+        maxmemory or "0",
         "--protected-mode",
         "yes",
     ]
@@ -90,8 +96,14 @@ class RedisServer:
     """
 
     def __init__(
-        self, port: int | None = None, *, data_dir: Path | None = None, appendonly: bool = False
+        self,
+        port: int | None = None,
+        *,
+        data_dir: Path | None = None,
+        appendonly: bool = False,
+        maxmemory: str | None = None,
     ) -> None:
+        self.maxmemory = maxmemory
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="tr-redis-")
         self.data_dir = data_dir or Path(self._tmp.name)  # type: ignore[union-attr]
@@ -103,7 +115,9 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        args = redis_server_args(self.port, self.data_dir, appendonly=self.appendonly)
+        args = redis_server_args(
+            self.port, self.data_dir, appendonly=self.appendonly, maxmemory=self.maxmemory
+        )
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout

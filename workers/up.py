@@ -231,7 +231,10 @@ class Stack:
             say(f"Redis keeps the data of earlier runs in {data_dir}/ (--fresh starts empty)")
         data_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
-        self._spawn("redis", redis_server_args(port, data_dir, appendonly=True), env)
+        args = redis_server_args(
+            port, data_dir, appendonly=True, maxmemory=self.settings.redis_maxmemory
+        )
+        self._spawn("redis", args, env)
         url = f"redis://127.0.0.1:{port}/0"
         client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
 
