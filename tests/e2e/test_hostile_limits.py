@@ -9,6 +9,8 @@ the issue and checks the exact answer a client gets now.
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,14 +18,26 @@ import pytest
 import requests
 import websocket
 
-from tests.stack import Stack, full_stack, isolated_settings, web_process, web_settings
+from broker.keys import Keys
+from broker.requests import RequestStore
+from tests.stack import (
+    Stack,
+    full_stack,
+    isolated_settings,
+    wait_for,
+    web_process,
+    web_settings,
+)
 
 pytestmark = pytest.mark.integration
 
 ALPHA, BETA = "k-alpha", "k-beta"
 EVIL = "http://evil.example"
 QUOTA = 4  # key_max_in_flight
-LONG = " ".join(f"word{i}" for i in range(150))  # ~300 tokens: 6 s at 50 tokens/s
+RATE = 200.0  # echo steps per second (every choice advances one token per step)
+LONG = " ".join(f"word{i}" for i in range(600))  # 2,290 tokens: 11 s at RATE
+HUGE = " ".join(f"word{i}" for i in range(1500))  # 6,390 tokens: 32 s at RATE
+STALL_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +46,10 @@ def stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "redis://unused",
         models_dir,
         api_keys=[ALPHA, BETA],
-        echo_tokens_per_second=50.0,
+        echo_tokens_per_second=RATE,
         key_max_in_flight=QUOTA,
+        stream_buffer_bytes=64 * 1024,
+        stream_stall_s=STALL_S,
         web_workers=1,
         web_threads=16,
     )
@@ -165,3 +181,43 @@ def test_4_many_chats_on_one_websocket_hit_the_key_quota_not_other_keys(stack: S
             ws.send(json.dumps({"type": "cancel", "id": i}))
     finally:
         hang_up(ws)
+
+
+# -- 12: a client that does not read its stream -------------------------------------------
+
+
+def in_flight(stack: Stack) -> int:
+    client = stack.redis()
+    try:
+        return RequestStore(client, Keys(stack.settings.key_prefix)).in_flight(time.time())
+    finally:
+        client.close()
+
+
+def test_12_a_client_that_never_reads_its_sse_stream_is_dropped(stack: Stack) -> None:
+    # Earlier tests' runs are gone first.
+    wait_for(lambda: in_flight(stack) == 0, 30, "no request in flight")
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": HUGE}], "n": 16, "stream": True}
+    ).encode()
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            + f"Host: {host}:{port}\r\nAuthorization: Bearer {ALPHA}\r\n".encode()
+            + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_for(lambda: in_flight(stack) == 1, 10, "the chat admitted")
+        started = time.monotonic()
+        # Generating the whole output takes ~32 s; the socket stays open and unread.
+        wait_for(lambda: in_flight(stack) == 0, 25, "the unread chat dropped")
+        dropped_after = time.monotonic() - started
+    finally:
+        sock.close()
+    assert dropped_after < 25
+    logs = stack.procs["web"].output()
+    assert "took nothing for" in logs and "dropping it" in logs, logs[-3000:]
