@@ -81,8 +81,15 @@ def test_flower_survives_a_redis_crash_and_sees_new_events(tmp_path: Path) -> No
     celery = create_celery(settings)
     try:
         wait_for(lambda: flower_answers(port), 60, "Flower to answer", interval=0.3)
-        before = send_until_accepted(celery, settings.served_name, 10)
-        wait_for(lambda: flower_has_task(port, before), 30, "Flower to see a task", 0.3)
+        # Flower answers before its event receiver has subscribed, and Celery's events
+        # are fire-and-forget: send until it sees one, as after the restart below.
+        first: list[str] = []
+
+        def sees_a_first_task() -> bool:
+            first.append(send_until_accepted(celery, settings.served_name, 10))
+            return any(flower_has_task(port, task_id) for task_id in first)
+
+        wait_for(sees_a_first_task, 60, "Flower to see a task", interval=0.5)
 
         server.kill()
         time.sleep(OUTAGE_S)
