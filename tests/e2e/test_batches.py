@@ -304,3 +304,44 @@ def test_a_batch_of_duplicate_custom_ids_fails(client: openai.OpenAI, stack: Sta
     assert batch.errors is not None and batch.errors.data
     assert batch.errors.data[0].code == "duplicate_custom_id"
     assert batch.errors.data[0].line == 2
+
+
+def test_stop_cases_same_text_in_batch_lines(client: openai.OpenAI, stack: Stack) -> None:
+    """Every stop case of tests/e2e/stop_cases.py as one batch line: the same text,
+    finish and stop reasons as the engine + decoders alone (and so as SSE, JSON and
+    the WebSocket, whose tests compare against the same expectation)."""
+    from app.model_card import load_model_card, load_tokenizer
+    from tests.e2e.stop_cases import CASES, chat_body, expected
+
+    model = stack.settings.served_name
+    model_dir = stack.settings.model_path()
+    tokenizer = load_tokenizer(load_model_card(model_dir))
+    lines = [
+        json.dumps(
+            {
+                "custom_id": case,
+                "method": "POST",
+                "url": CHAT,
+                "body": chat_body(case, model, tokenizer),
+            }
+        )
+        for case in sorted(CASES)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
+    )
+    batch, _ = poll(client, batch.id, timeout=120)
+    assert batch.status == "completed", batch
+    results = {line["custom_id"]: line for line in jsonl(client, batch.output_file_id)}
+    assert jsonl(client, batch.error_file_id) == []
+    for case in sorted(CASES):
+        want = expected(case, model_dir, model)
+        body = results[case]["response"]["body"]
+        got = {
+            c["index"]: (c["message"]["content"], c["finish_reason"], c["stop_reason"])
+            for c in body["choices"]
+        }
+        assert got == {
+            i: (want.texts[i], want.finish_reasons[i], want.stop_reasons[i]) for i in want.texts
+        }, case
+        assert body["usage"]["completion_tokens"] == want.completion_tokens, case
