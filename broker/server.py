@@ -61,9 +61,9 @@ def redis_server_args(
     a full Redis should fail writes loudly instead (at ``maxmemory``, e.g. ``"4gb"``;
     None: no limit; clients then get 503 + Retry-After and deletes still work).
     ``appendonly``: keep every write in ``data_dir`` (fsync once a second), so a restart
-    on the same directory loses nothing
-    (``tokenrelay up``); without it the server keeps nothing (tests). No RDB snapshots
-    either way: they would only duplicate the append-only file.
+    on the same directory loses nothing (``tokenrelay up``); without it the server keeps
+    nothing (tests). No RDB snapshots either way: they would only duplicate the
+    append-only file.
     """
     return [
         redis_executable(),
