@@ -13,6 +13,8 @@
 {p}batchers         zset   batch driver ids scored by last heartbeat
 {p}new              stream new requests handed to streamers (consumer group)
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
+{p}inflight:weights hash   request id -> "<choices> <owner>": what each admitted request
+                           counts against the limit and whose per-key quota it uses
 {p}hub:{id}         stream wake-ups of one web process's output reader (MAXLEN 16, TTL)
 {p}file:{fid}       hash   an uploaded or generated file: meta (JSON), owner
 {p}file:{fid}:data  string the file's bytes (read in ranges: downloads stream)
@@ -76,6 +78,11 @@ class Keys:
     @property
     def inflight(self) -> str:
         return f"{self.prefix}inflight"
+
+    @property
+    def inflight_weights(self) -> str:
+        """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
+        return f"{self.prefix}inflight:weights"
 
     @property
     def new_requests(self) -> str:

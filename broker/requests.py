@@ -133,8 +133,7 @@ class RequestStore:
 
     @property
     def inflight_weights(self) -> str:
-        """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
-        return f"{self.keys.inflight}:weights"
+        return self.keys.inflight_weights
 
     def admit(
         self,
