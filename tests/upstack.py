@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.server import free_port
-from tests.stack import REPO
+from tests.stack import REPO, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 TIME_WAIT = "06"  # the state column of /proc/net/tcp
@@ -185,3 +186,29 @@ def in_time_wait(port: int) -> int:
     """How many IPv4 sockets with local port ``port`` are in TIME_WAIT (Linux)."""
     rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
     return sum(1 for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == TIME_WAIT)
+
+
+def leave_time_wait(port: int = 0) -> int:
+    """Make sure a loopback port (``port``, or a free one) has a socket in TIME_WAIT, as a
+    server that closed a client's connection first and then stopped leaves behind; returns
+    the port. Whether a server or its client closes first is a race, so a test that needs
+    this state makes it: listen, accept, close the accepted side first.
+
+    The listener sets SO_REUSEADDR as gunicorn, Tornado and redis-server do: a TIME_WAIT
+    socket keeps its listener's flag, and Linux lets a new bind reuse the port only when
+    both sockets carry it.
+    """
+    if port and in_time_wait(port):
+        return port
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        port = int(listener.getsockname()[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server side closes first: its end of the connection ...
+            assert client.recv(1) == b""
+        # ... enters TIME_WAIT when the client's FIN arrives
+    wait_for(lambda: in_time_wait(port), 2, "the server's socket to enter TIME_WAIT")
+    return port

@@ -27,6 +27,7 @@ from tests.upstack import (
     UpRun,
     get,
     in_time_wait,
+    leave_time_wait,
     listed_files,
     pid_alive,
     start_up,
@@ -37,30 +38,8 @@ from workers.supervise import GiveUp, RestartPolicy, Supervisor
 # -- ports ----------------------------------------------------------------------------------
 
 
-def leave_port_in_time_wait() -> int:
-    """A loopback port whose server closed a client's connection first, then stopped
-    listening: what a web server leaves behind after answering ``Connection: close``.
-
-    The listener sets SO_REUSEADDR as gunicorn, Tornado and redis-server do: Linux lets a
-    new bind reuse a TIME_WAIT port only when both sockets carry that option.
-    """
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = int(listener.getsockname()[1])
-    client = socket.create_connection(("127.0.0.1", port))
-    conn, _ = listener.accept()
-    conn.close()  # the server side closes first: its end of the connection ...
-    assert client.recv(1) == b""
-    client.close()  # ... enters TIME_WAIT when the client's FIN arrives
-    listener.close()
-    wait_for(lambda: in_time_wait(port), 2, "the server's socket to enter TIME_WAIT")
-    return port
-
-
 def test_a_port_in_time_wait_is_free_for_the_servers() -> None:
-    port = leave_port_in_time_wait()
+    port = leave_time_wait()
     # The old probe (a bind without SO_REUSEADDR) calls it busy ...
     with socket.socket() as plain, pytest.raises(OSError) as busy:
         plain.bind(("127.0.0.1", port))
