@@ -90,15 +90,23 @@ class Registry(Generic[InfoT]):
         self.ttl_s = ttl_s
 
     def heartbeat(self, info: InfoT, now: float | None = None) -> None:
+        """Say ``info``'s member is alive for another ``ttl_s``.
+
+        A Redis at ``maxmemory`` (noeviction) refuses SET and ZADD; the beat then only
+        extends the key's TTL (PEXPIRE frees nothing but is never refused), so the fleet
+        stays visible while Redis is full and is ready the moment room is made.
+        """
         now = time.time() if now is None else now
+        key = self.keys.member(self.kind, info.member_id)
+        ttl_ms = int(self.ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(
-            self.keys.member(self.kind, info.member_id),
-            info.model_dump_json(),
-            px=int(self.ttl_s * 1000),
-        )
+        pipe.set(key, info.model_dump_json(), px=ttl_ms)
         pipe.zadd(self.keys.members(self.kind), {info.member_id: now})
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.exceptions.OutOfMemoryError:
+            if not self.redis.pexpire(key, ttl_ms):  # expired meanwhile: nothing to extend
+                raise
 
     def unregister(self, member_id: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -107,15 +115,23 @@ class Registry(Generic[InfoT]):
         pipe.execute()
 
     def live(self, now: float | None = None) -> list[InfoT]:
-        """Members whose heartbeat key still exists (long-dead ids are pruned)."""
+        """Members whose heartbeat key still exists. Index entries whose key is gone and
+        whose last full beat is long past (10 TTLs) are pruned; a member that only
+        extended its key while Redis was full keeps its old score and stays."""
         now = time.time() if now is None else now
         index = self.keys.members(self.kind)
-        self.redis.zremrangebyscore(index, "-inf", now - 10 * self.ttl_s)
-        members: Any = self.redis.zrange(index, 0, -1)
-        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in members]
-        if not ids:
+        entries: Any = self.redis.zrange(index, 0, -1, withscores=True)
+        if not entries:
             return []
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i, _ in entries]
         raws: Any = self.redis.mget([self.keys.member(self.kind, i) for i in ids])
+        long_dead = [
+            i
+            for i, (_, score), raw in zip(ids, entries, raws, strict=True)
+            if raw is None and score < now - 10 * self.ttl_s
+        ]
+        if long_dead:
+            self.redis.zrem(index, *long_dead)
         return [self.info_type.model_validate_json(r) for r in raws if r is not None]
 
 

@@ -8,6 +8,7 @@ still work, and deleting frees room for new writes.
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ import pytest
 import redis
 from flask.testing import FlaskClient
 
+from broker.keys import Keys
+from broker.registry import WorkerInfo, worker_registry
 from broker.run import UNAVAILABLE_MESSAGE, Runner
 from broker.server import RedisServer
 from tests.stack import isolated_settings
@@ -123,3 +126,36 @@ def test_the_private_redis_runs_with_maxmemory_and_noeviction(models_dir: Path) 
     assert config["maxmemory"] == str(64 * 1024 * 1024)
     assert config["maxmemory-policy"] == "noeviction"
     assert isolated_settings("redis://unused", models_dir).redis_maxmemory == "4gb"
+
+
+def test_heartbeats_keep_the_fleet_visible_while_redis_is_full(full_redis: RedisServer) -> None:
+    """Line 3's "heartbeats fail": a full Redis refuses the beat's SET and ZADD; the beat
+    extends the member's key instead, so the worker stays live (and the web tier ready)
+    for as long as Redis stays full, and beats in full once room is made."""
+    client = redis.Redis.from_url(full_redis.url)
+    registry = worker_registry(client, Keys("hb:"), ttl_s=1.0)
+    info = WorkerInfo(
+        worker_id="w1", model="m", engine="echo", capacity=1, hostname="h", pid=1, started=0.0
+    )
+    try:
+        registry.heartbeat(info)
+        fill(full_redis)
+        # Well under what Redis holds, so that no freed buffer lets a write in again.
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used - 1024 * 1024)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            client.set("probe", "1")
+        for _ in range(6):  # 3 s: three times the TTL
+            time.sleep(0.5)
+            registry.heartbeat(info.model_copy(update={"active_jobs": 1}))
+            assert [w.worker_id for w in registry.live()] == ["w1"]
+        # The key was only extended: it still says what the last full beat said.
+        assert registry.live()[0].active_jobs == 0
+        client.config_set("maxmemory", 0)  # room again
+        registry.heartbeat(info.model_copy(update={"active_jobs": 2}))
+        assert registry.live()[0].active_jobs == 2
+        # A member that stops beating still disappears after its TTL.
+        time.sleep(1.2)
+        assert registry.live() == []
+    finally:
+        client.close()
