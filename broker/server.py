@@ -7,6 +7,7 @@ the PID we started, never by name.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -29,9 +30,34 @@ def redis_executable() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free to listen on, chosen below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, which
+    outgoing connections draw their source ports from too: between this call and the
+    server's own bind, any client connection on the machine may take it (a Flower that
+    could not bind for 15 s, in a test run next to 1,000 client sockets). Ports below
+    the range are never taken that way.
+    """
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10_000, low) if low > 10_100 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    with socket.socket() as s:  # everything below the range is taken: any port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_is_free(host: str, port: int) -> bool:
