@@ -33,6 +33,7 @@ STATUS_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -89,6 +90,15 @@ class PayloadTooLarge(TokenRelayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+    public = True
+
+
+class RequestTimeout(TokenRelayError):
+    """The client did not send its whole request in time (a slow or stalled body)."""
+
+    status = 408
+    type = "timeout_error"
+    code = "request_timeout"
     public = True
 
 

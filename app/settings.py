@@ -165,13 +165,34 @@ class Settings(BaseSettings):
     web_workers: int = Field(
         default=2,
         ge=1,
-        description="gunicorn worker processes of `tokenrelay web` (gthread workers).",
+        description="gunicorn worker processes of `tokenrelay web` (threaded workers that "
+        "read request heads in their event loop).",
     )
     web_threads: int = Field(
         default=192,
         ge=1,
         description="Threads per web worker; each open SSE stream or WebSocket holds one, so "
         "web_workers x web_threads is the most concurrent streams (keep it above max_queue).",
+    )
+    web_max_connections: int = Field(
+        default=2048,
+        ge=16,
+        description="Sockets one web worker holds at once (streams, kept-alive and "
+        "half-sent requests); past it new connections wait in the kernel's backlog.",
+    )
+    web_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A request's head (request line and headers) must arrive within this "
+        "many seconds of its first byte, or the client gets 408 and is disconnected; until "
+        "it is complete the request holds no thread (slowloris).",
+    )
+    web_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A small request body (up to 1 MiB) must arrive within this many "
+        "seconds of its head; a larger one may pause at most this long between reads. "
+        "Otherwise 408.",
     )
     resume_grace_s: float = Field(
         default=10.0,

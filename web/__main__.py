@@ -1,4 +1,6 @@
-"""``tokenrelay web``: gunicorn serving ``web.app.create_app`` with gthread workers.
+"""``tokenrelay web``: gunicorn serving ``web.app.create_app`` with gthread workers
+(``web.head_first.HeadFirstWorker``: gthread that reads each request's head in its event
+loop, so a slow client holds no thread until its request is complete).
 
 Why gthread: every open SSE stream or WebSocket holds one thread for its whole life
 (it blocks in Redis ``XREAD`` between events, which releases the GIL), and gthread
@@ -55,16 +57,35 @@ def _child_exit(_server: Any, worker: Any) -> None:
     multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
 
 
+def raise_open_files_limit(wanted: int) -> int:
+    """Raise this process's soft limit on open files towards ``wanted`` (at most the hard
+    limit; the workers inherit it): each held connection is a descriptor, and a default
+    soft limit of 1024 would refuse connections long before ``web_max_connections``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return target
+    return int(soft)
+
+
 def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, Any]:
     """gunicorn's settings for ``settings`` (a ``app.settings.Settings``)."""
+    from web.head_first import HeadFirstWorker
+
+    HeadFirstWorker.header_timeout_s = settings.web_header_timeout_s
+    HeadFirstWorker.body_timeout_s = settings.web_body_timeout_s
     threads = settings.web_threads
     return {
         "bind": f"{settings.host}:{settings.port}",
         "workers": settings.web_workers,
-        "worker_class": "gthread",
+        "worker_class": HeadFirstWorker,
         "threads": threads,
-        # Idle keep-alive connections also count here; leave room above the threads.
-        "worker_connections": max(1000, threads * 4),
+        # Waiting, kept-alive and streaming sockets all count; threads are not needed
+        # for the first two.
+        "worker_connections": max(settings.web_max_connections, threads),
         "timeout": 60,
         "graceful_timeout": 30,
         "keepalive": 5,
@@ -89,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_multiprocess_dir()  # before anything imports prometheus_client
 
-    from gunicorn.app.base import BaseApplication
-
     from app.settings import Settings
 
     overrides: dict[str, Any] = {
@@ -104,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None
     }
     settings = Settings(**overrides)
-    options = gunicorn_options(settings, access_log=args.access_log)
+    raise_open_files_limit(settings.web_workers * settings.web_max_connections + 256)
+    serve(settings, gunicorn_options(settings, access_log=args.access_log))
+    return 0
+
+
+def serve(settings: Any, options: dict[str, Any]) -> None:
+    """Run gunicorn with ``options`` serving the app for ``settings`` until it stops."""
+    from gunicorn.app.base import BaseApplication
 
     class WebServer(BaseApplication):  # type: ignore[misc]
         def load_config(self) -> None:
@@ -118,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             return create_app(settings)
 
     WebServer().run()
-    return 0
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ from app.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    RequestTimeout,
     TokenRelayError,
     UnsupportedMediaType,
     error_body,
     retry_after_of,
 )
 from broker.run import BACKBONE_DOWN, backbone_unavailable
+from web.head_first import SLOW_REQUEST_MESSAGE, SlowBody
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,12 @@ def register(app: Flask) -> None:
 
     for outage in BACKBONE_DOWN:
         app.register_error_handler(outage, _backbone_down)
+
+    @app.errorhandler(SlowBody)
+    def _slow_body(exc: SlowBody) -> Response:
+        response = error_response(RequestTimeout(SLOW_REQUEST_MESSAGE))
+        response.headers["Connection"] = "close"  # the rest of its body is still coming
+        return response
 
     @app.errorhandler(Exception)
     def _bug(exc: Exception) -> Response:
