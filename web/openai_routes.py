@@ -220,10 +220,14 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
     first = _opening(run, keepalive_s) if opening else []
     ended_by_client = False
 
-    def items() -> Iterator[Item | None]:
-        yield from first
+    def reads() -> Iterator[list[Item] | None]:
+        """What each read brings: the item it waited for and every one already behind
+        it (one write per read, not one per event), or None for a keep-alive tick."""
+        if first:
+            yield first
         while not run.ended:
-            yield run.next(keepalive_s)
+            item = run.next(keepalive_s)
+            yield None if item is None else [item, *run.poll()]
 
     def body() -> Iterator[str]:
         nonlocal ended_by_client
@@ -233,18 +237,22 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
                 head = chunks.opening()
                 if head:
                     yield "".join(sse.data_frame(c.to_json()) for c in head)
-            for item in items():
-                if item is None:
+            for read in reads():
+                if read is None:
                     yield sse.KEEPALIVE
                     continue
-                eid = event_id(item)
-                out = chunks.feed(item[1])
-                if out:
-                    yield "".join(sse.data_frame(c.to_json(), eid) for c in out)
-                if chunks.error is not None:
-                    yield sse.error_frame(chunks.error, eid)
-                    break
-                if chunks.ended:
+                frames: list[str] = []
+                for item in read:
+                    eid = event_id(item)
+                    frames += (sse.data_frame(c.to_json(), eid) for c in chunks.feed(item[1]))
+                    if chunks.error is not None:
+                        frames.append(sse.error_frame(chunks.error, eid))
+                        break
+                    if chunks.ended:
+                        break
+                if frames:
+                    yield "".join(frames)
+                if chunks.error is not None or chunks.ended:
                     break
         except GeneratorExit:  # the WSGI server closed us: the client is gone
             ended_by_client = True

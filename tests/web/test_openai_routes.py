@@ -676,3 +676,24 @@ def test_only_the_key_that_made_a_stream_may_resume_it(
     for headers in (alpha, admin):
         again = client.get(f"/v1/streams/{rid}", headers=headers)
         assert again.status_code == 200 and "secret" in again.get_data(as_text=True)
+
+
+def test_a_stream_writes_what_one_read_brings_in_one_piece(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
+) -> None:
+    """Issue 12, item 4: the events already there when the stream reads are framed and
+    written together (one write per read), not one write per event; the text and the
+    frames are the same."""
+    rid = ids.peek()
+    for i in range(30):  # thirty output entries, all waiting before the client reads
+        scripted.write(rid, delta(0, f"w{i} "))
+    scripted.write(rid, final(0), usage(3, 30))
+    resp = client.post(CHAT, json=chat(stream=True), buffered=False)
+    pieces = [p.decode() if isinstance(p, bytes) else p for p in resp.response]
+    resp.close()
+    chunks = sse_payloads("".join(pieces))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "".join(f"w{i} " for i in range(30))
+    assert sum(p.count("data: ") for p in pieces) == len(chunks) + 1  # + [DONE]
+    # The role chunk, everything that was waiting, [DONE]: a handful of writes, not 33.
+    assert len(pieces) <= 4, [p[:40] for p in pieces]
