@@ -285,6 +285,13 @@ class Settings(BaseSettings):
         gt=0,
         description="A batch driver silent this long loses its batches to another driver.",
     )
+    responses_ttl_s: int = Field(
+        default=30 * 24 * 3600,
+        ge=60,
+        description="TTL of a stored Responses API object (store=true), counted from its "
+        "creation. Its output stream lives only stream_ttl_s: an unfinished response whose "
+        "web process died and that nobody read before then is settled as failed.",
+    )
 
     # Flower
     flower_port: int = Field(default=5555, ge=1, le=65535, description="Flower's port.")

@@ -27,6 +27,8 @@
 {p}batch:{bid}:lock string id of the driver running the batch; PX lock TTL
 {p}batches          zset   batch ids scored by creation time (listing)
 {p}batches:active   zset   batches not yet in a terminal state (the drivers' work list)
+{p}resp:{id}        hash   a stored Responses API object: status, owner, request id, JSON
+                           (broker.responses); TTL responses_ttl_s
 """
 
 from __future__ import annotations
@@ -125,3 +127,7 @@ class Keys:
     @property
     def active_batches(self) -> str:
         return f"{self.prefix}batches:active"
+
+    def response(self, response_id: str) -> str:
+        """A stored response of the Responses API (``broker.responses``)."""
+        return f"{self.prefix}resp:{response_id}"

@@ -2,7 +2,8 @@
 
 Served by gunicorn (``tokenrelay web``). Each piece of the API lives in its own module
 and registers itself here: OpenAI HTTP + SSE routes (``web.openai_routes``), the
-WebSocket chat (``web.ws``), the Files + Batches API (``web.batch``), the browser chat
+WebSocket chat (``web.ws``), the Files + Batches API (``web.batch``), the
+Responses API (``web.responses_api``), the browser chat
 page (``web/static``), errors (``web.errors``) and metrics (``web.metrics``). Every
 generation goes through one ``broker.run.Runner`` per process.
 """
@@ -14,7 +15,7 @@ from flask_sock import Sock
 
 from app.settings import Settings
 from broker.run import Runner
-from web import batch, errors, metrics, openai_routes, page_headers, ws
+from web import batch, errors, metrics, openai_routes, page_headers, responses_api, ws
 from web.context import RUNNER, SETTINGS
 
 
@@ -29,6 +30,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     metrics.register(app)
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(batch.blueprint)
+    app.register_blueprint(responses_api.blueprint)
     ws.register(Sock(app))
     page_headers.register(app)
     return app

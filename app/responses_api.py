@@ -1,0 +1,538 @@
+"""OpenAI's Responses API as a chat request: the translation, pure (no I/O).
+
+A ``POST /v1/responses`` body is checked here and turned into the body of a chat
+completion, which then takes the one request path every other transport takes
+(``app.intake`` -> ``broker.run``): the conversation (``input`` items, after the
+stored context of ``previous_response_id``) becomes chat ``messages``, ``instructions``
+a leading system message, function tools and ``tool_choice`` their chat forms,
+``text.format`` a ``response_format`` (so #9's constrained decoding applies), and
+``max_output_tokens`` ``max_tokens``. What the chat pipeline cannot do (built-in tools,
+images, reasoning options, ...) is refused here with a 400 naming the field, before
+anything is admitted.
+
+The response object's fields that echo the request (``ResponseSkeleton``) are fixed
+here too, so the event framer (``app.responses_events``) can rebuild exactly the same
+events from the output stream on any web process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.errors import InvalidRequest
+
+# Fields of a Responses request that are translated (the rest are refused).
+SUPPORTED_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "stream",
+        "store",
+        "previous_response_id",
+        "metadata",
+        "background",
+        "user",
+        "truncation",
+    }
+)
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+# Chat-side parameter names an intake error may carry -> the Responses field they are.
+_PARAM_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format.json_schema.name": "text.format.name",
+}
+
+
+def unsupported(message: str, param: str) -> InvalidRequest:
+    return InvalidRequest(message, param=param, code="unsupported_parameter")
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses name of a chat parameter named by an intake error."""
+    if param is None:
+        return None
+    if param in _PARAM_NAMES:
+        return _PARAM_NAMES[param]
+    if param.startswith("messages"):
+        return "input" + param[len("messages") :]
+    if param.startswith("tools[") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return param
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A checked ``POST /v1/responses`` body.
+
+    ``input_items`` are the request's own input as Responses items (a string input is
+    one user message), without ids; ``tools`` and ``tool_choice`` keep their Responses
+    shape (the response object echoes them).
+    """
+
+    model: str | None
+    input_items: list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    background: bool = False
+    user: str | None = None
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    """Check a Responses body; a 400 naming the first field that is wrong or unsupported."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    extra = sorted(k for k in body if k not in SUPPORTED_FIELDS)
+    if extra:
+        names = ", ".join(repr(k) for k in extra)
+        raise unsupported(f"Unsupported parameter(s) for /v1/responses: {names}.", extra[0])
+    if "input" not in body or body["input"] is None:
+        raise InvalidRequest("Missing required parameter: 'input'.", param="input")
+    truncation = body.get("truncation")
+    if truncation not in (None, "disabled"):
+        raise unsupported("Only 'truncation': 'disabled' is supported.", "truncation")
+    background = _opt_bool(body, "background", False)
+    stream = _opt_bool(body, "stream", False)
+    store = _opt_bool(body, "store", True)
+    if background and not store:
+        raise InvalidRequest("A background response must be stored ('store' true).", param="store")
+    tools = _tools(body.get("tools"))
+    return ResponsesRequest(
+        model=_opt_str(body, "model"),
+        input_items=_input_items(body["input"]),
+        instructions=_opt_str(body, "instructions"),
+        max_output_tokens=_opt_int(body, "max_output_tokens", minimum=1),
+        temperature=_opt_number(body, "temperature"),
+        top_p=_opt_number(body, "top_p"),
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True),
+        text_format=_text_format(body.get("text")),
+        stream=stream,
+        store=store,
+        previous_response_id=_opt_str(body, "previous_response_id"),
+        metadata=_metadata(body.get("metadata")),
+        background=background,
+        user=_opt_str(body, "user"),
+    )
+
+
+# -- scalar fields ------------------------------------------------------------------------
+
+
+def _opt_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequest(f"'{name}' must be a string.", param=name)
+    return value
+
+
+def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{name}' must be a boolean.", param=name)
+    return value
+
+
+def _opt_int(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidRequest(f"'{name}' must be an integer of at least {minimum}.", param=name)
+    return value
+
+
+def _opt_number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"'{name}' must be a number.", param=name)
+    return float(value)
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS:
+        raise InvalidRequest(
+            f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values.",
+            param="metadata",
+        )
+    for k, v in value.items():
+        if len(k) > MAX_METADATA_KEY_CHARS or not isinstance(v, str):
+            raise InvalidRequest(
+                f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and "
+                "values must be strings.",
+                param=f"metadata.{k}",
+            )
+        if len(v) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"'metadata' values are at most {MAX_METADATA_VALUE_CHARS} characters.",
+                param=f"metadata.{k}",
+            )
+    return dict(value)
+
+
+# -- input items --------------------------------------------------------------------------
+
+_ROLES = ("user", "assistant", "system", "developer")
+
+
+def _input_items(value: Any) -> list[dict[str, Any]]:
+    """The input as Responses items in their stored form (ids are added on storing)."""
+    if isinstance(value, str):
+        return [_message("user", [{"type": "input_text", "text": value}])]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(
+            "'input' must be a string or a non-empty list of items.", param="input"
+        )
+    return [_input_item(item, f"input[{i}]") for i, item in enumerate(value)]
+
+
+def _message(role: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": content, "status": "completed"}
+
+
+def _input_item(item: Any, param: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise InvalidRequest("Each input item must be an object.", param=param)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise InvalidRequest(
+                f"An input message's role must be one of {', '.join(_ROLES)}.",
+                param=f"{param}.role",
+            )
+        content = _content(item.get("content"), role, f"{param}.content")
+        return _message(role, content)
+    if kind == "function_call":
+        call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
+        for key, v in (("call_id", call_id), ("name", name), ("arguments", arguments)):
+            if not isinstance(v, str):
+                raise InvalidRequest(
+                    f"A function_call needs a string '{key}'.", param=f"{param}.{key}"
+                )
+        return {
+            "type": "function_call",
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": "completed",
+        }
+    if kind == "function_call_output":
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str):
+            raise InvalidRequest(
+                "A function_call_output needs a 'call_id'.", param=f"{param}.call_id"
+            )
+        if isinstance(output, list):
+            output = _text_of(_content(output, "user", f"{param}.output"))
+        if not isinstance(output, str):
+            raise InvalidRequest(
+                "A function_call_output needs a string 'output'.", param=f"{param}.output"
+            )
+        return {
+            "type": "function_call_output",
+            "call_id": call_id,
+            "output": output,
+            "status": "completed",
+        }
+    raise unsupported(
+        f"Input items of type {kind!r} are not supported; use 'message', 'function_call' "
+        "or 'function_call_output'.",
+        f"{param}.type",
+    )
+
+
+def _content(value: Any, role: str, param: str) -> list[dict[str, Any]]:
+    """Message content as a list of text parts (input_text, or output_text for the
+    assistant's own earlier turns)."""
+    part_type = "output_text" if role == "assistant" else "input_text"
+    if isinstance(value, str):
+        return [_part(part_type, value)]
+    if not isinstance(value, list):
+        raise InvalidRequest("Message content must be a string or a list of parts.", param=param)
+    parts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise unsupported(
+                f"Content parts of type {kind!r} are not supported; only text parts are.",
+                f"{param}[{i}].type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest("A text part needs a string 'text'.", param=f"{param}[{i}].text")
+        parts.append(_part(part_type, text))
+    return parts
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "output_text":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": kind, "text": text}
+
+
+def _text_of(parts: list[dict[str, Any]]) -> str:
+    return "\n".join(str(p.get("text", "")) for p in parts)
+
+
+# -- tools and formats --------------------------------------------------------------------
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest("'tools' must be a list.", param="tools")
+    out = []
+    for i, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise unsupported(
+                f"Tools of type {kind!r} are not supported (no built-in tools here); "
+                "only 'function' tools are.",
+                f"tools[{i}].type",
+            )
+        known = {"type", "name", "description", "parameters", "strict"}
+        extra = sorted(k for k in tool if k not in known)
+        if extra:
+            raise unsupported(f"Unsupported function tool field {extra[0]!r}.", f"tools[{i}]")
+        if not isinstance(tool.get("name"), str):
+            raise InvalidRequest("A function tool needs a string 'name'.", param=f"tools[{i}].name")
+        out.append(
+            {
+                "type": "function",
+                "name": tool["name"],
+                "description": tool.get("description"),
+                "parameters": tool.get("parameters"),
+                "strict": tool.get("strict", True),
+            }
+        )
+    return out
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any]:
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise InvalidRequest(
+                "'tool_choice' must be 'none', 'auto', 'required' or a function.",
+                param="tool_choice",
+            )
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = value.get("name")
+        if not isinstance(name, str) or name not in {t["name"] for t in tools}:
+            raise InvalidRequest(
+                f"'tool_choice' names function {name!r}, which is not in 'tools'.",
+                param="tool_choice.name",
+            )
+        return {"type": "function", "name": name}
+    kind = value.get("type") if isinstance(value, dict) else None
+    raise unsupported(f"'tool_choice' of type {kind!r} is not supported.", "tool_choice")
+
+
+def _text_format(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {"type": "text"}
+    if not isinstance(value, dict):
+        raise InvalidRequest("'text' must be an object.", param="text")
+    extra = sorted(k for k in value if k != "format")
+    if extra:
+        raise unsupported(f"Unsupported parameter 'text.{extra[0]}'.", f"text.{extra[0]}")
+    fmt = value.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("name"), str):
+            raise InvalidRequest("A json_schema format needs a 'name'.", param="text.format.name")
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest(
+                "A json_schema format needs a 'schema'.", param="text.format.schema"
+            )
+        out = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"]}
+        for key in ("description", "strict"):
+            if fmt.get(key) is not None:
+                out[key] = fmt[key]
+        return out
+    raise unsupported(f"'text.format' of type {kind!r} is not supported.", "text.format.type")
+
+
+# -- the chat body ------------------------------------------------------------------------
+
+
+def to_chat_body(req: ResponsesRequest, context: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completion body for ``req`` over the whole conversation ``context``
+    (the previous responses' items, then ``req``'s own input items)."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    messages += chat_messages(context)
+    body: dict[str, Any] = {"messages": messages, "stream": req.stream}
+    if req.model is not None:
+        body["model"] = req.model
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    if req.top_p is not None:
+        body["top_p"] = req.top_p
+    if req.user is not None:
+        body["user"] = req.user
+    if req.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: v
+                    for k, v in (
+                        ("name", t["name"]),
+                        ("description", t["description"]),
+                        ("parameters", t["parameters"]),
+                    )
+                    if v is not None
+                },
+            }
+            for t in req.tools
+        ]
+        choice = req.tool_choice
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice["name"]}}
+            if isinstance(choice, dict)
+            else choice
+        )
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+    fmt = req.text_format
+    if fmt["type"] == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt["type"] == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return body
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses items -> chat messages: consecutive function calls (and the assistant
+    text just before them) are one assistant turn with ``tool_calls``; each output is
+    a ``tool`` message; reasoning items are not replayed to the model."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type")
+        if kind == "message":
+            role = "system" if item["role"] == "developer" else item["role"]
+            out.append({"role": role, "content": _text_of(item["content"])})
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return out
+
+
+def with_ids(items: list[dict[str, Any]], new_id: Callable[[], str]) -> list[dict[str, Any]]:
+    """Input items as stored and listed (``input_items``): each with its own id."""
+    prefix = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+    return [{"id": prefix[str(item["type"])] + new_id(), **item} for item in items]
+
+
+# -- the response object's request half ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseSkeleton:
+    """What a response object says about its request, fixed at creation."""
+
+    response_id: str
+    created_at: int
+    model: str
+    request: ResponsesRequest
+
+    def base(self) -> dict[str, Any]:
+        """The response object before any output (status set by the caller)."""
+        r = self.request
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "in_progress",
+            "background": r.background,
+            "completed_at": None,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "metadata": r.metadata,
+            "model": self.model,
+            "output": [],
+            "parallel_tool_calls": r.parallel_tool_calls,
+            "previous_response_id": r.previous_response_id,
+            "store": r.store,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "text": {"format": r.text_format},
+            "tool_choice": r.tool_choice,
+            "tools": r.tools,
+            "top_p": 1.0 if r.top_p is None else r.top_p,
+            "truncation": "disabled",
+            "usage": None,
+            "user": r.user,
+        }
+
+
+def response_id_of(request_id: str) -> str:
+    """The response id of a generation request (one per response)."""
+    return "resp_" + request_id
+
+
+def request_id_of(response_id: str) -> str | None:
+    """The generation request behind a response id (None: not one of ours)."""
+    if not response_id.startswith("resp_") or len(response_id) > 80:
+        return None
+    rid = response_id[len("resp_") :]
+    return rid if rid and all(c.isalnum() or c in "-_" for c in rid) else None
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,200 @@
+"""Stored responses of the Responses API on Redis, and folding them from output streams.
+
+A stored response (``Keys.response``) is one hash that expires ``responses_ttl_s``
+after creation: ``status``, ``owner`` (the key's hash, as files and batches record
+theirs), ``request`` (the generation request behind it), and JSON fields: ``response``
+(the object as last written), ``base`` (the object before any output: what the event
+framer starts from when it replays the output stream), ``input`` (this response's
+own input items, with ids) and ``context`` (every item of the conversation up to this
+response's output: what ``previous_response_id`` continues from).
+
+Who writes the final object: whoever first sees the request's terminal event and
+calls ``finish``, a check-and-set (Lua) that only moves a response that is not yet
+terminal. That is the web process that created it (its request thread, or for a
+background response a thread that follows the run to its end), or — when that process
+died or its write failed — any web process that reads the response: ``settle`` folds
+the request's output stream, still in Redis for ``stream_ttl_s``, from the start, and
+finishes the object if the stream has ended. So a response never stays ``in_progress``
+because the process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from app.records import RequestState
+from app.responses_events import TERMINAL_STATUSES, ResponseEvents, error_code
+from broker.keys import Keys
+from broker.requests import RequestStore
+from broker.streams import OutputStreams
+
+logger = logging.getLogger(__name__)
+
+# KEYS: response       ARGV: status, response JSON
+# -> 1 written, 0 already terminal (left as it was), -1 no such response
+FINISH = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -1 end
+if status == 'completed' or status == 'failed' or status == 'incomplete'
+   or status == 'cancelled' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'response', ARGV[2])
+return 1
+"""
+
+LOST_MESSAGE = "The response's output expired or was lost before it was stored."
+# Entries read per round trip while folding a stream.
+READ_COUNT = 512
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """One stored response, as ``ResponseStore`` reads and writes it."""
+
+    response_id: str
+    request_id: str
+    owner: str
+    status: str
+    response: dict[str, Any]
+    base: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    context: list[dict[str, Any]]
+    background: bool
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    def with_response(self, response: dict[str, Any]) -> StoredResponse:
+        return StoredResponse(
+            self.response_id,
+            self.request_id,
+            self.owner,
+            str(response["status"]),
+            response,
+            self.base,
+            self.input_items,
+            self.context,
+            self.background,
+        )
+
+
+class ResponseStore:
+    """Stored responses: create, load (per owner), finish once, delete, settle."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        ttl_s: int,
+        requests: RequestStore,
+        outputs: OutputStreams,
+    ) -> None:
+        self.redis = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self.requests = requests
+        self.outputs = outputs
+        self._finish = client.register_script(FINISH)
+
+    def create(self, stored: StoredResponse) -> None:
+        key = self.keys.response(stored.response_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            key,
+            mapping={
+                "status": stored.status,
+                "owner": stored.owner,
+                "request": stored.request_id,
+                "response": _dumps(stored.response),
+                "base": _dumps(stored.base),
+                "input": _dumps(stored.input_items),
+                "context": _dumps(stored.context),
+                "background": "1" if stored.background else "",
+            },
+        )
+        pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    def load(self, response_id: str, scope: str | None) -> StoredResponse | None:
+        """The stored response, or None when missing, expired or another owner's
+        (``scope`` None: any owner's)."""
+        raw: Any = self.redis.hgetall(self.keys.response(response_id))
+        if not raw or b"status" not in raw:
+            return None
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        if scope is not None and fields.get("owner", "") != scope:
+            return None
+        return StoredResponse(
+            response_id=response_id,
+            request_id=fields["request"],
+            owner=fields.get("owner", ""),
+            status=fields["status"],
+            response=json.loads(fields["response"]),
+            base=json.loads(fields["base"]),
+            input_items=json.loads(fields["input"]),
+            context=json.loads(fields["context"]),
+            background=bool(fields.get("background")),
+        )
+
+    def finish(self, response_id: str, response: dict[str, Any]) -> bool:
+        """Write the final object unless the response is already terminal (a cancel,
+        or another process that got there first); whether it was written."""
+        result: Any = self._finish(
+            keys=[self.keys.response(response_id)], args=[response["status"], _dumps(response)]
+        )
+        return int(result) == 1
+
+    def delete(self, response_id: str) -> bool:
+        deleted: Any = self.redis.delete(self.keys.response(response_id))
+        return bool(deleted)
+
+    # -- folding ------------------------------------------------------------------------
+    def fold(self, stored: StoredResponse) -> ResponseEvents:
+        """The request's output stream so far, folded (no blocking read)."""
+        events = ResponseEvents(stored.base, stored.request_id, queued=stored.background)
+        events.opening()
+        cursor = "0-0"
+        while not events.done:
+            entries = self.outputs.read(stored.request_id, cursor, count=READ_COUNT)
+            if not entries:
+                break
+            for eid, batch in entries:
+                cursor = eid
+                for ev in batch:
+                    events.feed(ev)
+        return events
+
+    def settle(self, stored: StoredResponse) -> StoredResponse:
+        """``stored`` brought up to date from its output stream: finished when the stream
+        has ended (by whichever process reads it first), else the object in progress
+        (``queued`` while no worker has started it)."""
+        if stored.terminal:
+            return stored
+        events = self.fold(stored)
+        if events.done:
+            self.finish(stored.response_id, events.response)
+            return self.load(stored.response_id, None) or stored.with_response(events.response)
+        if self.outputs.lost(stored.request_id):
+            failed = {
+                **events.response,
+                "status": "failed",
+                "error": {"code": error_code(500), "message": LOST_MESSAGE},
+            }
+            self.finish(stored.response_id, failed)
+            return self.load(stored.response_id, None) or stored.with_response(failed)
+        response = events.response
+        state = self.requests.state(stored.request_id)
+        quiet = stored.background and events.sequence_number <= 2
+        if quiet and state is not None and state[0] is RequestState.QUEUED:
+            response["status"] = "queued"
+        return stored.with_response(response)

@@ -1,0 +1,271 @@
+"""The Responses API through the official openai SDK against a real stack (echo engine:
+the "model" answers with the last user message, so every text is known)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+import requests
+from pydantic import BaseModel
+
+from tests.e2e.conftest import SLOW_RATE, in_flight
+from tests.stack import Stack, wait_for
+
+pytestmark = pytest.mark.integration
+
+TEXT = "Hello there, my friend! How is 東京 today?"
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def sdk(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return sdk(stack.base_url)
+
+
+@pytest.fixture(scope="module")
+def model(stack: Stack) -> str:
+    return stack.settings.served_name
+
+
+def call(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_create_plain(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.create(
+        model=model, input=TEXT, instructions="Be brief.", metadata={"case": "plain"}
+    )
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
+    assert r.output_text == TEXT
+    (message,) = r.output
+    assert message.type == "message" and message.status == "completed"
+    assert r.usage is not None and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.metadata == {"case": "plain"} and r.instructions == "Be brief."
+    # Stored by default: the same object comes back, and its input items.
+    again = client.responses.retrieve(r.id)
+    assert again.output_text == TEXT and again.status == "completed"
+    items = client.responses.input_items.list(r.id)
+    (item,) = items.data
+    assert item.type == "message" and item.role == "user"
+
+
+def test_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.create(model=model, input=TEXT, max_output_tokens=3)
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 3
+    assert TEXT.startswith(r.output_text) and r.output_text
+
+
+def test_stream_with_the_sdk_helper(client: openai.OpenAI, model: str) -> None:
+    with client.responses.stream(model=model, input=TEXT) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == TEXT and final.output_text == TEXT
+    assert client.responses.retrieve(final.id).output_text == TEXT
+
+
+def test_function_tool_with_named_tool_choice(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.create(
+        model=model,
+        input=call("get_weather", {"city": "Paris"}),
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    (fc,) = r.output
+    assert fc.type == "function_call" and fc.name == "get_weather"
+    assert json.loads(fc.arguments) == {"city": "Paris"} and fc.call_id.startswith("call_")
+    assert r.status == "completed"
+    # The tool loop: the output goes back with previous_response_id.
+    second = client.responses.create(
+        model=model,
+        previous_response_id=r.id,
+        input=[
+            {"type": "function_call_output", "call_id": fc.call_id, "output": "22 C"},
+            {"role": "user", "content": "It is 22 C in Paris."},
+        ],
+        tools=[WEATHER],
+    )
+    assert second.output_text == "It is 22 C in Paris."
+    assert second.previous_response_id == r.id
+
+
+def test_streamed_function_call_events(client: openai.OpenAI, model: str) -> None:
+    with client.responses.stream(
+        model=model,
+        input=call("get_weather", {"city": "Oslo"}),
+        tools=[WEATHER],
+        tool_choice="required",
+    ) as stream:
+        done = [e for e in stream if e.type == "response.function_call_arguments.done"]
+        final = stream.get_final_response()
+    (event,) = done
+    assert json.loads(event.arguments) == {"city": "Oslo"}
+    assert final.output[0].type == "function_call"
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: str) -> None:
+    # The echo engine ignores the constraint (the llama.cpp tests check the grammar):
+    # this checks the wire: text.format's strict schema is accepted and parse() reads it.
+    r = client.responses.parse(model=model, input='{"name": "Ada", "age": 36}', text_format=Person)
+    assert r.output_parsed == Person(name="Ada", age=36)
+    assert r.text is not None and r.text.format is not None
+    assert r.text.format.type == "json_schema"
+
+
+def test_previous_response_id_chains_the_conversation(client: openai.OpenAI, model: str) -> None:
+    first = client.responses.create(model=model, input="My name is Ada.")
+    second = client.responses.create(
+        model=model, previous_response_id=first.id, input="What is my name?"
+    )
+    assert second.output_text == "What is my name?"
+    alone = client.responses.create(model=model, input="What is my name?", store=False)
+    # The chained prompt holds the first turn and its answer.
+    assert first.usage is not None and second.usage is not None and alone.usage is not None
+    assert second.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+    third = client.responses.create(model=model, previous_response_id=second.id, input="Bye.")
+    assert third.usage is not None and third.usage.input_tokens > second.usage.input_tokens
+    # store=False: not retrievable, and cannot be continued from.
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(alone.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=model, previous_response_id=alone.id, input="x")
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_delete(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.create(model=model, input="Short.")
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"max_output_tokens": 10**7}, "max_output_tokens"),
+    ],
+)
+def test_unsupported_fields_are_a_400_naming_them(
+    stack: Stack, model: str, extra: dict[str, Any], param: str
+) -> None:
+    r = requests.post(
+        f"{stack.base_url}/v1/responses", json={"model": model, "input": "x", **extra}, timeout=30
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+# -- background (slow stack: 20 tokens/s, one request at a time) -----------------------------
+
+LONG = " ".join(f"word{i}" for i in range(30))  # ~2-3 s at 20 tokens/s
+
+
+@pytest.fixture()
+def slow(slow_stack: Stack) -> openai.OpenAI:
+    wait_for(lambda: in_flight(slow_stack.settings) == 0, 30, "an idle slow stack")
+    return sdk(slow_stack.base_url)
+
+
+def test_background_create_poll_completed(slow: openai.OpenAI, slow_stack: Stack) -> None:
+    r = slow.responses.create(model=slow_stack.settings.served_name, input=LONG, background=True)
+    assert r.status == "queued" and r.background is True and not r.output
+    seen = set()
+    deadline = time.monotonic() + 30
+    while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        r = slow.responses.retrieve(r.id)
+        seen.add(r.status)
+    assert r.status == "completed" and r.output_text == LONG
+    assert "in_progress" in seen
+    assert r.completed_at is not None and r.completed_at >= r.created_at
+
+
+def key(event: Any) -> tuple[str, int, str]:
+    return event.type, event.sequence_number, getattr(event, "delta", "")
+
+
+def test_background_stream_resumes_with_starting_after(
+    slow: openai.OpenAI, slow_stack: Stack
+) -> None:
+    model = slow_stack.settings.served_name
+    head: list[Any] = []
+    stream = slow.responses.create(model=model, input=LONG, background=True, stream=True)
+    for event in stream:
+        head.append(event)
+        if event.type == "response.output_text.delta" and len(head) >= 8:
+            break
+    stream.close()  # the client goes away mid-stream; the generation goes on
+    last = head[-1].sequence_number
+    response_id = head[0].response.id
+    with slow.responses.stream(response_id=response_id, starting_after=last) as rest:
+        tail = list(rest)
+        final = rest.get_final_response()
+    assert [e.sequence_number for e in tail] == list(range(last + 1, last + 1 + len(tail)))
+    text = "".join(e.delta for e in head + tail if e.type == "response.output_text.delta")
+    assert text == LONG and final.output_text == LONG
+    assert tail[-1].type == "response.completed"
+    # A full replay gives the same events the first stream and the resume gave.
+    replay = list(slow.responses.retrieve(response_id, stream=True))
+    assert [key(e) for e in replay] == [key(e) for e in head + tail]
+    assert slow.responses.retrieve(response_id).status == "completed"
+
+
+def test_background_cancel(slow: openai.OpenAI, slow_stack: Stack) -> None:
+    text = " ".join(f"w{i}" for i in range(int(SLOW_RATE) * 20))  # ~20 s: far from done
+    r = slow.responses.create(model=slow_stack.settings.served_name, input=text, background=True)
+    wait_for(lambda: slow.responses.retrieve(r.id).status == "in_progress", 30, "in_progress")
+    started = time.monotonic()
+    cancelled = slow.responses.cancel(r.id)
+    assert cancelled.status == "cancelled"
+    assert time.monotonic() - started < 5
+    assert slow.responses.retrieve(r.id).status == "cancelled"
+    wait_for(lambda: in_flight(slow_stack.settings) == 0, 10, "the slot freed")
+    # Only background responses can be cancelled; a finished one stays as it was.
+    plain = slow.responses.create(model=slow_stack.settings.served_name, input="Hi.")
+    with pytest.raises(openai.BadRequestError):
+        slow.responses.cancel(plain.id)

@@ -1,0 +1,321 @@
+"""The Responses API's pure half: request translation (app.responses_api) and the event
+framer (app.responses_events), checked against the openai SDK's own types."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+
+from app.errors import InvalidRequest
+from app.messages import FinishReason, OutputEvent, OutputKind, ToolCallDelta
+from app.responses_api import (
+    ResponseSkeleton,
+    chat_messages,
+    parse_responses_request,
+    request_id_of,
+    response_id_of,
+    responses_param,
+    to_chat_body,
+    with_ids,
+)
+from app.responses_events import ResponseEvents
+
+# The SDK's event union, by its ``type`` literal (its discriminator is the SDK's own).
+EVENT_TYPES: dict[str, Any] = {
+    get_args(cls.model_fields["type"].annotation)[0]: cls
+    for cls in get_args(get_args(ResponseStreamEvent)[0])
+}
+
+
+def chat_of(body: dict[str, Any], context: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    req = parse_responses_request(body)
+    return to_chat_body(req, (context or []) + req.input_items)
+
+
+def test_string_input_and_instructions() -> None:
+    chat = chat_of(
+        {
+            "model": "m",
+            "input": "Hi",
+            "instructions": "Be brief.",
+            "max_output_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "stream": True,
+        }
+    )
+    assert chat == {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+        ],
+        "stream": True,
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+    }
+
+
+def test_items_with_function_calls_become_one_assistant_turn() -> None:
+    items = [
+        {"role": "developer", "content": "Rules."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "W?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": "noon"},
+    ]
+    assert chat_of({"input": items})["messages"] == [
+        {"role": "system", "content": "Rules."},
+        {"role": "user", "content": "W?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {
+                    "id": "c2",
+                    "type": "function",
+                    "function": {"name": "g", "arguments": '{"a": 1}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+    ]
+
+
+def test_assistant_text_then_a_call_is_one_turn() -> None:
+    items = [
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Ok"}],
+        },
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+    ]
+    (turn,) = chat_messages(parse_responses_request({"input": items}).input_items)
+    assert turn["content"] == "Ok" and turn["tool_calls"][0]["id"] == "c"
+
+
+def test_tools_tool_choice_and_formats() -> None:
+    tool = {"type": "function", "name": "get", "parameters": {"type": "object"}}
+    chat = chat_of(
+        {
+            "input": "x",
+            "tools": [tool],
+            "tool_choice": {"type": "function", "name": "get"},
+            "text": {"format": {"type": "json_schema", "name": "P", "schema": {"type": "object"}}},
+        }
+    )
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get"}}
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "P", "schema": {"type": "object"}},
+    }
+    assert chat_of({"input": "x", "text": {"format": {"type": "json_object"}}})[
+        "response_format"
+    ] == {"type": "json_object"}
+    assert "response_format" not in chat_of({"input": "x", "text": {"format": {"type": "text"}}})
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "reasoning": {"effort": "low"}, "include": []}, "include"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "background": True, "store": False}, "store"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({}, "input"),
+    ],
+)
+def test_refused_fields_are_named(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_responses_request(body)
+    assert err.value.param == param
+    assert err.value.status == 400
+
+
+def test_chat_params_are_renamed() -> None:
+    assert responses_param("messages") == "input"
+    assert responses_param("messages[2].content") == "input[2].content"
+    assert responses_param("max_tokens") == "max_output_tokens"
+    assert responses_param("response_format.json_schema.schema") == "text.format.schema"
+    assert responses_param("tools[0].function.parameters") == "tools[0].parameters"
+
+
+def test_ids() -> None:
+    assert request_id_of(response_id_of("abc123")) == "abc123"
+    assert request_id_of("chatcmpl-1") is None and request_id_of("resp_a b") is None
+    counter = iter(range(10))
+    items = with_ids(
+        parse_responses_request({"input": "x"}).input_items, lambda: str(next(counter))
+    )
+    assert items[0]["id"] == "msg_0"
+
+
+# -- events ---------------------------------------------------------------------------------
+
+
+def framer(body: dict[str, Any] | None = None, *, queued: bool = False) -> ResponseEvents:
+    req = parse_responses_request(body or {"input": "x", "metadata": {"k": "v"}})
+    base = ResponseSkeleton("resp_r1", 1700000000, "m", req).base()
+    return ResponseEvents(base, "r1", queued=queued)
+
+
+def delta(text: str = "", **kw: Any) -> OutputEvent:
+    return OutputEvent(OutputKind.DELTA, choice=0, text=text, **kw)
+
+
+def final(reason: FinishReason = FinishReason.STOP, **kw: Any) -> OutputEvent:
+    return OutputEvent(OutputKind.FINAL, choice=0, finish_reason=reason, **kw)
+
+
+USAGE = OutputEvent(
+    OutputKind.USAGE,
+    usage={
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "completion_tokens_details": {"reasoning_tokens": 1},
+        "timings": {"e2e_s": 2.4},
+    },
+)
+
+
+def run(events: ResponseEvents, outputs: list[OutputEvent]) -> list[dict[str, Any]]:
+    out = events.opening()
+    for ev in outputs:
+        out += events.feed(ev)
+    for i, ev in enumerate(out):
+        assert ev["sequence_number"] == i
+        EVENT_TYPES[ev["type"]].model_validate(ev, strict=False)  # the SDK's own type
+    return out
+
+
+def test_text_events_in_order_and_the_final_object() -> None:
+    events = framer(queued=True)
+    out = run(events, [delta("Hel"), delta("lo"), final(), USAGE])
+    assert [e["type"] for e in out] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert out[0]["response"]["status"] == "queued"
+    assert out[1]["response"]["status"] == "in_progress"
+    assert out[6]["text"] == "Hello"
+    final_object = Response.model_validate(out[-1]["response"])
+    assert final_object.output_text == "Hello" and final_object.status == "completed"
+    assert final_object.metadata == {"k": "v"}
+    assert final_object.completed_at == 1700000002
+    assert final_object.usage is not None
+    assert final_object.usage.output_tokens_details.reasoning_tokens == 1
+    assert final_object.usage.input_tokens == 5 and final_object.usage.total_tokens == 8
+    assert events.done and events.response == out[-1]["response"]
+    assert events.feed(delta("late")) == []
+
+
+def test_max_tokens_is_incomplete() -> None:
+    out = run(framer(), [delta("ab"), final(FinishReason.LENGTH), USAGE])
+    last = Response.model_validate(out[-1]["response"])
+    assert out[-1]["type"] == "response.incomplete" and last.status == "incomplete"
+    assert last.incomplete_details is not None
+    assert last.incomplete_details.reason == "max_output_tokens"
+    assert last.output[0].status == "incomplete"
+
+
+def test_text_then_tool_calls() -> None:
+    calls = [
+        ToolCallDelta(0, id="call_a", name="get", arguments='{"city": '),
+    ]
+    out = run(
+        framer(),
+        [
+            delta("Let me see."),
+            delta(tool_calls=calls),
+            delta(tool_calls=[ToolCallDelta(0, arguments='"Paris"}')]),
+            delta(tool_calls=[ToolCallDelta(1, id="call_b", name="now", arguments="{}")]),
+            final(FinishReason.TOOL_CALLS),
+            USAGE,
+        ],
+    )
+    types = [e["type"] for e in out]
+    assert types[2:] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    r = Response.model_validate(out[-1]["response"])
+    assert [o.type for o in r.output] == ["message", "function_call", "function_call"]
+    first = r.output[1]
+    assert first.type == "function_call" and first.call_id == "call_a"
+    assert first.arguments == '{"city": "Paris"}' and first.name == "get"
+    assert len({o.id for o in r.output}) == 3
+
+
+def test_reasoning_is_its_own_item() -> None:
+    out = run(framer(), [delta(reasoning="hmm"), delta("Yes"), final(), USAGE])
+    r = Response.model_validate(out[-1]["response"])
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert "response.reasoning_text.delta" in [e["type"] for e in out]
+
+
+def test_request_error_fails_the_response() -> None:
+    err = OutputEvent(OutputKind.ERROR, error="deadline", code=504)
+    out = run(framer(), [delta("a"), final(FinishReason.ERROR, error="deadline", code=504), err])
+    assert [e["type"] for e in out][-2:] == ["error", "response.failed"]
+    r = Response.model_validate(out[-1]["response"])
+    assert r.status == "failed" and r.error is not None and r.error.code == "server_error"
+    assert r.error.message == "deadline"
+
+
+def test_cancelled_ends_incomplete_with_status_cancelled() -> None:
+    out = run(framer(), [delta("a"), final(FinishReason.CANCELLED), USAGE])
+    assert out[-1]["type"] == "response.incomplete"
+    assert out[-1]["response"]["status"] == "cancelled"
+
+
+def test_replay_gives_the_same_events() -> None:
+    outputs = [delta("one "), delta("two"), final(), USAGE]
+    assert run(framer(), outputs) == run(framer(), outputs)
+
+
+def test_other_choices_are_ignored() -> None:
+    events = framer()
+    events.opening()
+    assert events.feed(OutputEvent(OutputKind.DELTA, choice=1, text="x")) == []
