@@ -60,6 +60,7 @@ from app.errors import TokenRelayError
 from app.prepare import BUNDLED_MODEL_NAME, is_complete, prepare_bundled_model
 from app.settings import Settings
 from broker.connection import redis_client
+from broker.sentinel import redact
 from broker.server import free_port, port_is_free, redis_server_args
 from workers.supervise import GiveUp, Supervisor
 from workers.up_options import PROG, Options, load_settings, parse_args
@@ -190,7 +191,7 @@ class Stack:
             f"  API base   {self.urls['api']}   (OpenAI-compatible; model "
             f"{self.settings.served_name!r}, engine {self.settings.engine})\n"
             f"  Flower     {flower_with_auth}   (user {user!r}, password {password!r})\n"
-            f"  Redis      {self.settings.redis_url}\n"
+            f"  Redis      {redact(self.settings.redis_url)}\n"
             f"  logs       {self.log_dir}/\n"
             "Press Ctrl-C to stop."
         )
@@ -213,8 +214,8 @@ class Stack:
                 with contextlib.closing(client):
                     client.ping()
             except (redis.RedisError, ValueError) as exc:  # ValueError: a malformed URL
-                raise UpError(f"cannot reach Redis at {url}: {exc}") from exc
-            say(f"using Redis at {url}")
+                raise UpError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
+            say(f"using Redis at {redact(url)}")
             return url
         port = self.options.redis_port
         if port is None:

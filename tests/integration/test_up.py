@@ -164,3 +164,25 @@ def test_a_damaged_redis_file_is_a_clear_error(tmp_path: Path, models_dir: Path)
     assert f"(e.g. after a crash of the machine), {repair}start empty with --fresh" in out
     assert list(run.recorded_pids()) == ["redis", "up"]  # nothing else was started
     assert not pid_alive(run.recorded_pids()["redis"])
+
+
+def test_a_redis_password_is_never_printed(tmp_path: Path, models_dir: Path) -> None:
+    """An unreachable Redis given with a password: the error names the URL, redacted."""
+    dead = free_port()  # nothing listens there
+    run_dir = tmp_path / "run"
+    run = UpRun(
+        [sys.executable, "-m", "workers.up", "--engine", "echo", "--run-dir", str(run_dir)],
+        up_env(
+            TOKENRELAY_MODELS_DIR=str(models_dir),
+            TOKENRELAY_REDIS_URL=f"redis://:s3cret-pw@127.0.0.1:{dead}/0",
+        ),
+        run_dir,
+        tmp_path / "up.out",
+    )
+    try:
+        assert run.wait_exit(60) == 1
+    finally:
+        run.cleanup()
+    out = run.output()
+    assert f"cannot reach Redis at redis://:***@127.0.0.1:{dead}/0" in out, out
+    assert "s3cret-pw" not in out
