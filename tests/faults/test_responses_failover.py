@@ -1,0 +1,160 @@
+"""Background responses outlive the web process that created them (issue 14's acceptance).
+
+Real processes: one redis-server, a Celery worker (echo engine at 25 tokens/s, so the
+reply below takes seconds), a streamer, and two web servers: A, started per test, and
+B, shared by the module. A background response is created on A through the openai SDK;
+then A's whole process group (gunicorn master and workers, as we started it) is
+SIGKILLed mid-generation, by its PID. Nothing follows the generation any more on A, yet
+it must run to its end, and B must serve it exactly:
+
+- streamed: the client read part of the events on A and resumes on B with
+  ``starting_after`` = the last sequence number it saw; A's events plus B's are one
+  gapless sequence whose text is exactly the echoed text, ending ``response.completed``;
+- polled: the client only polls, on B; the response completes with the exact text,
+  folded by B from the output stream since A (which would have written it) is dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from app.settings import Settings
+from broker.server import RedisServer
+from tests.stack import (
+    Proc,
+    isolated_settings,
+    streamer_process,
+    wait_for,
+    web_process,
+    web_settings,
+    worker_process,
+)
+
+pytestmark = pytest.mark.integration
+
+logger = logging.getLogger(__name__)
+
+RATE = 25.0  # echo tokens per second: the reply below takes ~5 s
+TEXT = " ".join(
+    f"part {i}: the quick brown fox 🦊 jumps over the lazy dog; 東京 is far." for i in range(4)
+)
+READ_BEFORE_FAULT = 8  # text deltas read on A before the fault
+WAIT_S = 30.0  # bound of every wait
+
+
+@dataclass
+class Web:
+    url: str
+    proc: Proc
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
+        )
+
+    def kill_group(self) -> None:
+        """SIGKILL the gunicorn master and its workers: the group we started it in
+        (``start_new_session``), by its PID, never by name."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.popen.wait(10)
+        logger.info("killed web process group %s", self.proc.pid)
+
+
+@dataclass
+class Backbone:
+    settings: Settings
+    logs: Path
+    b: Web
+
+
+def base(settings: Settings) -> str:
+    return f"http://{settings.host}:{settings.port}"
+
+
+@pytest.fixture(scope="module")
+def backbone(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backbone]:
+    logs = tmp_path_factory.mktemp("responses-failover-logs")
+    with RedisServer() as server:
+        settings = isolated_settings(
+            server.url,
+            models_dir,
+            echo_tokens_per_second=RATE,
+            # A disconnect cancels at once: only the background follower may keep the
+            # generation alive, which is what these tests check.
+            resume_grace_s=0.0,
+            sse_keepalive_s=0.5,
+            web_workers=2,
+            web_threads=8,
+        )
+        b_settings = web_settings(settings)
+        with (
+            worker_process(settings, logs),
+            streamer_process(settings, logs),
+            web_process(b_settings, logs, name="web-b") as b,
+        ):
+            yield Backbone(settings, logs, Web(base(b_settings), b))
+
+
+@pytest.fixture
+def web_a(backbone: Backbone) -> Iterator[Web]:
+    a_settings = web_settings(backbone.settings)
+    with web_process(a_settings, backbone.logs, name="web-a") as proc:
+        yield Web(base(a_settings), proc)
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_background_stream_resumes_on_another_web_process(backbone: Backbone, web_a: Web) -> None:
+    model = backbone.settings.served_name
+    head: list[Any] = []
+    stream = web_a.client().responses.create(model=model, input=TEXT, background=True, stream=True)
+    for event in stream:
+        head.append(event)
+        if sum(e.type == "response.output_text.delta" for e in head) >= READ_BEFORE_FAULT:
+            break
+    web_a.kill_group()
+    killed_at = time.monotonic()
+    stream.close()
+    response_id = head[0].response.id
+    last = head[-1].sequence_number
+    assert 0 < len(text_of(head)) < len(TEXT)
+    with backbone.b.client().responses.stream(response_id=response_id, starting_after=last) as rest:
+        tail = list(rest)
+        final = rest.get_final_response()
+    logger.info("resumed and finished on B %.2f s after the kill", time.monotonic() - killed_at)
+    assert [e.sequence_number for e in head + tail] == list(range(len(head) + len(tail)))
+    assert text_of(head) + text_of(tail) == TEXT
+    assert tail[-1].type == "response.completed" and final.output_text == TEXT
+    stored = backbone.b.client().responses.retrieve(response_id)
+    assert stored.status == "completed" and stored.output_text == TEXT
+
+
+def test_polled_background_response_completes_after_its_web_process_died(
+    backbone: Backbone, web_a: Web
+) -> None:
+    model = backbone.settings.served_name
+    created = web_a.client().responses.create(model=model, input=TEXT, background=True)
+    assert created.status == "queued"
+    b = backbone.b.client()
+    wait_for(lambda: len(b.responses.retrieve(created.id).output_text) > 10, WAIT_S, "some output")
+    web_a.kill_group()
+
+    def finished() -> Any:
+        r = b.responses.retrieve(created.id)
+        return r if r.status not in ("queued", "in_progress") else None
+
+    done = wait_for(finished, WAIT_S, "a terminal status", interval=0.2)
+    assert done.status == "completed" and done.output_text == TEXT
+    assert done.usage is not None and done.usage.output_tokens > 0
