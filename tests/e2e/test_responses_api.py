@@ -13,7 +13,7 @@ import requests
 from pydantic import BaseModel
 
 from tests.e2e.conftest import SLOW_RATE, in_flight
-from tests.stack import Stack, wait_for
+from tests.stack import Stack, wait_for, web_process, web_settings
 
 pytestmark = pytest.mark.integration
 
@@ -187,6 +187,22 @@ def test_delete(client: openai.OpenAI, model: str) -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"max_output_tokens": 10**7}, "max_output_tokens"),
+        (
+            {
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "t",
+                        "schema": {"type": "array", "uniqueItems": True},
+                    }
+                }
+            },
+            "text.format.schema",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].type",
+        ),
     ],
 )
 def test_unsupported_fields_are_a_400_naming_them(
@@ -198,6 +214,41 @@ def test_unsupported_fields_are_a_400_naming_them(
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_responses_belong_to_their_api_key(stack: Stack) -> None:
+    alpha, beta, admin = "k-alpha", "k-beta", "k-admin"
+    settings = web_settings(
+        stack.settings,
+        api_keys=[alpha, beta, admin],
+        admin_api_keys=[admin],
+        web_workers=1,
+        web_threads=8,
+    )
+    with web_process(settings, stack.log_dir, name="web-responses-keys"):
+        url = f"http://{settings.host}:{settings.port}/v1"
+        a, b, root = (
+            openai.OpenAI(base_url=url, api_key=k, max_retries=0, timeout=30)
+            for k in (alpha, beta, admin)
+        )
+        r = a.responses.create(model=settings.served_name, input="Mine.")
+        assert a.responses.retrieve(r.id).output_text == "Mine."
+        for attempt in (
+            lambda: b.responses.retrieve(r.id),
+            lambda: b.responses.retrieve(r.id, stream=True),
+            lambda: b.responses.input_items.list(r.id),
+            lambda: b.responses.cancel(r.id),
+            lambda: b.responses.delete(r.id),
+            lambda: b.responses.create(
+                model=settings.served_name, previous_response_id=r.id, input="x"
+            ),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                attempt()
+        assert root.responses.retrieve(r.id).output_text == "Mine."  # an admin key sees all
+        a.responses.delete(r.id)
+        with pytest.raises(openai.NotFoundError):
+            root.responses.retrieve(r.id)
 
 
 # -- background (slow stack: 20 tokens/s, one request at a time) -----------------------------
