@@ -182,6 +182,8 @@ class ResponseStore:
             return stored
         events = self.fold(stored)
         if events.done:
+            # The follower that would have freed its admission slot may be gone.
+            self.requests.release(stored.request_id)
             self.finish(stored.response_id, events.response)
             return self.load(stored.response_id, None) or stored.with_response(events.response)
         if self.outputs.lost(stored.request_id):

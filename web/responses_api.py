@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import redis
 from flask import Blueprint, Response, current_app, g, request
 
 from app.errors import InvalidRequest, NotFound, TokenRelayError
@@ -59,6 +60,48 @@ UNARY_TICK_S = 0.25
 # How long a cancel waits for the stream's own end (partial output and usage) before
 # it marks the response cancelled itself.
 CANCEL_SETTLE_S = 2.0
+
+
+class BackgroundView(Run):
+    """A client streaming a background response: it follows the output but owns nothing.
+
+    The generation belongs to the background follower (or, once that process is gone,
+    to nobody: it runs to its end), so a client that stalls, times out or leaves never
+    cancels it; leaving only stops following. Once the end was read, the admission slot
+    is released (idempotent), in case the follower's process died."""
+
+    def _stalled(self) -> None:
+        logger.info("a client of background request %s stopped reading", self.request_id)
+
+    def close(
+        self,
+        *,
+        disconnected: bool = False,
+        resumable: bool = False,
+        error: BaseException | None = None,
+    ) -> None:
+        if self.ended and not self.ended_here:
+            try:
+                self.runner.store.release(self.request_id)
+            except redis.RedisError as exc:
+                logger.warning("could not release request %s: %s", self.request_id, exc)
+        self.detach()
+
+
+def _view(stored: StoredResponse) -> Run:
+    """A run over a stored response's output from its start: a ``BackgroundView`` for a
+    background response, else an ordinary resumed run (``Runner.resume``)."""
+    runner = runner_of(current_app)
+    if not stored.background:
+        return runner.resume(stored.request_id, None, route=ROUTE, scope=None)
+    loaded = runner.store.load(stored.request_id)
+    if loaded is None:
+        raise NotFound(
+            f"The events of response '{stored.response_id}' have expired.",
+            param="response_id",
+            code="stream_not_found",
+        )
+    return BackgroundView(runner, runner.intake.restore(loaded[0]))
 
 
 def _store() -> ResponseStore:
@@ -161,8 +204,8 @@ def create_response() -> Response:
             _follow_in_background(run, stored, store)
             if not req.stream:
                 return _json(stored.response)
-            # The background thread owns ``run``; this stream is one more follower.
-            return _stream(Run(runner, run.prepared), stored, None, -1)
+            # The background thread owns ``run``; this stream only watches.
+            return _stream(BackgroundView(runner, run.prepared), stored, None, -1)
         if req.stream:
             return _stream(run, stored, store if req.store else None, -1)
         return _unary(run, stored, store if req.store else None)
@@ -287,10 +330,7 @@ def get_response(response_id: str) -> Response:
             raise InvalidRequest(
                 "'starting_after' must be an integer sequence number.", param="starting_after"
             ) from None
-        run = runner_of(current_app).resume(
-            stored.request_id, None, route=ROUTE, scope=tenant.scope
-        )
-        return _stream(run, stored, store, after)
+        return _stream(_view(stored), stored, store, after)
     return _json(store.settle(stored).response)
 
 

@@ -30,6 +30,7 @@ import pytest
 
 from app.settings import Settings
 from broker.server import RedisServer
+from tests.e2e.conftest import in_flight
 from tests.stack import (
     Proc,
     isolated_settings,
@@ -139,6 +140,7 @@ def test_background_stream_resumes_on_another_web_process(backbone: Backbone, we
     assert tail[-1].type == "response.completed" and final.output_text == TEXT
     stored = backbone.b.client().responses.retrieve(response_id)
     assert stored.status == "completed" and stored.output_text == TEXT
+    assert in_flight(backbone.settings) == 0
 
 
 def test_polled_background_response_completes_after_its_web_process_died(
@@ -158,3 +160,5 @@ def test_polled_background_response_completes_after_its_web_process_died(
     done = wait_for(finished, WAIT_S, "a terminal status", interval=0.2)
     assert done.status == "completed" and done.output_text == TEXT
     assert done.usage is not None and done.usage.output_tokens > 0
+    # A's follower never freed the admission slot; B did when it saw the end.
+    assert in_flight(backbone.settings) == 0
