@@ -39,6 +39,9 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 # KEYS: per request i (4 each): lease, tokens, req, cancel
 # ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
 #       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done)
+# The token stream gets its TTL on an attempt's first publish and again on the last (an
+# EXPIRE on a stream not created yet does nothing: a first publish without tokens would
+# otherwise leave the stream without a TTL for ever).
 # -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested
 PUBLISH = """
 local out = {}
@@ -54,7 +57,7 @@ for i = 0, n - 1 do
     if ARGV[a + 2] ~= '' then
       redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2])
     end
-    if flags % 2 == 1 then redis.call('EXPIRE', tok, ARGV[2]) end
+    if flags ~= 0 then redis.call('EXPIRE', tok, ARGV[2]) end
     if flags >= 2 then
       redis.call('DEL', lease)
       redis.call('HSET', req, 'state', 'done', 'worker', '')

@@ -313,7 +313,8 @@ class EngineThread(threading.Thread):
             logger.info("publishing to redis again")
         for (act, pitem), status in zip(items, statuses, strict=True):
             act.unpublished = []
-            act.first = False
+            if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
+                act.first = False
             act.last_publish = now
             if status is PublishStatus.FENCED:
                 act.outcome = TaskOutcome.FENCED

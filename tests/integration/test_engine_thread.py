@@ -13,11 +13,18 @@ from typing import Any
 import pytest
 import redis
 
-from app.messages import EngineFinish, StopConditions
+from app.messages import EngineFinish, StopConditions, TokenDelta
 from app.records import RequestRecord
 from broker.celery_app import TaskOutcome
 from broker.keys import Keys
-from broker.requests import ClaimResult, RequestStore, lease_value
+from broker.requests import (
+    ClaimResult,
+    PublishItem,
+    PublishStatus,
+    RequestStore,
+    encode_deltas,
+    lease_value,
+)
 from broker.server import RedisServer
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
@@ -240,3 +247,22 @@ def test_a_request_claimed_anew_here_supersedes_its_older_run(store: RequestStor
     finally:
         thread.stop()
         thread.join(5)
+
+
+def test_a_first_publish_without_tokens_still_gives_the_stream_its_ttl(
+    store: RequestStore,
+) -> None:
+    """An attempt's first publish was only a lease refresh: its EXPIRE found no stream
+    yet, and the token streams of finished requests stayed in Redis for ever (found by
+    benchmarks/memory.py: every request of a run left one). The last publish sets the
+    TTL too, and the worker keeps "first" until it has published tokens."""
+    item = start_request(store, "late", 3)
+    rid, lease = item.request_id, item.lease_value
+    refresh = PublishItem(rid, lease, 0, b"", first=True, done=False)
+    assert store.publish([refresh], 5.0) == [PublishStatus.OK]
+    assert not store.redis.exists(store.keys.tokens(rid))  # nothing to expire yet
+    payload = encode_deltas([TokenDelta(0, [100, 101])])
+    assert store.publish([PublishItem(rid, lease, 0, payload, first=False, done=True)], 5.0) == [
+        PublishStatus.OK
+    ]
+    assert 0 < store.redis.ttl(store.keys.tokens(rid)) <= store.stream_ttl_s
