@@ -34,8 +34,9 @@ from app.lenient_json import loads_lenient
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
-ENDPOINTS: tuple[str, ...] = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
+RESPONSES_ENDPOINT = "/v1/responses"  # lines are not stored; no previous_response_id
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+ENDPOINTS: tuple[str, ...] = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT)
 # OpenAI accepts only "24h"; the window is the batch's deadline (then: expired).
 COMPLETION_WINDOWS: dict[str, int] = {"24h": 24 * 3600}
 

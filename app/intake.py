@@ -13,12 +13,18 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
 from app.chat_template import PromptBuilder
-from app.errors import ContextLengthExceeded, InvalidRequest, NotFound, NotImplementedFeature
+from app.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    NotFound,
+    NotImplementedFeature,
+    TokenRelayError,
+)
 from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
 from app.messages import OutputConstraint
@@ -32,6 +38,12 @@ from app.protocol import (
     to_stop_conditions,
 )
 from app.records import QueueName, RequestRecord
+from app.responses_api import (
+    ResponsesRequest,
+    parse_responses_request,
+    responses_param,
+    to_chat_body,
+)
 from app.settings import Settings
 from app.tools import (
     FunctionName,
@@ -47,6 +59,9 @@ class Endpoint(str, Enum):
 
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    # Translated to a chat request (app.responses_api); here without stored state
+    # (batch lines): the HTTP route adds previous_response_id's context itself.
+    RESPONSES = "/v1/responses"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +114,8 @@ class PreparedRequest:
     record: RequestRecord
     shape: ResponseShape
     stream: bool
+    # The Responses API request behind a RESPONSES record (its object echoes it).
+    responses: ResponsesRequest | None = None
 
     @property
     def request_id(self) -> str:
@@ -372,6 +389,8 @@ class Intake:
             raise InvalidRequest("The request body must be a JSON object.")
         if stream is not None:
             body = {**body, "stream": stream}
+        if endpoint is Endpoint.RESPONSES:
+            return self._prepare_responses(body, queue=queue, request_id=request_id, owner=owner)
         req: ChatCompletionRequest | CompletionRequest
         if endpoint is Endpoint.CHAT:
             req = parse_chat_request(body, **self.limits.parse_args())
@@ -388,6 +407,28 @@ class Intake:
         if owner:
             record = record.model_copy(update={"owner": owner})
         return PreparedRequest(endpoint, record, shape_of(record), stream=bool(req.stream))
+
+    def _prepare_responses(
+        self, body: dict[str, Any], *, queue: QueueName, request_id: str | None, owner: str
+    ) -> PreparedRequest:
+        """A Responses body with no stored state to draw on: its own input only."""
+        responses = parse_responses_request(body)
+        for name in ("previous_response_id", "background"):
+            if getattr(responses, name):
+                raise InvalidRequest(
+                    f"'{name}' needs stored responses: use POST /v1/responses.",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        chat = to_chat_body(responses, responses.input_items)
+        try:
+            prepared = self.prepare(
+                Endpoint.CHAT, chat, queue=queue, request_id=request_id, owner=owner
+            )
+        except TokenRelayError as exc:
+            exc.param = responses_param(exc.param)
+            raise
+        return replace(prepared, endpoint=Endpoint.RESPONSES, responses=responses)
 
     def restore(self, record: RequestRecord) -> PreparedRequest:
         """A stored request again (a client resuming its stream on another process)."""

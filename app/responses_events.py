@@ -22,8 +22,10 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import event_error
+from app.errors import StreamError, event_error
 from app.messages import FinishReason, OutputEvent, OutputKind, ToolCallDelta
+from app.records import RequestRecord
+from app.responses_api import ResponseSkeleton, ResponsesRequest, response_id_of
 
 TERMINAL_STATUSES = frozenset({"completed", "failed", "incomplete", "cancelled"})
 
@@ -123,6 +125,9 @@ class ResponseEvents:
         self.finish_reason: FinishReason | None = None
         self._error: dict[str, Any] | None = None
         self._usage: dict[str, Any] | None = None
+        # The request's error (or its one choice's): what a non-streaming caller
+        # answers with when there is no output to show.
+        self.failure: StreamError | None = None
         self.done = False
 
     @property
@@ -180,6 +185,7 @@ class ResponseEvents:
             self.finish_reason = ev.finish_reason
             error = event_error(ev)
             if error is not None and self._error is None:
+                self.failure = error
                 self._error = {"code": error_code(error.status), "message": str(error)}
             return self._close()
         if ev.kind is OutputKind.USAGE:
@@ -187,9 +193,9 @@ class ResponseEvents:
             self._response["usage"] = usage_object(ev.usage)
             return self._finish()
         if ev.kind is OutputKind.ERROR:
-            error = event_error(ev)
-            message = str(error) if error is not None else "The response failed."
-            status = error.status if error is not None else 500
+            error = event_error(ev) or StreamError("The response failed.", 500)
+            self.failure = error
+            message, status = str(error), error.status
             self._error = {"code": error_code(status), "message": message}
             out = self._close()
             out.append(self._event("error", code=error_code(status), message=message, param=None))
@@ -329,3 +335,48 @@ class ResponseEvents:
             r["completed_at"] = int(r["created_at"] + float(timings.get("e2e_s", 0.0)))
         out.append(self._event(kind, response=self.response))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseObject:
+    """A finished response object (what ``ResponsesFold.response`` gives)."""
+
+    body: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.body
+
+
+class ResponsesFold:
+    """``ResponseEvents`` behind ``app.fold.ResponseFold``'s interface, so the batch
+    driver folds a ``/v1/responses`` line as it folds a chat line."""
+
+    def __init__(self, request: ResponsesRequest, record: RequestRecord) -> None:
+        rid = record.request_id
+        base = ResponseSkeleton(
+            response_id_of(rid), int(record.created), record.model, request
+        ).base()
+        self.events = ResponseEvents(base, rid)
+        self.events.opening()
+
+    def feed(self, ev: OutputEvent) -> None:
+        self.events.feed(ev)
+
+    @property
+    def done(self) -> bool:
+        return self.events.done
+
+    @property
+    def failure(self) -> StreamError | None:
+        """Why there is no response to show: it failed without any output."""
+        response = self.events.response
+        if self.events.failure is not None and not response["output"]:
+            return self.events.failure
+        return None
+
+    @property
+    def aborted(self) -> bool:
+        return self.events.finish_reason is FinishReason.CANCELLED
+
+    def response(self) -> ResponseObject:
+        return ResponseObject(self.events.response)

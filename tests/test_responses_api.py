@@ -20,7 +20,9 @@ from app.responses_api import (
     to_chat_body,
     with_ids,
 )
-from app.responses_events import ResponseEvents
+from app.responses_events import ResponseEvents, ResponsesFold
+from app.settings import Settings
+from tests.stack import make_record
 
 # The SDK's event union, by its ``type`` literal (its discriminator is the SDK's own).
 EVENT_TYPES: dict[str, Any] = {
@@ -319,3 +321,22 @@ def test_other_choices_are_ignored() -> None:
     events = framer()
     events.opening()
     assert events.feed(OutputEvent(OutputKind.DELTA, choice=1, text="x")) == []
+
+
+def test_the_batch_fold_answers_like_the_chat_fold() -> None:
+    record = make_record(Settings(), [[1, 2]])
+    req = parse_responses_request({"input": "x"})
+    ok = ResponsesFold(req, record)
+    for ev in (delta("Hi"), final(), USAGE):
+        ok.feed(ev)
+    assert ok.done and ok.failure is None and not ok.aborted
+    body = Response.model_validate(ok.response().to_dict())
+    assert body.id == "resp_" + record.request_id and body.output_text == "Hi"
+    failed = ResponsesFold(req, record)
+    failed.feed(final(FinishReason.ERROR, error="bad prompt", code=400))
+    failed.feed(OutputEvent(OutputKind.ERROR, error="bad prompt", code=400))
+    assert failed.done and failed.failure is not None and failed.failure.status == 400
+    cancelled = ResponsesFold(req, record)
+    for ev in (delta("a"), final(FinishReason.CANCELLED), USAGE):
+        cancelled.feed(ev)
+    assert cancelled.aborted

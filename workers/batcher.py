@@ -66,6 +66,7 @@ from app.batches import (
 from app.fold import ResponseFold
 from app.intake import Endpoint, PreparedRequest, shape_of
 from app.records import RequestRecord, RequestState
+from app.responses_events import ResponsesFold
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, FileQuota, FileStore, Transition
 from broker.celery_app import send_generate
@@ -106,7 +107,7 @@ class LineRun:
     index: int
     custom_id: str
     run: Run
-    fold: ResponseFold
+    fold: ResponseFold | ResponsesFold
 
     @property
     def request_id(self) -> str:
@@ -440,7 +441,9 @@ class BatchDriver:
         return replace(prepared, record=record, shape=shape_of(record))
 
     def _line_run(self, line: PlannedLine[PreparedRequest], prepared: PreparedRequest) -> LineRun:
-        fold = ResponseFold.for_shape(prepared.shape)
+        fold: ResponseFold | ResponsesFold = ResponseFold.for_shape(prepared.shape)
+        if prepared.responses is not None:  # a /v1/responses line: a response object
+            fold = ResponsesFold(prepared.responses, prepared.record)
         run = self.runner.follow(prepared, notify=self.output_ready)
         return LineRun(line.index, line.custom_id, run, fold)
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import requests
+from openai.types.responses import Response
 from pydantic import BaseModel
 
 from tests.e2e.conftest import SLOW_RATE, in_flight
-from tests.stack import Stack, wait_for, web_process, web_settings
+from tests.stack import Stack, batcher_process, wait_for, web_process, web_settings
 
 pytestmark = pytest.mark.integration
 
@@ -249,6 +251,62 @@ def test_responses_belong_to_their_api_key(stack: Stack) -> None:
         a.responses.delete(r.id)
         with pytest.raises(openai.NotFoundError):
             root.responses.retrieve(r.id)
+
+
+def test_batch_lines_of_the_responses_endpoint(
+    stack: Stack, client: openai.OpenAI, model: str, tmp_path: Path
+) -> None:
+    lines = [
+        {
+            "custom_id": "plain",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": model, "input": TEXT, "metadata": {"n": "1"}},
+        },
+        {
+            "custom_id": "tool",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {
+                "model": model,
+                "input": call("get_weather", {"city": "Rome"}),
+                "tools": [WEATHER],
+                "tool_choice": "required",
+            },
+        },
+        {
+            "custom_id": "chained",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": model, "input": "x", "previous_response_id": "resp_x"},
+        },
+    ]
+    data = "\n".join(json.dumps(line) for line in lines).encode()
+    with batcher_process(stack.settings, tmp_path):
+        upload = client.files.create(file=("in.jsonl", data), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.output_file_id is not None
+    out = {
+        line["custom_id"]: line
+        for line in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())
+    }
+    plain = Response.model_validate(out["plain"]["response"]["body"])
+    assert plain.output_text == TEXT and plain.status == "completed"
+    assert plain.metadata == {"n": "1"} and plain.usage is not None
+    tool = Response.model_validate(out["tool"]["response"]["body"])
+    (fc,) = tool.output
+    assert fc.type == "function_call" and json.loads(fc.arguments) == {"city": "Rome"}
+    assert batch.error_file_id is not None
+    (err,) = map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
+    assert err["custom_id"] == "chained"
+    assert err["response"]["body"]["error"]["param"] == "previous_response_id"
 
 
 # -- background (slow stack: 20 tokens/s, one request at a time) -----------------------------
