@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.records import DEADLINE_GRACE_S
+
 EngineName = Literal["llamacpp", "exllamav2", "echo"]
 
 
@@ -125,7 +127,10 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="Deadline of a request, from its arrival."
     )
     stream_ttl_s: int = Field(
-        default=3600, ge=10, description="TTL of request records and token/output streams."
+        default=3600,
+        ge=10,
+        description="TTL of request records and token/output streams; must exceed "
+        "request_timeout_s + 30 s (a record must outlive its request).",
     )
 
     # Web
@@ -305,6 +310,18 @@ class Settings(BaseSettings):
         missing = [k for k in self.admin_api_keys if k not in self.api_keys]
         if missing:
             raise ValueError("every key in admin_api_keys must also be listed in api_keys")
+        return self
+
+    @model_validator(mode="after")
+    def _records_outlive_requests(self) -> Settings:
+        """A request's record and streams must outlive the request: one that expired
+        mid-generation would be recreated by the next publish without a TTL, and its
+        client would lose the stream. The deadline is request_timeout_s plus a grace."""
+        if self.stream_ttl_s <= self.request_timeout_s + DEADLINE_GRACE_S:
+            raise ValueError(
+                f"stream_ttl_s ({self.stream_ttl_s}) must exceed request_timeout_s "
+                f"({self.request_timeout_s:g}) + {DEADLINE_GRACE_S:g} s"
+            )
         return self
 
     def to_env(self) -> dict[str, str]:

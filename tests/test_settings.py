@@ -80,3 +80,11 @@ def test_settings_are_frozen() -> None:
     settings = Settings()
     with pytest.raises(ValidationError):
         settings.port = 1  # type: ignore[misc]
+
+
+def test_records_must_outlive_the_requests_they_describe() -> None:
+    """A record or stream that expired mid-generation would be recreated by the next
+    publish without a TTL (found by benchmarks/memory.py): refused at start instead."""
+    with pytest.raises(ValidationError, match=r"stream_ttl_s \(600\) must exceed"):
+        Settings(stream_ttl_s=600, request_timeout_s=600)
+    assert Settings(stream_ttl_s=91, request_timeout_s=60).stream_ttl_s == 91
