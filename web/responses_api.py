@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -42,8 +43,9 @@ from app.responses_api import (
     with_ids,
 )
 from app.responses_events import Event, ResponseEvents
+from app.settings import Settings
 from broker.responses import ResponseStore, StoredResponse
-from broker.run import Run
+from broker.run import Run, Runner
 from web import sse
 from web.auth import Tenant, tenant_of
 from web.bodies import json_body
@@ -104,15 +106,18 @@ def _view(stored: StoredResponse) -> Run:
     return BackgroundView(runner, runner.intake.restore(loaded[0]))
 
 
-def _store() -> ResponseStore:
-    runner = runner_of(current_app)
+def response_store(runner: Runner, settings: Settings) -> ResponseStore:
     return ResponseStore(
         runner.redis,
         runner.store.keys,
-        ttl_s=settings_of(current_app).responses_ttl_s,
+        ttl_s=settings.responses_ttl_s,
         requests=runner.store,
         outputs=runner.outputs,
     )
+
+
+def _store() -> ResponseStore:
+    return response_store(runner_of(current_app), settings_of(current_app))
 
 
 def _tenant() -> Tenant:
@@ -164,54 +169,119 @@ def _previous_items(store: ResponseStore, req: ResponsesRequest, tenant: Tenant)
     ]
 
 
-@blueprint.post(ROUTE)
-def create_response() -> Response:
-    runner = runner_of(current_app)
-    tenant = _tenant()
-    req = parse_responses_request(json_body(request))
-    store = _store()
+@dataclass(frozen=True, slots=True)
+class StartedResponse:
+    """A response whose generation was admitted and submitted.
+
+    ``run`` is what the caller frames (None for a background response nobody watches:
+    the background thread owns the generation); ``store`` is where the caller writes
+    the final object when it reads the end (None: not stored, or the background
+    thread writes it)."""
+
+    request: ResponsesRequest
+    stored: StoredResponse
+    run: Run | None
+    store: ResponseStore | None
+
+
+def start_response(
+    runner: Runner,
+    settings: Settings,
+    body: Any,
+    tenant: Tenant,
+    *,
+    route: str = ROUTE,
+    stream: bool | None = None,
+) -> StartedResponse:
+    """Translate, admit and submit one Responses body; store it when asked. Shared by
+    the HTTP route and the WebSocket's ``response`` message (``stream`` True there)."""
+    if stream is not None and isinstance(body, dict):
+        body = {**body, "stream": stream}
+    req = parse_responses_request(body)
+    store = response_store(runner, settings)
     context = _previous_items(store, req, tenant) + with_ids(
         req.input_items, lambda: uuid.uuid4().hex
     )
     chat = to_chat_body(req, context)
     try:
-        run = runner.start(Endpoint.CHAT, chat, route=ROUTE, owner=tenant.owner)
+        run = runner.start(Endpoint.CHAT, chat, route=route, owner=tenant.owner)
     except TokenRelayError as exc:
         exc.param = responses_param(exc.param)
         raise
-    if not g.client_request_id:
-        g.request_id = run.request_id
     try:
         rid = run.request_id
         base = ResponseSkeleton(
             response_id_of(rid), int(run.record.created), runner.model_name, req
         ).base()
-        own_input = context[len(context) - len(req.input_items) :]
+        status = "queued" if req.background else "in_progress"
         stored = StoredResponse(
             response_id=base["id"],
             request_id=rid,
             owner=tenant.owner,
-            status="queued" if req.background else "in_progress",
-            response={**base, "status": "queued" if req.background else "in_progress"},
+            status=status,
+            response={**base, "status": status},
             base=base,
-            input_items=own_input,
+            input_items=context[len(context) - len(req.input_items) :],
             context=context,
             background=req.background,
         )
         if req.store:
             store.create(stored)
-        if req.background:
-            _follow_in_background(run, stored, store)
-            if not req.stream:
-                return _json(stored.response)
-            # The background thread owns ``run``; this stream only watches.
-            return _stream(BackgroundView(runner, run.prepared), stored, None, -1)
-        if req.stream:
-            return _stream(run, stored, store if req.store else None, -1)
-        return _unary(run, stored, store if req.store else None)
+        if not req.background:
+            return StartedResponse(req, stored, run, store if req.store else None)
+        _follow_in_background(run, stored, store)
     except BaseException as exc:
         run.close(error=exc)
         raise
+    # The background thread owns ``run``; a stream only watches.
+    view = BackgroundView(runner, run.prepared) if req.stream else None
+    return StartedResponse(req, stored, view, None)
+
+
+@blueprint.post(ROUTE)
+def create_response() -> Response:
+    started = start_response(
+        runner_of(current_app), settings_of(current_app), json_body(request), _tenant()
+    )
+    if not g.client_request_id:
+        g.request_id = started.stored.request_id
+    run = started.run
+    if run is None:
+        return _json(started.stored.response)
+    try:
+        if started.request.stream:
+            return _stream(run, started.stored, started.store, -1)
+        return _unary(run, started.stored, started.store)
+    except BaseException as exc:
+        run.close(error=exc)
+        raise
+
+
+def relay(
+    started: StartedResponse,
+    send: Callable[[Event], bool],
+    stopped: Callable[[], bool],
+    tick_s: float,
+) -> None:
+    """Send a started response's events (``send`` returns False once its client is
+    gone) until the end, storing the final object; the caller closes the run."""
+    run, stored = started.run, started.stored
+    assert run is not None
+    events = ResponseEvents(stored.base, stored.request_id, queued=stored.background)
+    for ev in events.opening():
+        if not send(ev):
+            return
+    while not events.done and not stopped():
+        item = run.next(tick_s)
+        if item is None:
+            if run.ended:
+                break
+            continue
+        for ev in events.feed(item[1]):
+            if not send(ev):
+                return
+    if events.done and started.store is not None:
+        started.store.finish(stored.response_id, events.response)
 
 
 def _follow_in_background(run: Run, stored: StoredResponse, store: ResponseStore) -> None:

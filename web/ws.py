@@ -51,6 +51,7 @@ from app.timings import timings_from_usage
 from broker.run import Run, Runner
 from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
 from web.context import runner_of, settings_of
+from web.responses_api import StartedResponse, relay, start_response
 from web.resume import parse_event_id
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,17 @@ class Ping:
     id: str | None = None
 
 
-ClientMessage = ChatStart | ResumeChat | CancelChat | Ping
-_KINDS = ("chat", "resume", "cancel", "ping")
+@dataclass(frozen=True, slots=True)
+class ResponseStart:
+    """``{"type": "response", "id": ..., <Responses API body>}`` (``web.responses_api``):
+    answered with ``response_event`` messages, then ``done``."""
+
+    id: str
+    body: dict[str, Any]
+
+
+ClientMessage = ChatStart | ResponseStart | ResumeChat | CancelChat | Ping
+_KINDS = ("chat", "response", "resume", "cancel", "ping")
 
 
 class RejectedMessage(Exception):
@@ -142,7 +152,7 @@ def parse_client_message(raw: str | bytes, *, max_bytes: int) -> ClientMessage:
     if too_large is not None:
         # Still read (it is under the hard limit) so the client learns which request
         # failed, and a chat gets its done like any other rejected request.
-        raise RejectedMessage(too_large, msg_id, final=kind in ("chat", "resume"))
+        raise RejectedMessage(too_large, msg_id, final=kind in ("chat", "response", "resume"))
     if kind == "ping":
         return Ping(msg_id)
     if kind not in _KINDS:
@@ -168,6 +178,8 @@ def parse_client_message(raw: str | bytes, *, max_bytes: int) -> ClientMessage:
         return CancelChat(msg_id)
     if kind == "resume":
         return _resume_message(msg_id, body)
+    if kind == "response":
+        return ResponseStart(msg_id, body)
     return ChatStart(msg_id, body)
 
 
@@ -390,7 +402,7 @@ class ChatSocket:
         else:
             self.start(msg)
 
-    def start(self, msg: ChatStart | ResumeChat) -> None:
+    def start(self, msg: ChatStart | ResponseStart | ResumeChat) -> None:
         with self._state_lock:
             duplicate = msg.id in self._running
         if duplicate:
@@ -401,8 +413,15 @@ class ChatSocket:
             )
             self.send(error_message(rej, msg.id))
             return
+        started: StartedResponse | None = None
         try:
-            if isinstance(msg, ChatStart):
+            if isinstance(msg, ResponseStart):
+                started = start_response(
+                    self.runner, self.settings, msg.body, self.tenant, route=WS_PATH, stream=True
+                )
+                assert started.run is not None  # streamed: always watched
+                run = started.run
+            elif isinstance(msg, ChatStart):
                 run = self.runner.start(
                     Endpoint.CHAT, msg.body, route=WS_PATH, stream=True, owner=self.tenant.owner
                 )
@@ -418,10 +437,13 @@ class ChatSocket:
             return
         with self._state_lock:
             self._running[msg.id] = run
-        self.send({"type": "started", "id": msg.id, "request_id": run.request_id})
+        started_msg = {"type": "started", "id": msg.id, "request_id": run.request_id}
+        if started is not None:
+            started_msg["response_id"] = started.stored.response_id
+        self.send(started_msg)
         threading.Thread(
-            target=self._follow,
-            args=(msg.id, run),
+            target=self._follow if started is None else self._follow_response,
+            args=(msg.id, run) if started is None else (msg.id, started),
             name=f"ws-reader-{run.request_id[:8]}",
             daemon=True,
         ).start()
@@ -439,6 +461,28 @@ class ChatSocket:
                 logger.exception("cancelling request %s failed", run.request_id)
 
     # -- one request's output ---------------------------------------------------------------
+    def _follow_response(self, id: str, started: StartedResponse) -> None:
+        """Relay one Responses API run: each typed event in a ``response_event``."""
+        run = started.run
+        assert run is not None
+        error: BaseException | None = None
+        try:
+            relay(
+                started,
+                lambda ev: self.send({"type": "response_event", "id": id, "event": ev}),
+                self._closed.is_set,
+                READ_BLOCK_S,
+            )
+        except Exception as exc:
+            logger.exception("relaying response %s to a WebSocket failed", run.request_id)
+            error = exc
+            self.send(error_message(exc, id))
+        finally:
+            run.close(disconnected=self._closed.is_set(), resumable=True, error=error)
+            with self._state_lock:
+                self._running.pop(id, None)
+            self.send(done_message(id))
+
     def _follow(self, id: str, run: Run) -> None:
         """Relay one run to the socket until its terminal event or the socket's end."""
         error: BaseException | None = None

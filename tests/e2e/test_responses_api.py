@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+import websocket
 from openai.types.responses import Response
 from pydantic import BaseModel
 
@@ -307,6 +308,38 @@ def test_batch_lines_of_the_responses_endpoint(
     (err,) = map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
     assert err["custom_id"] == "chained"
     assert err["response"]["body"]["error"]["param"] == "previous_response_id"
+
+
+def test_websocket_response_messages(stack: Stack, client: openai.OpenAI, model: str) -> None:
+    ws = websocket.create_connection(stack.base_url.replace("http", "ws") + "/v1/ws", timeout=15)
+    try:
+        ws.send(json.dumps({"type": "response", "id": "r1", "model": model, "input": TEXT}))
+        ws.send(
+            json.dumps(
+                {"type": "response", "id": "bad", "input": "x", "tools": [{"type": "web_search"}]}
+            )
+        )
+        by_id: dict[str, list[dict[str, Any]]] = {"r1": [], "bad": []}
+        done: set[str] = set()
+        while done != {"r1", "bad"}:
+            message = json.loads(ws.recv())
+            if message["type"] == "done":
+                done.add(message["id"])
+            else:
+                by_id[message["id"]].append(message)
+    finally:
+        ws.close()
+    started, *events = by_id["r1"]
+    assert started["type"] == "started" and started["response_id"].startswith("resp_")
+    typed = [m["event"] for m in events]
+    assert all(m["type"] == "response_event" for m in events)
+    assert [e["sequence_number"] for e in typed] == list(range(len(typed)))
+    assert typed[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in typed if e["type"] == "response.output_text.delta") == TEXT
+    # Stored like an HTTP response: retrievable, and a conversation to continue.
+    assert client.responses.retrieve(started["response_id"]).output_text == TEXT
+    (error,) = by_id["bad"]
+    assert error["type"] == "error" and error["error"]["param"] == "tools[0].type"
 
 
 # -- background (slow stack: 20 tokens/s, one request at a time) -----------------------------
