@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
 import redis
@@ -60,6 +61,7 @@ def run(
     n_tokens: int,
     models_dir: Path,
     rate: float = 0.0,
+    streamers: int = 1,
 ) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         settings = isolated_settings(
@@ -70,80 +72,77 @@ def run(
         store = RequestStore(client, keys)
         celery_app = create_celery(settings)
         prompt = [1000 + (i % 30000) for i in range(n_tokens)]  # no EOS inside
-        with worker_process(settings, Path(logs)) as worker:
-            streamer_ctx = streamer_process(settings, Path(logs)) if stage == "relay" else None
-            streamer = streamer_ctx.__enter__() if streamer_ctx else None
-            try:
-                pids = {"worker": worker.pid, "redis": server.proc.pid}  # type: ignore[union-attr]
-                if streamer:
-                    pids["streamer"] = streamer.pid
-                records = []
-                now = time.time()
-                for _ in range(n_requests):
-                    records.append(
-                        RequestRecord(
-                            request_id=uuid.uuid4().hex,
-                            model=settings.served_name,
-                            prompts=[prompt],
-                            sampling=SamplingParams(temperature=0.0),
-                            stop=StopConditions(max_tokens=n_tokens, eos_token_ids=(2,)),
-                            created=now,
-                            deadline=now + 600,
-                        )
+        with worker_process(settings, Path(logs)) as worker, ExitStack() as running:
+            pids = {"worker": worker.pid, "redis": server.proc.pid}  # type: ignore[union-attr]
+            for i in range(streamers if stage == "relay" else 0):
+                name = "streamer" if streamers == 1 else f"streamer{i + 1}"
+                proc = running.enter_context(streamer_process(settings, Path(logs), name=name))
+                pids[name] = proc.pid
+            records = []
+            now = time.time()
+            for _ in range(n_requests):
+                records.append(
+                    RequestRecord(
+                        request_id=uuid.uuid4().hex,
+                        model=settings.served_name,
+                        prompts=[prompt],
+                        sampling=SamplingParams(temperature=0.0),
+                        stop=StopConditions(max_tokens=n_tokens, eos_token_ids=(2,)),
+                        created=now,
+                        deadline=now + 600,
                     )
-                cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
-                t0 = time.time()
-                for r in records:
-                    store.submit(r, celery_app)
-                lat: list[float] = []
-                ttft_added: list[float] = []
-                ttft: list[float] = []
-                delivered = 0
-                if stage == "worker":
-                    pending = {r.request_id for r in records}
-                    while pending:
-                        for rid in list(pending):
-                            st = store.state(rid)
-                            if st and st[0] is RequestState.DONE:
-                                pending.discard(rid)
-                        time.sleep(0.01)
-                    delivered = sum(
-                        len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
-                    )
-                else:
-                    cursors = {keys.output(r.request_id): "0-0" for r in records}
-                    seen_first: set[str] = set()
-                    while cursors:
-                        res = client.xread(cursors, count=1024, block=1000)
-                        recv = time.time()
-                        for key_raw, entries in res or []:
-                            key = key_raw.decode()
-                            for eid, fields in entries:
-                                cursors[key] = eid
-                                # The worker's publish time (µs), else the entry id (ms).
-                                src_ms = (
-                                    float(fields[b"p"])
-                                    if b"p" in fields
-                                    else int(fields[b"s"].split(b"-")[0]) / 1000
-                                )
-                                for ev in decode_events(fields[b"e"]):
-                                    if ev.kind is OutputKind.DELTA:
-                                        if key not in seen_first:
-                                            seen_first.add(key)
-                                            ttft_added.append(recv - src_ms)
-                                            ttft.append(recv - t0)
-                                        lat.append(recv - src_ms)
-                                    if ev.kind is OutputKind.USAGE and ev.usage:
-                                        delivered += ev.usage["completion_tokens"]
-                                    if is_terminal(ev):
-                                        cursors.pop(key, None)
-                elapsed = time.time() - t0
-                cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
-            finally:
-                if streamer_ctx:
-                    streamer_ctx.__exit__(None, None, None)
+                )
+            cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+            t0 = time.time()
+            for r in records:
+                store.submit(r, celery_app)
+            lat: list[float] = []
+            ttft_added: list[float] = []
+            ttft: list[float] = []
+            delivered = 0
+            if stage == "worker":
+                pending = {r.request_id for r in records}
+                while pending:
+                    for rid in list(pending):
+                        st = store.state(rid)
+                        if st and st[0] is RequestState.DONE:
+                            pending.discard(rid)
+                    time.sleep(0.01)
+                delivered = sum(
+                    len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
+                )
+            else:
+                cursors = {keys.output(r.request_id): "0-0" for r in records}
+                seen_first: set[str] = set()
+                while cursors:
+                    res = client.xread(cursors, count=1024, block=1000)
+                    recv = time.time()
+                    for key_raw, entries in res or []:
+                        key = key_raw.decode()
+                        for eid, fields in entries:
+                            cursors[key] = eid
+                            # The worker's publish time (µs), else the entry id (ms).
+                            src_ms = (
+                                float(fields[b"p"])
+                                if b"p" in fields
+                                else int(fields[b"s"].split(b"-")[0]) / 1000
+                            )
+                            for ev in decode_events(fields[b"e"]):
+                                if ev.kind is OutputKind.DELTA:
+                                    if key not in seen_first:
+                                        seen_first.add(key)
+                                        ttft_added.append(recv - src_ms)
+                                        ttft.append(recv - t0)
+                                    lat.append(recv - src_ms)
+                                if ev.kind is OutputKind.USAGE and ev.usage:
+                                    delivered += ev.usage["completion_tokens"]
+                                if is_terminal(ev):
+                                    cursors.pop(key, None)
+            elapsed = time.time() - t0
+            cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
         out: dict[str, object] = {
             "stage": stage,
+            "streamers": streamers if stage == "relay" else 0,
             "engine_rate_per_request": rate or "unlimited",
             "requests": n_requests,
             "tokens_per_request": n_tokens,
@@ -177,12 +176,20 @@ def main() -> int:
         help="echo tokens/s per request (0 = unlimited); a paced run shows the latency the "
         "relay adds when it is not saturated",
     )
+    parser.add_argument(
+        "--streamers",
+        default="1",
+        help="streamer processes in the relay stage; a comma-separated list (1,2,4) runs "
+        "the relay stage once for each",
+    )
     args = parser.parse_args()
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
     prepare_bundled_model(models_dir)
     stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
     for stage in stages:
-        print(json.dumps(run(stage, args.requests, args.tokens, models_dir, args.rate), indent=2))
+        for n in [int(x) for x in args.streamers.split(",")] if stage == "relay" else [1]:
+            result = run(stage, args.requests, args.tokens, models_dir, args.rate, streamers=n)
+            print(json.dumps(result, indent=2))
     return 0
 
 

@@ -88,6 +88,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--models-dir", type=Path)
     parser.add_argument("--log-dir", help="keep the processes' logs here")
+    parser.add_argument("--web-workers", type=int, default=2, help="gunicorn worker processes")
     args = parser.parse_args()
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
     prepare_bundled_model(models_dir)
@@ -100,6 +101,7 @@ def main() -> int:
             echo_tokens_per_second=args.rate,
             worker_slots=args.clients,
             max_queue=args.clients * 2,
+            web_workers=args.web_workers,
         )
         with full_stack(settings, Path(logs)) as stack:
             web_pid = stack.procs["web"].pid
@@ -126,6 +128,7 @@ def main() -> int:
         json.dumps(
             {
                 "clients": args.clients,
+                "web_workers": args.web_workers,
                 "tokens_per_stream": args.tokens,
                 "engine_rate": args.rate,
                 "completed_exact": len(ok),
