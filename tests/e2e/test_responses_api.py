@@ -404,6 +404,8 @@ def test_background_cancel(slow: openai.OpenAI, slow_stack: Stack) -> None:
     started = time.monotonic()
     cancelled = slow.responses.cancel(r.id)
     assert cancelled.status == "cancelled"
+    # What it had written before the cancel, and no more.
+    assert text.startswith(cancelled.output_text) and len(cancelled.output_text) < len(text)
     assert time.monotonic() - started < 5
     assert slow.responses.retrieve(r.id).status == "cancelled"
     wait_for(lambda: in_flight(slow_stack.settings) == 0, 10, "the slot freed")
