@@ -484,12 +484,14 @@ def report(results: list[Measurement], concurrencies: list[int], names: list[str
                 f"| {ms(s.ttft_p50)} / {ms(s.ttft_p95)} | {ms(s.gap_p50)} / {ms(s.gap_p95)} "
                 f"| {s.tok_chunk:.2f} | {s.cpu:.0f} | {s.foreign:.0f} | {s.failed} |"
             )
-    lines += [
-        "",
-        "| tokenrelay / peer | conc | tok/s | TTFT p50 | TTFT p95 | gap p50 | gap p95 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for peer in (n for n in names if n != TOKENRELAY):
+    peers = [n for n in names if n != TOKENRELAY]
+    if peers:
+        lines += [
+            "",
+            "| tokenrelay / peer | conc | tok/s | TTFT p50 | TTFT p95 | gap p50 | gap p95 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    for peer in peers:
         for c in concurrencies:
             t, p = table[TOKENRELAY, c], table[peer, c]
             pairs = [
