@@ -16,12 +16,16 @@ output stream into the stored object (``ResponseStore.settle``). ``GET
 /v1/responses/{id}?stream=true&starting_after=N`` replays the request's output stream
 from its start through the same framer, which numbers events deterministically, and
 sends the events after N: exact from any web process, after any disconnect.
+
+``start_response`` and ``relay`` are shared with the WebSocket's ``response`` message
+(``web.ws``), so both transports store, chain and background responses alike.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -432,7 +436,7 @@ def cancel_response(response_id: str) -> Response:
     runner.cancel(stored.request_id)
     deadline = runner.clock() + CANCEL_SETTLE_S
     while not stored.terminal and runner.clock() < deadline:
-        threading.Event().wait(0.05)
+        time.sleep(0.05)
         stored = store.settle(stored)
     if not stored.terminal:
         store.finish(response_id, {**stored.response, "status": "cancelled"})
