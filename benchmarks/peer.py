@@ -70,6 +70,17 @@ TOKENRELAY = "tokenrelay"
 # -- building llama-server ----------------------------------------------------------------
 
 
+def extract_vendored(sdist: Path, version: str, dest: Path) -> None:
+    """Unpack only the sdist's ``vendor/llama.cpp`` to ``dest`` (whole, or not at all)."""
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar, tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        if not members:
+            raise SystemExit(f"{sdist} has no {prefix}")
+        tar.extractall(tmp, members=members, filter="data")
+        Path(tmp, prefix).rename(dest)
+
+
 def build_llama_server(cache: Path, version: str, sdist: Path | None, jobs: int) -> Path:
     """The cached ``llama-server`` binary, built first if absent (minutes on 2 cores)."""
     binary = cache / "build" / "bin" / "llama-server"
@@ -82,13 +93,7 @@ def build_llama_server(cache: Path, version: str, sdist: Path | None, jobs: int)
             pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
             subprocess.run([*pip, "--dest", str(cache), f"{PACKAGE}=={version}"], check=True)
             sdist = next(cache.glob(f"llama_cpp_python-{version}.tar.gz"))
-        prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
-        with tarfile.open(sdist) as tar, tempfile.TemporaryDirectory(dir=cache) as tmp:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-            if not members:
-                raise SystemExit(f"{sdist} has no {prefix}")
-            tar.extractall(tmp, members=members, filter="data")
-            Path(tmp, prefix).rename(src)
+        extract_vendored(sdist, version, src)
     configure = [
         "cmake", "-S", str(src), "-B", str(cache / "build"), "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
