@@ -527,8 +527,10 @@ def report(results: list[Measurement], concurrencies: list[int], names: list[str
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads (all cores)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument(
         "--requests", type=int, default=0, help="per measurement (default: max(16, 2 x conc))"
