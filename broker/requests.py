@@ -99,6 +99,7 @@ class RequestStore:
         self._claim = client.register_script(scripts.CLAIM)
         self._resume = client.register_script(scripts.RESUME)
         self._publish = client.register_script(scripts.PUBLISH)
+        self._refresh_leases = client.register_script(scripts.REFRESH_LEASES)
         self._admit = client.register_script(scripts.ADMIT)
 
     # -- web tier -----------------------------------------------------------------
@@ -273,6 +274,15 @@ class RequestStore:
         if not items:
             return []
         return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
+
+    def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:
+        """Extend the leases ``(request_id, lease_value)`` still held with those values;
+        how many were. Only the lease: tokens and cancels wait for the next publish."""
+        if not leases:
+            return 0
+        keys = [self.keys.lease(rid) for rid, _ in leases]
+        args: list[int | str] = [int(lease_ttl_s * 1000), *(value for _, value in leases)]
+        return int(self._refresh_leases(keys=keys, args=args))
 
     # -- lost-worker detection (streamers) -----------------------------------------
     def lease_alive(self, rid: str) -> bool:

@@ -71,6 +71,21 @@ end
 return out
 """
 
+# KEYS: leases; ARGV: lease_ttl_ms, then the lease value expected for each key
+# Keeps the leases of requests still ours alive while one engine step runs long (see
+# workers/lease_keeper.py); a lease that is gone or another's is left alone.
+# -> how many were refreshed
+REFRESH_LEASES = """
+local n = 0
+for i, lease in ipairs(KEYS) do
+  if redis.call('GET', lease) == ARGV[i + 1] then
+    redis.call('PEXPIRE', lease, ARGV[1])
+    n = n + 1
+  end
+end
+return n
+"""
+
 # KEYS: inflight zset, inflight weights hash
 # ARGV: now, limit, rid, deadline, weight, owner, owner_limit
 # Admission across every web process: requests in flight (pruned at their deadline,

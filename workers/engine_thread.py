@@ -7,7 +7,8 @@ worker's thread count is its backpressure. Each loop iteration:
 1. admits new jobs (without blocking while the engine has work),
 2. runs one ``engine.step()``,
 3. publishes every request's new token ids in ONE Redis round trip (a Lua script that
-   also refreshes each lease and reports cancels and lost leases),
+   also refreshes each lease and reports cancels and lost leases; a step that runs longer
+   than a third of a lease has them refreshed meanwhile by ``workers.lease_keeper``),
 4. cancels jobs whose request was cancelled, fenced, or ran past its deadline.
 
 A job that fails is reported as an error on its token stream; nothing a job does can
@@ -33,6 +34,7 @@ from broker.celery_app import GenerateResult, TaskOutcome
 from broker.requests import PublishItem, PublishStatus, RequestStore, encode_deltas
 from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
+from workers.lease_keeper import LeaseKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,10 @@ class EngineThread(threading.Thread):
         self.tokens_total = 0  # token ids produced (monitoring: rate() gives tokens/s)
         self.batch_size = 0  # choices running at the last step
         self.engine_stats: dict[str, float] = {}
+        # When the running engine step began (monotonic; None between steps): the lease
+        # keeper refreshes leases while a step outlasts a third of a lease.
+        self.step_started: float | None = None
+        self.lease_keeper = LeaseKeeper(self, store, lease_ttl_s=lease_ttl_s)
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -120,9 +126,15 @@ class EngineThread(threading.Thread):
     def active_requests(self) -> int:
         return len(self._active)
 
+    def held_leases(self) -> list[tuple[str, str]]:
+        """``(request_id, lease_value)`` of every request this thread generates (for the
+        lease keeper, from its own thread: a copy of the dict taken in one call)."""
+        return [(rid, act.handle.item.lease_value) for rid, act in dict(self._active).items()]
+
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
         faults = Backoff(initial_s=0.1, max_s=2.0)  # a bug that repeats must not spin
+        self.lease_keeper.start()
         while not self._stopping.is_set():
             try:
                 self.iterate()
@@ -132,6 +144,7 @@ class EngineThread(threading.Thread):
                 self._stopping.wait(faults.delay_s)
             else:
                 faults.recovered()
+        self.lease_keeper.stop()
         self._abandon_all("worker shutting down")
 
     def iterate(self) -> None:
@@ -141,11 +154,14 @@ class EngineThread(threading.Thread):
         self._admit(block=not self.engine.has_work())
         steps = []
         if self.engine.has_work():
+            self.step_started = time.monotonic()
             try:
                 steps = self.engine.step()
             except Exception:
                 logger.exception("engine step failed; failing its active jobs")
                 self._fail_all_jobs(ENGINE_FAILURE_MESSAGE)
+            finally:
+                self.step_started = None
             self.steps += 1
         for s in steps:
             rid = self._job_owner.get(s.job_id)

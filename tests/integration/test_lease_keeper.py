@@ -1,0 +1,115 @@
+"""The lease keeper against a real redis-server: a step longer than a lease no longer
+loses the request to another worker; a wedged one still does (its leases expire)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from app.messages import StopConditions
+from app.records import RequestRecord
+from broker.celery_app import TaskOutcome
+from broker.requests import ClaimResult, RequestStore, lease_value
+from workers.engine_thread import EngineThread, WorkItem
+from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
+from workers.engines.echo import EchoEngine
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 1.0
+SLOW_STEP_S = 3.5  # three and a half leases
+
+
+class OneSlowStep(Engine):
+    """A real echo engine whose first step after ``arm()`` takes ``SLOW_STEP_S``, as a
+    long prefill on a loaded machine does."""
+
+    name = "slow-once"
+
+    def __init__(self) -> None:
+        self.inner = EchoEngine(tokens_per_second=100)
+        self.armed = False
+        self.slept = False
+
+    def submit(self, job: EngineJob) -> None:
+        self.inner.submit(job)
+
+    def cancel(self, job_id: str) -> None:
+        self.inner.cancel(job_id)
+
+    def step(self) -> list[EngineStep]:
+        if self.armed and not self.slept:
+            self.slept = True
+            time.sleep(SLOW_STEP_S)
+        return self.inner.step()
+
+    def has_work(self) -> bool:
+        return self.inner.has_work()
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+
+def claimed(store: RequestStore, rid: str) -> WorkItem:
+    now = time.time()
+    store.create(
+        RequestRecord(
+            request_id=rid,
+            model="m",
+            prompts=[list(range(100, 110))],
+            stop=StopConditions(max_tokens=11, eos_token_ids=(2,)),
+            created=now,
+            deadline=now + 60,
+        )
+    )
+    assert store.claim(rid, 0, "w", LEASE_S, now) is ClaimResult.OK
+    job = EngineJob(
+        job_id=f"{rid}/0",
+        prompt_ids=list(range(100, 110)),
+        choices=[ChoiceJob(0, 11)],
+        eos_token_ids=frozenset({2}),
+    )
+    return WorkItem(rid, 0, lease_value("w", 0), [job], deadline=now + 60)
+
+
+def run_through_a_slow_step(store: RequestStore, *, max_step_s: float | None) -> tuple[str, Any]:
+    engine = OneSlowStep()
+    thread = EngineThread(engine, store, lease_ttl_s=LEASE_S)
+    if max_step_s is not None:
+        thread.lease_keeper.max_step_s = max_step_s
+    thread.start()
+    try:
+        rid = f"slow-{uuid.uuid4().hex[:6]}"
+        engine.armed = True
+        handle = thread.submit(claimed(store, rid))
+        lease_seen: list[bool] = []
+        deadline = time.monotonic() + SLOW_STEP_S + 5
+        while not handle.done.is_set() and time.monotonic() < deadline:
+            if engine.slept and thread.step_started is not None:
+                lease_seen.append(store.lease_alive(rid))
+            time.sleep(0.1)
+        assert handle.wait(10)
+        return rid, (handle.result, lease_seen, thread.lease_keeper.refreshed)
+    finally:
+        thread.stop()
+        thread.join(5)
+
+
+def test_a_step_longer_than_the_lease_keeps_the_request(store: RequestStore) -> None:
+    rid, (result, lease_seen, refreshed) = run_through_a_slow_step(store, max_step_s=None)
+    assert result is not None and result.outcome is TaskOutcome.DONE, result
+    assert lease_seen and all(lease_seen), "the lease lapsed during the long step"
+    assert refreshed >= 3  # about one refresh per third of a lease, for 3.5 leases
+    assert store.progress(rid, 1)[0].token_ids == [*range(100, 110), 2]
+
+
+def test_a_wedged_step_lets_the_lease_expire(store: RequestStore) -> None:
+    # A step that runs past max_step_s counts as wedged: no more refreshes, the lease
+    # expires, another worker may resume the request; this one is fenced.
+    _rid, (result, lease_seen, _refreshed) = run_through_a_slow_step(store, max_step_s=1.5)
+    assert result is not None and result.outcome is TaskOutcome.FENCED, result
+    assert lease_seen and not lease_seen[-1]
