@@ -51,8 +51,11 @@ class _Item:
             return {"type": "reasoning_text", "text": text}
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def body(self, status: str) -> dict[str, Any]:
+    def body(self, status: str, *, added: bool = False) -> dict[str, Any]:
+        """The item as an object; ``added``: as ``output_item.added`` shows it (no
+        content part yet: ``content_part.added`` brings it), else with the text so far."""
         text = "".join(self.text)
+        content = [] if added else [self.part(text)]
         if self.kind == "function_call":
             return {
                 "id": self.item_id,
@@ -63,7 +66,6 @@ class _Item:
                 "arguments": text,
             }
         if self.kind == "reasoning":
-            content = [self.part(text)] if status != "in_progress" else []
             return {
                 "id": self.item_id,
                 "type": "reasoning",
@@ -76,7 +78,7 @@ class _Item:
             "type": "message",
             "status": status,
             "role": "assistant",
-            "content": [self.part(text)] if status != "in_progress" else [],
+            "content": content,
         }
 
 
@@ -211,7 +213,7 @@ class ResponseEvents:
             self._event(
                 "response.output_item.added",
                 output_index=item.output_index,
-                item=item.body("in_progress"),
+                item=item.body("in_progress", added=True),
             )
         )
         if item.kind != "function_call":

@@ -481,6 +481,11 @@ class OutputHub:
                 continue
             with self._lock:
                 subs = list(self._subs.get(key, ()))  # none: unsubscribed meanwhile
+            # A subscription made during this read, from a cursor below the one the read
+            # began at, waits for the next read (from its own cursor): handed these
+            # entries, it would skip the ones between its cursor and the read's.
+            began = _id_order(streams[key])
+            subs = [sub for sub in subs if _id_order(sub.cursor) >= began]
             for eid_raw, fields in entries:
                 eid = _s(eid_raw)
                 raw = fields[b"e"]

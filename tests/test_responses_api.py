@@ -340,3 +340,13 @@ def test_the_batch_fold_answers_like_the_chat_fold() -> None:
     for ev in (delta("a"), final(FinishReason.CANCELLED), USAGE):
         cancelled.feed(ev)
     assert cancelled.aborted
+
+
+def test_the_object_in_progress_holds_the_text_so_far() -> None:
+    events = framer()
+    out = events.opening() + events.feed(delta("Hel")) + events.feed(delta("lo"))
+    added = next(e for e in out if e["type"] == "response.output_item.added")
+    assert added["item"]["content"] == []  # content_part.added brings the part
+    snapshot = Response.model_validate(events.response)
+    assert snapshot.status == "in_progress" and snapshot.output_text == "Hello"
+    assert snapshot.output[0].status == "in_progress"

@@ -159,7 +159,15 @@ def test_polled_background_response_completes_after_its_web_process_died(
     created = web_a.client().responses.create(model=model, input=TEXT, background=True)
     assert created.status == "queued"
     b = backbone.b.client()
-    wait_for(lambda: len(b.responses.retrieve(created.id).output_text) > 10, WAIT_S, "some output")
+
+    def some_output() -> Any:
+        r = b.responses.retrieve(created.id)
+        return r if len(r.output_text) > 10 else None
+
+    partial = wait_for(some_output, WAIT_S, "some output")
+    # Killed mid-generation: A has not written the final object.
+    assert partial.status == "in_progress" and TEXT.startswith(partial.output_text)
+    assert len(partial.output_text) < len(TEXT)
     web_a.kill_group()
 
     def finished() -> Any:
