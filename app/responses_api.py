@@ -46,6 +46,12 @@ SUPPORTED_FIELDS = frozenset(
         "truncation",
     }
 )
+# Accepted and ignored: hints that change nothing a client relies on here.
+IGNORED_FIELDS = frozenset(
+    {"prompt_cache_key", "safety_identifier", "service_tier", "stream_options"}
+)
+# Accepted only empty (null, [] or {}: what SDKs may send by default).
+EMPTY_ONLY_FIELDS = frozenset({"include", "reasoning"})
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -109,7 +115,13 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     """Check a Responses body; a 400 naming the first field that is wrong or unsupported."""
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    extra = sorted(k for k in body if k not in SUPPORTED_FIELDS)
+    extra = sorted(
+        k
+        for k, v in body.items()
+        if k not in SUPPORTED_FIELDS
+        and k not in IGNORED_FIELDS
+        and not (k in EMPTY_ONLY_FIELDS and not v)
+    )
     if extra:
         names = ", ".join(repr(k) for k in extra)
         raise unsupported(f"Unsupported parameter(s) for /v1/responses: {names}.", extra[0])

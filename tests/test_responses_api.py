@@ -130,7 +130,8 @@ def test_tools_tool_choice_and_formats() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "x", "reasoning": {"effort": "low"}, "include": []}, "include"),
+        ({"input": "x", "reasoning": {"effort": "low"}, "include": []}, "reasoning"),
+        ({"input": "x", "top_logprobs": 2, "prompt": {"id": "p"}}, "prompt"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
@@ -151,6 +152,22 @@ def test_refused_fields_are_named(body: dict[str, Any], param: str) -> None:
         parse_responses_request(body)
     assert err.value.param == param
     assert err.value.status == 400
+
+
+def test_harmless_hints_are_accepted() -> None:
+    body = {
+        "input": "x",
+        "include": [],
+        "reasoning": None,
+        "prompt_cache_key": "k",
+        "safety_identifier": "u1",
+        "service_tier": "auto",
+        "stream_options": {"include_obfuscation": False},
+    }
+    assert chat_of(body)["messages"] == [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidRequest) as err:
+        parse_responses_request({"input": "x", "include": ["reasoning.encrypted_content"]})
+    assert err.value.param == "include"
 
 
 def test_chat_params_are_renamed() -> None:
