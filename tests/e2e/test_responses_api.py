@@ -356,6 +356,11 @@ def slow(slow_stack: Stack) -> openai.OpenAI:
 def test_background_create_poll_completed(slow: openai.OpenAI, slow_stack: Stack) -> None:
     r = slow.responses.create(model=slow_stack.settings.served_name, input=LONG, background=True)
     assert r.status == "queued" and r.background is True and not r.output
+    with pytest.raises(openai.BadRequestError) as err:  # not finished: nothing to continue
+        slow.responses.create(
+            model=slow_stack.settings.served_name, previous_response_id=r.id, input="next"
+        )
+    assert err.value.body["param"] == "previous_response_id"  # type: ignore[index]
     seen = set()
     deadline = time.monotonic() + 30
     while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
