@@ -27,10 +27,12 @@ from typing import Any
 
 import openai
 import pytest
+import redis
 
 from app.settings import Settings
+from broker.keys import Keys
+from broker.requests import RequestStore
 from broker.server import RedisServer
-from tests.e2e.conftest import in_flight
 from tests.stack import (
     Proc,
     isolated_settings,
@@ -111,6 +113,15 @@ def web_a(backbone: Backbone) -> Iterator[Web]:
     a_settings = web_settings(backbone.settings)
     with web_process(a_settings, backbone.logs, name="web-a") as proc:
         yield Web(base(a_settings), proc)
+
+
+def in_flight(settings: Settings) -> int:
+    """Requests holding an admission slot right now."""
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        return RequestStore(client, Keys(settings.key_prefix)).in_flight(time.time())
+    finally:
+        client.close()
 
 
 def text_of(events: list[Any]) -> str:
