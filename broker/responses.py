@@ -4,9 +4,10 @@ A stored response (``Keys.response``) is one hash that expires ``responses_ttl_s
 after creation: ``status``, ``owner`` (the key's hash, as files and batches record
 theirs), ``request`` (the generation request behind it), and JSON fields: ``response``
 (the object as last written), ``base`` (the object before any output: what the event
-framer starts from when it replays the output stream), ``input`` (this response's
-own input items, with ids) and ``context`` (every item of the conversation up to this
-response's output: what ``previous_response_id`` continues from).
+framer starts from when it replays the output stream) and ``input`` (this response's
+own input items, with ids). A conversation is not copied into each response (that
+would grow quadratically with an agent's turns): ``conversation`` walks the
+``previous_response_id`` links back and joins each response's input and output.
 
 Who writes the final object: whoever first sees the request's terminal event and
 calls ``finish``, a check-and-set (Lua) that only moves a response that is not yet
@@ -46,6 +47,8 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'response', ARGV[2])
 return 1
 """
 
+# The longest conversation ``conversation`` walks (a guard; each turn is one round trip).
+MAX_CHAIN = 10_000
 LOST_MESSAGE = "The response's output expired or was lost before it was stored."
 # Entries read per round trip while folding a stream.
 READ_COUNT = 512
@@ -66,7 +69,6 @@ class StoredResponse:
     response: dict[str, Any]
     base: dict[str, Any]
     input_items: list[dict[str, Any]]
-    context: list[dict[str, Any]]
     background: bool
 
     @property
@@ -82,7 +84,6 @@ class StoredResponse:
             response,
             self.base,
             self.input_items,
-            self.context,
             self.background,
         )
 
@@ -118,7 +119,6 @@ class ResponseStore:
                 "response": _dumps(stored.response),
                 "base": _dumps(stored.base),
                 "input": _dumps(stored.input_items),
-                "context": _dumps(stored.context),
                 "background": "1" if stored.background else "",
             },
         )
@@ -142,9 +142,28 @@ class ResponseStore:
             response=json.loads(fields["response"]),
             base=json.loads(fields["base"]),
             input_items=json.loads(fields["input"]),
-            context=json.loads(fields["context"]),
             background=bool(fields.get("background")),
         )
+
+    def conversation(self, last: StoredResponse) -> list[dict[str, Any]] | None:
+        """Every item of the conversation ending with ``last``'s output, oldest first:
+        each response's input items, then its output (reasoning left out). None when
+        an earlier response of it expired, was deleted or is not finished."""
+        turns: list[list[dict[str, Any]]] = []
+        input_items, response = last.input_items, last.response
+        for _ in range(MAX_CHAIN):
+            output = [o for o in response.get("output", []) if o.get("type") != "reasoning"]
+            turns.append(input_items + output)
+            previous = response.get("previous_response_id")
+            if not previous:
+                return [item for turn in reversed(turns) for item in turn]
+            raw: Any = self.redis.hmget(self.keys.response(previous), ["input", "response"])
+            if raw[0] is None or raw[1] is None:
+                return None
+            input_items, response = json.loads(raw[0]), json.loads(raw[1])
+            if response.get("status") not in TERMINAL_STATUSES:
+                return None
+        return None
 
     def finish(self, response_id: str, response: dict[str, Any]) -> bool:
         """Write the final object unless the response is already terminal (a cancel,

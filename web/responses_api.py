@@ -151,7 +151,8 @@ def _load(store: ResponseStore, response_id: str, tenant: Tenant) -> StoredRespo
 
 
 def _previous_items(store: ResponseStore, req: ResponsesRequest, tenant: Tenant) -> list[Any]:
-    """The conversation ``previous_response_id`` continues: its context and its output."""
+    """The conversation ``previous_response_id`` continues: every input and output of
+    it, oldest first."""
     if req.previous_response_id is None:
         return []
     prev = store.load(req.previous_response_id, tenant.scope)
@@ -168,9 +169,15 @@ def _previous_items(store: ResponseStore, req: ResponsesRequest, tenant: Tenant)
             "to finish before continuing from it.",
             param="previous_response_id",
         )
-    return prev.context + [
-        item for item in prev.response.get("output", []) if item.get("type") != "reasoning"
-    ]
+    items = store.conversation(prev)
+    if items is None:
+        raise InvalidRequest(
+            f"An earlier response of the conversation of '{prev.response_id}' has expired "
+            "or was deleted, so it cannot be continued.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return items
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +233,6 @@ def start_response(
             response={**base, "status": status},
             base=base,
             input_items=context[len(context) - len(req.input_items) :],
-            context=context,
             background=req.background,
         )
         if req.store:

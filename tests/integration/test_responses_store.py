@@ -4,6 +4,8 @@ the one that created it is gone)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
 
@@ -45,7 +47,6 @@ def stored_for(rid: str, *, owner: str = "o1", background: bool = True) -> Store
         response={**base, "status": status},
         base=base,
         input_items=[{"id": "msg_1", **req.input_items[0]}],
-        context=[{"id": "msg_1", **req.input_items[0]}],
         background=background,
     )
 
@@ -124,3 +125,30 @@ def test_lost_output_settles_failed(responses: ResponseStore) -> None:
     assert failed.status == "failed"
     assert failed.response["error"] == {"code": "server_error", "message": LOST_MESSAGE}
     assert responses.load(s.response_id, None).status == "failed"  # type: ignore[union-attr]
+
+
+def test_a_conversation_is_walked_back_not_copied(responses: ResponseStore) -> None:
+    def turn(rid: str, text: str, previous: str | None) -> StoredResponse:
+        s = stored_for(rid, background=False)
+        out = [{"type": "message", "role": "assistant", "content": [{"text": text}]}]
+        response = {
+            **s.response,
+            "status": "completed",
+            "previous_response_id": previous,
+            "output": [{"type": "reasoning", "content": []}, *out],
+        }
+        s = s.with_response(response)
+        responses.create(s)
+        return s
+
+    first = turn("c1", "one", None)
+    second = turn("c2", "two", first.response_id)
+    third = turn("c3", "three", second.response_id)
+    items = responses.conversation(third)
+    assert items is not None
+    assert [i["type"] for i in items] == ["message"] * 6  # reasoning left out
+    assert [i["content"][0]["text"] for i in items[1::2]] == ["one", "two", "three"]
+    fields: Any = responses.redis.hkeys(responses.keys.response(third.response_id))
+    assert b"input" in fields and b"context" not in fields  # no copy of the conversation
+    responses.delete(second.response_id)
+    assert responses.conversation(third) is None  # a gap: it cannot be continued
