@@ -102,6 +102,11 @@ def test_stream_with_the_sdk_helper(client: openai.OpenAI, model: str) -> None:
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == TEXT and final.output_text == TEXT
     assert client.responses.retrieve(final.id).output_text == TEXT
+    # A stored stream replays from any event: the same events, the same numbers.
+    replay = list(client.responses.retrieve(final.id, stream=True, starting_after=3))
+    assert [(e.type, e.sequence_number) for e in replay] == [
+        (e.type, e.sequence_number) for e in events[4:]
+    ]
 
 
 def test_function_tool_with_named_tool_choice(client: openai.OpenAI, model: str) -> None:
