@@ -216,10 +216,14 @@ def llama_cpp_python_server(
 
 
 @contextmanager
-def tokenrelay_up(models_dir: Path, threads: int, slots: int, run_dir: Path) -> Iterator[Server]:
+def tokenrelay_up(
+    models_dir: Path, threads: int, slots: int, run_dir: Path, extra_env: dict[str, str]
+) -> Iterator[Server]:
     """``tokenrelay up`` (python -m workers.up) with the llamacpp engine; its children's
-    PIDs come from ``up.json``; stopped with SIGTERM to ``up``, which stops them in order."""
+    PIDs come from ``up.json``; stopped with SIGTERM to ``up``, which stops them in order.
+    ``extra_env`` goes to tokenrelay's processes only (an A/B of e.g. OMP_WAIT_POLICY)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+    env.update(extra_env)
     env.update(
         TOKENRELAY_ENGINE="llamacpp",
         TOKENRELAY_MODELS_DIR=str(models_dir),
@@ -540,6 +544,10 @@ def main() -> int:
         help="llama.cpp threads of tokenrelay's worker only (default: --threads), to A/B a "
         "count that leaves the relay processes a core",
     )  # fmt: skip
+    parser.add_argument(
+        "--tokenrelay-env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable for tokenrelay's processes only (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
@@ -592,7 +600,13 @@ def main() -> int:
             )
         servers.append(
             stack.enter_context(
-                tokenrelay_up(tmp / "models", tr_threads, args.parallel, log_dir / "up")
+                tokenrelay_up(
+                    tmp / "models",
+                    tr_threads,
+                    args.parallel,
+                    log_dir / "up",
+                    dict(kv.split("=", 1) for kv in args.tokenrelay_env),
+                )
             )
         )
         if py_env is not None:
