@@ -71,6 +71,39 @@ end
 return out
 """
 
+# KEYS: the hand-off stream, then one output stream per entry
+# ARGV: group, consumer, ttl_s, then per entry (5 each): hand-off entry id ('' = not
+#       fenced), first (1/0), encoded events, source cursor, publish time ('' = none)
+# A streamer writes a request's output only while it still owns the request's hand-off
+# entry: one that stalled (a pause, SIGSTOP) after it decoded and before this write must
+# not append stale text after the streamer that took the request over (XAUTOCLAIM moves
+# the entry's owner atomically). An entry pending for no one (Redis lost it) does not
+# fence: the request must still be able to end with its error.
+# -> the 1-based indexes of the entries not written (fenced)
+WRITE_OUTPUTS = """
+local fenced = {}
+for i = 2, #KEYS do
+  local a = 4 + (i - 2) * 5
+  local handoff_id = ARGV[a]
+  local ours = true
+  if handoff_id ~= '' then
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], handoff_id, handoff_id, 1)
+    if p[1] and p[1][2] ~= ARGV[2] then ours = false end
+  end
+  if ours then
+    if ARGV[a + 4] ~= '' then
+      redis.call('XADD', KEYS[i], '*', 'e', ARGV[a + 2], 's', ARGV[a + 3], 'p', ARGV[a + 4])
+    else
+      redis.call('XADD', KEYS[i], '*', 'e', ARGV[a + 2], 's', ARGV[a + 3])
+    end
+    if ARGV[a + 1] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+  else
+    fenced[#fenced + 1] = i - 1
+  end
+end
+return fenced
+"""
+
 # KEYS: leases; ARGV: lease_ttl_ms, then the lease value expected for each key
 # Keeps the leases of requests still ours alive while one engine step runs long (see
 # workers/lease_keeper.py); a lease that is gone or another's is left alone.

@@ -31,6 +31,7 @@ import orjson
 import redis
 
 from app.messages import OutputEvent, OutputKind
+from broker import scripts
 from broker.keys import Keys
 
 GROUP = "streamers"
@@ -66,6 +67,7 @@ class OutputEntry:
     source: str  # token-stream cursor these events were decoded up to
     first: bool = False
     published: bytes | None = None  # worker publish time of the source entry (latency)
+    handoff_id: str = ""  # the request's hand-off entry: written only while we own it
 
 
 class OutputStreams:
@@ -75,11 +77,19 @@ class OutputStreams:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
+        self._write_fenced = client.register_script(scripts.WRITE_OUTPUTS)
 
-    def write(self, entries: Sequence[OutputEntry]) -> None:
-        """Append many requests' events in one round trip."""
+    def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
+        """Append many requests' events in one round trip.
+
+        ``owner`` (a streamer's consumer name) fences the entries that carry a
+        ``handoff_id``: each is written only if that streamer still owns the request's
+        hand-off entry. Returns the ids of the requests not written because another
+        streamer has taken them over."""
         if not entries:
-            return
+            return set()
+        if owner is not None:
+            return self._write_owned(entries, owner)
         pipe = self.redis.pipeline(transaction=False)
         for e in entries:
             key = self.keys.output(e.request_id)
@@ -90,6 +100,16 @@ class OutputStreams:
             if e.first:
                 pipe.expire(key, self.ttl_s)
         pipe.execute()
+        return set()
+
+    def _write_owned(self, entries: Sequence[OutputEntry], owner: str) -> set[str]:
+        keys = [self.keys.new_requests, *(self.keys.output(e.request_id) for e in entries)]
+        args: list[Any] = [GROUP, owner, self.ttl_s]
+        for e in entries:
+            args += [e.handoff_id, "1" if e.first else "0", encode_events(e.events)]
+            args += [e.source, e.published if e.published is not None else ""]
+        fenced: Any = self._write_fenced(keys=keys, args=args)
+        return {entries[int(i) - 1].request_id for i in fenced or []}
 
     def last_source(self, rid: str) -> tuple[str, bool] | None:
         """(token cursor of the last written entry, whether the stream has ended)."""

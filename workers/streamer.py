@@ -235,8 +235,15 @@ class Streamer:
             c = self._commits[0]
             if not c.written:
                 c.tries += 1
-                self.outputs.write(c.outputs if c.tries == 1 else self._unwritten(c.outputs))
+                entries = c.outputs if c.tries == 1 else self._unwritten(c.outputs)
+                # Fenced: written only for requests whose hand-off entry is still ours.
+                taken = self.outputs.write(entries, owner=self.consumer)
                 c.written = True
+                if taken:
+                    self._forget_taken_over(taken)
+                    c.ended = [t for t in c.ended if t.record.request_id not in taken]
+                    c.failed = [t for t in c.failed if t.record.request_id not in taken]
+                    c.cancels = [rid for rid in c.cancels if rid not in taken]
             for rid in c.cancels:
                 self.store.cancel(rid)
             c.cancels = []
@@ -279,6 +286,7 @@ class Streamer:
             t.cursor,
             first=not t.wrote_output,
             published=entries[-1][1].get(b"t"),
+            handoff_id=t.entry_id,
         )
         t.wrote_output = True
         return out
@@ -404,6 +412,17 @@ class Streamer:
             if rid not in self.tracked:
                 self._adopt(entry_id, rid)
 
+    def _forget_taken_over(self, rids: set[str]) -> None:
+        """Requests whose output another streamer writes now (our write was fenced):
+        stop decoding them, and leave their hand-off entries to their new owner."""
+        for rid in rids:
+            logger.warning(
+                "request %s was taken over by another streamer; its output was not "
+                "written twice; dropping it",
+                rid,
+            )
+            self.tracked.pop(rid, None)
+
     def _drop_taken_over(self) -> None:
         """Stop decoding requests another streamer took over (we were silent too long,
         e.g. stalled): two streamers writing one output stream would repeat text."""
@@ -500,7 +519,7 @@ class Streamer:
             # e.g. cancelled before any worker started it: nothing was generated.
             events += t.choices.finish_all(EngineFinish.CANCELLED)
         events.append(self._usage_event(t))
-        return OutputEntry(rid, events, t.cursor, first=not t.wrote_output)
+        return OutputEntry(rid, events, t.cursor, first=not t.wrote_output, handoff_id=t.entry_id)
 
     def _fail(self, t: Tracked, message: str, code: int) -> OutputEntry:
         """End every open choice, then the request, with an error.
@@ -513,7 +532,7 @@ class Streamer:
             logger.exception("request %s: cannot close its choices", t.record.request_id)
             events = []
         events.append(OutputEvent(OutputKind.ERROR, error=message, code=code))
-        return OutputEntry(t.record.request_id, events, t.cursor, first=True)
+        return OutputEntry(t.record.request_id, events, t.cursor, first=True, handoff_id=t.entry_id)
 
     def _end_failed(self, t: Tracked) -> None:
         self.handoff.ack(t.entry_id)

@@ -57,6 +57,9 @@ def test_a_stalled_streamer_does_not_repeat_text(
             reader.poll(time.monotonic() + 20)
             assert s1.alive() and s2.alive()
             logs = stalled.output()
-        assert classify(f, reference(tokenizer, record)) == "exact", logs
+        want = reference(tokenizer, record)
+        assert classify(f, want) == "exact", (f.result.texts, want.texts, logs)
         assert f.result.usage is not None and f.result.usage["streamer"] != owner
-        assert "was taken over by streamer" in logs
+        # Dropped when it woke (it saw it had stalled), or, stopped between decoding and
+        # writing, by the write itself: fenced, since the hand-off entry is not its own.
+        assert "was taken over by" in logs

@@ -35,13 +35,13 @@ class FlakyOutputs(OutputStreams):
         self.ran = ran
         self.failures = 0
 
-    def write(self, entries: Sequence[OutputEntry]) -> None:
+    def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
         if entries and self.failures == 0:
             self.failures += 1
             if self.ran:
-                super().write(entries)
+                super().write(entries, owner)
             raise redis.ConnectionError("Connection reset by peer")
-        super().write(entries)
+        return super().write(entries, owner)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,55 @@
+"""A streamer's output write is fenced by its hand-off entry, on a real redis-server: a
+streamer that stalled between decoding and writing (SIGSTOP, a long pause) must not
+append stale text after the streamer that took its request over
+(tests/faults/test_streamer_stall.py failed about half the time before this)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from app.messages import OutputEvent, OutputKind
+from broker.keys import Keys
+from broker.streams import GROUP, OutputEntry, OutputStreams, RequestHandoff, decode_events
+
+pytestmark = pytest.mark.integration
+
+
+def entry(rid: str, handoff_id: str, text: str) -> OutputEntry:
+    return OutputEntry(
+        rid, [OutputEvent(OutputKind.DELTA, 0, text)], "1-0", first=True, handoff_id=handoff_id
+    )
+
+
+def texts(outputs: OutputStreams, rid: str) -> list[str]:
+    rows = outputs.redis.xrange(outputs.keys.output(rid))
+    return [ev.text for _id, fields in rows for ev in decode_events(fields[b"e"])]
+
+
+def test_only_the_owner_of_the_handoff_entry_writes(redis_client: redis.Redis) -> None:
+    keys = Keys(f"fence{uuid.uuid4().hex[:6]}:")
+    handoff = RequestHandoff(redis_client, keys)
+    handoff.ensure_group()
+    outputs = OutputStreams(redis_client, keys, ttl_s=60)
+    redis_client.xadd(keys.new_requests, {"r": "a"})
+    redis_client.xadd(keys.new_requests, {"r": "b"})
+    (a_id, _), (b_id, _) = handoff.claim_new("s1")
+
+    # Both are s1's: both written.
+    assert outputs.write([entry("a", a_id, "a1"), entry("b", b_id, "b1")], owner="s1") == set()
+    # s2 takes request a over (what XAUTOCLAIM does after the takeover time).
+    redis_client.xclaim(keys.new_requests, GROUP, "s2", 0, [a_id], justid=True)
+    taken = outputs.write([entry("a", a_id, "a2-stale"), entry("b", b_id, "b2")], owner="s1")
+    assert taken == {"a"}
+    assert outputs.write([entry("a", a_id, "a2")], owner="s2") == set()
+    assert texts(outputs, "a") == ["a1", "a2"]  # the stale write never landed
+    assert texts(outputs, "b") == ["b1", "b2"]
+    assert redis_client.ttl(keys.output("a")) > 0
+
+    # An entry pending for no one (acked, or lost with Redis's data) does not fence: the
+    # request must still be able to end with its error.
+    redis_client.xack(keys.new_requests, GROUP, b_id)
+    assert outputs.write([entry("b", b_id, "b3")], owner="s1") == set()
+    assert texts(outputs, "b") == ["b1", "b2", "b3"]
