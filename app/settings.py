@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     exllamav2_cache_tokens: int = Field(
         default=65536, ge=256, description="Paged KV cache size of the exllamav2 engine, tokens."
     )
+    exllamav2_allow_unpaged: bool = Field(
+        default=False,
+        description="Let an exllamav2 worker start without flash-attn >= 2.5.7 (paged "
+        "attention). Unpaged, the dynamic generator runs ONE sequence at a time, so the "
+        "worker serves requests one after another; off, such a worker refuses to start.",
+    )
     lease_ttl_s: float = Field(
         default=5.0,
         gt=0,
