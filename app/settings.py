@@ -86,6 +86,22 @@ class Settings(BaseSettings):
         "attention). Unpaged, the dynamic generator runs ONE sequence at a time, so the "
         "worker serves requests one after another; off, such a worker refuses to start.",
     )
+    exllamav2_segment_tokens: int = Field(
+        default=512,
+        ge=0,
+        description="Most new tokens the exllamav2 engine reserves cache pages for at once: "
+        "a longer generation runs as successive jobs of this many tokens, each continued "
+        "from the text so far (full pages reused by hash), so the cache holds as many "
+        "sequences as their actual length allows. 0 reserves the whole max_tokens up front.",
+    )
+    exllamav2_max_chunk_size: int = Field(
+        default=1024,
+        ge=256,
+        multiple_of=256,
+        description="Most prompt tokens the exllamav2 engine prefills per job in one step "
+        "(a multiple of 256, at most the model's max_input_len): bounds the time of one "
+        "step, which a burst of long prompts would otherwise stretch past the lease.",
+    )
     lease_ttl_s: float = Field(
         default=5.0,
         gt=0,
