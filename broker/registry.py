@@ -21,7 +21,7 @@ class WorkerInfo(BaseModel):
     worker_id: str
     model: str
     engine: str
-    capacity: int
+    capacity: int = Field(description="Concurrent requests it accepts (worker_slots).")
     hostname: str
     pid: int
     started: float
@@ -31,6 +31,12 @@ class WorkerInfo(BaseModel):
     tokens_total: int = Field(default=0, description="Token ids produced since start.")
     engine_stats: dict[str, float] = Field(
         default_factory=dict, description="Engine gauges, e.g. cache_usage (0..1)."
+    )
+    mode: str = Field(
+        default="", description="How the engine batches: exllamav2 'paged' or 'unpaged'."
+    )
+    engine_capacity: int = Field(
+        default=0, description="Sequences the engine runs at once (unpaged exllamav2: 1)."
     )
 
     @property

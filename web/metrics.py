@@ -104,6 +104,18 @@ class ClusterCollector:
         steps = CounterMetricFamily(
             "tokenrelay_worker_steps", "Engine steps a worker ran since it started.", labels=labels
         )
+        engine_capacity = GaugeMetricFamily(
+            "tokenrelay_worker_engine_capacity",
+            "Sequences a worker's engine runs at once, by its mode: an unpaged exllamav2 "
+            "worker runs 1 whatever its slots.",
+            labels=[*labels, "mode"],
+        )
+        paged = GaugeMetricFamily(
+            "tokenrelay_worker_paged",
+            "1 when an exllamav2 worker runs paged attention (continuous batching), 0 when "
+            "it runs unpaged (one sequence at a time).",
+            labels=labels,
+        )
         cache = GaugeMetricFamily(
             "tokenrelay_worker_cache_usage",
             "Fraction of the engine's KV cache in use (engines that report it).",
@@ -116,6 +128,10 @@ class ClusterCollector:
             capacity.add_metric(lv, w.capacity)
             tokens.add_metric(lv, w.tokens_total)
             steps.add_metric(lv, w.steps_total)
+            if w.mode:  # a worker from before modes were reported has none
+                engine_capacity.add_metric([*lv, w.mode], w.engine_capacity)
+            if w.mode in ("paged", "unpaged"):
+                paged.add_metric(lv, 1.0 if w.mode == "paged" else 0.0)
             if "cache_usage" in w.engine_stats:
                 cache.add_metric(lv, w.engine_stats["cache_usage"])
         depth = GaugeMetricFamily(
@@ -127,7 +143,8 @@ class ClusterCollector:
             depth.add_metric([q], float(n))
         live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
         live.add_metric([], len(streamers))
-        yield from (batch, active, capacity, tokens, steps, cache, depth, live)
+        yield from (batch, active, capacity, engine_capacity, paged, tokens, steps, cache)
+        yield from (depth, live)
 
 
 class WebMetrics:

@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import redis
 from flask import Blueprint, Flask, Response, current_app, g, request
 
 from app.errors import NotFound, ServiceUnavailable
@@ -94,12 +95,31 @@ def health() -> dict[str, str]:
 
 
 @blueprint.get("/ready")
-def ready() -> dict[str, str]:
-    """503 with the reason unless Redis, a worker for our model and a streamer are up."""
-    ok, reason = runner_of(current_app).readiness()
+def ready() -> dict[str, Any]:
+    """503 with the reason unless Redis, a worker for our model and a streamer are up.
+
+    When ready, ``workers`` lists each live worker of our model with its engine, mode
+    and capacity: an exllamav2 worker running ``unpaged`` serves one sequence at a
+    time, which readiness alone would not show (docs/deploy.md)."""
+    runner = runner_of(current_app)
+    ok, reason = runner.readiness()
     if not ok:
         raise ServiceUnavailable(reason, code="not_ready", retry_after=1)
-    return {"status": "ready"}
+    try:
+        live = [w for w in runner.workers.live() if w.model == runner.model_name]
+    except redis.RedisError:
+        live = []  # gone since the check: readiness said ready, the detail is best-effort
+    workers = [
+        {
+            "worker_id": w.worker_id,
+            "engine": w.engine,
+            "mode": w.mode or None,
+            "capacity": w.engine_capacity or None,
+            "slots": w.capacity,
+        }
+        for w in sorted(live, key=lambda w: w.worker_id)
+    ]
+    return {"status": "ready", "workers": workers}
 
 
 def _model_object() -> ModelObject:

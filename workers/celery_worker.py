@@ -69,11 +69,29 @@ class KeepUnackedOnClose(bootsteps.StartStopStep):  # type: ignore[misc]
             c.task_consumer.channel.qos.restore_at_shutdown = False
 
 
+def engine_info_step(state: dict[str, WorkerRuntime]) -> type[bootsteps.Step]:
+    """A worker bootstep whose ``info`` adds the engine's identity to the worker's stats.
+
+    ``celery inspect stats`` merges every bootstep's ``info()`` into its answer, and
+    Flower shows the keys it does not know on the worker page's "Other" tab: engine,
+    mode (paged/unpaged), capacity and slots, next to Celery's own pool and queues."""
+
+    class EngineInfo(bootsteps.Step):  # type: ignore[misc]
+        name = "tokenrelay.EngineInfo"
+
+        def info(self, worker: Any) -> dict[str, Any]:
+            runtime = state.get("runtime")
+            return dict(runtime.describe()) if runtime is not None else {}
+
+    return EngineInfo
+
+
 def build_app(settings: Settings) -> Celery:
     celery_app = create_celery(settings)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
     celery_app.steps["consumer"].add(KeepUnackedOnClose)
     state: dict[str, WorkerRuntime] = {}
+    celery_app.steps["worker"].add(engine_info_step(state))
 
     @celery_app.task(name=GENERATE_TASK, bind=True)
     def generate(self: Any, request_id: str, attempt: int = 0) -> dict[str, Any]:

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
 
+# How long ``stop`` waits for the engine thread to finish its step and exit.
+STOP_JOIN_S = 10.0
+
 
 def new_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -47,6 +50,10 @@ class WorkerRuntime:
         self.settings = settings
         self.card = card
         self.engine = engine
+        # Read here, before the engine thread starts: the heartbeat and Flower report
+        # them from other threads, which must never call into the engine.
+        self.engine_mode = engine.mode
+        self.engine_capacity = engine.capacity
         self.model_name = settings.served_name
         self.worker_id = new_worker_id()
         keys = Keys(settings.key_prefix)
@@ -57,6 +64,7 @@ class WorkerRuntime:
         self._submissions = itertools.count()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self.started = time.time()
+        self.stop_join_s = STOP_JOIN_S
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerRuntime:
@@ -70,21 +78,50 @@ class WorkerRuntime:
         self.thread.start()
         self._heartbeat.start()
         logger.info(
-            "worker %s serving %s with the %s engine",
+            "worker %s serving %s with the %s engine: mode %s, capacity %d sequences, %d slots",
             self.worker_id,
             self.model_name,
             self.engine.name,
+            self.engine_mode,
+            self.engine_capacity,
+            self.settings.worker_slots,
         )
 
     def stop(self) -> None:
+        """Stop the engine thread, unregister, and close the engine once nothing else
+        can touch it.
+
+        If the thread is still inside a step when ``stop_join_s`` runs out, the engine
+        is NOT closed from here: that would free the generator's cache under a forward
+        pass running in the other thread. It stays open until the process exits (which
+        follows a worker's stop), and the log says so."""
         self._stop.set()
         self.thread.stop()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=self.stop_join_s)
         try:
             self.registry.unregister(self.worker_id)
         except redis.RedisError:
             logger.warning("could not unregister worker %s", self.worker_id)
+        if self.thread.is_alive():
+            logger.error(
+                "the engine thread is still running %.0f s after the stop (a long engine "
+                "step?): the %s engine is left open, freed when the process exits",
+                self.stop_join_s,
+                self.engine.name,
+            )
+            return
         self.engine.close()
+
+    def describe(self) -> dict[str, str | int]:
+        """What this worker is, for Flower's worker page (``celery inspect stats``)."""
+        return {
+            "tokenrelay_worker_id": self.worker_id,
+            "tokenrelay_model": self.model_name,
+            "tokenrelay_engine": self.engine.name,
+            "tokenrelay_engine_mode": self.engine_mode,
+            "tokenrelay_engine_capacity": self.engine_capacity,
+            "tokenrelay_worker_slots": self.settings.worker_slots,
+        }
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -92,6 +129,8 @@ class WorkerRuntime:
             model=self.model_name,
             engine=self.engine.name,
             capacity=self.settings.worker_slots,
+            mode=self.engine_mode,
+            engine_capacity=self.engine_capacity,
             hostname=socket.gethostname(),
             pid=os.getpid(),
             started=self.started,

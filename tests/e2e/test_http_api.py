@@ -142,7 +142,9 @@ def test_metrics_count_every_worker(stack: Stack) -> None:
 
 
 def test_ready_and_http_errors_on_the_wire(stack: Stack) -> None:
-    assert requests.get(stack.base_url + "/ready", timeout=10).json() == {"status": "ready"}
+    ready = requests.get(stack.base_url + "/ready", timeout=10).json()
+    assert ready["status"] == "ready"
+    assert ready["workers"] and all(w["mode"] and w["capacity"] >= 1 for w in ready["workers"])
     cases = [
         (requests.get(stack.base_url + "/v1/nowhere", timeout=10), 404),
         (requests.get(stack.base_url + CHAT, timeout=10), 405),

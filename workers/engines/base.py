@@ -101,6 +101,14 @@ class Engine(abc.ABC):
     def capacity(self) -> int:
         """How many sequences (choices) it batches at once at most."""
 
+    @property
+    def mode(self) -> str:
+        """How this engine instance batches, for operators: exllamav2 says ``paged`` or
+        ``unpaged`` (one sequence at a time, whatever ``capacity`` the settings asked
+        for). Shown in the start-up log, /metrics, /ready and Flower, so a worker that
+        silently serves one request at a time is visible. Read once at start-up."""
+        return "batched"
+
     def stats(self) -> dict[str, float]:
         """Engine-specific gauges for monitoring, e.g. ``cache_usage`` (0..1).
 
