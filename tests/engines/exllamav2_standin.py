@@ -21,6 +21,9 @@ that follows exllamav2's rules where the engine depends on them:
   of ``logits(sequence) + token_bias`` when ``logits`` is set, else drawn from the rng;
   stop tokens are blocked below ``min_new_tokens`` (dyn:1881); ``finish_at`` makes the
   model emit its stop token once the sequence reaches a given length;
+- filters: begin, then ``get_next()`` before each sample and ``feed()`` after it; a
+  token among the filter's end ids ends the job with "end_filter" (smp:436-515,
+  dyn:1867-1935, 2130); without logits the token is drawn among the allowed ids;
 - holding: a token in ``hold_ids`` is held back like an incomplete UTF-8 character
   (dyn:2137) and flushed with the next one, at ``max_new_tokens`` or under ``"held"``.
 """
@@ -339,13 +342,20 @@ class StandInDynamicGenerator:
         may_stop = job.new_tokens >= job.min_new_tokens
         if not may_stop:
             row[stops] = -1e30  # dyn:1881-1885
+        allowed, ends = self._filter_next(job)
         target = self.finish_at.get(job.identifier)
         if target is not None and stops and may_stop and len(seq) + 1 >= target:
             tok = stops[0]
+        elif allowed is not None and self.logits is None:
+            tok = allowed[int(draw * len(allowed))]
         elif self.logits is not None:
+            if allowed is not None:
+                row[[t for t in range(PADDED_VOCAB) if t not in set(allowed)]] = -np.inf
             tok = int(np.argmax(row))
         else:
             tok = 3 + int(draw * (VOCAB - 3))
+        for f in job.filters:
+            f.feed(toks([tok])[:, :1])  # a (1, 1) tensor, as exllamav2 feeds it
         job.new_tokens += 1
         seq.ids.append(tok)
         job.held.append(tok)
@@ -357,9 +367,29 @@ class StandInDynamicGenerator:
         if job.new_tokens >= job.max_new_tokens:
             r = {"eos": True, "eos_reason": "max_new_tokens", **self._flush(job)}
             return {**r, "cached_tokens": job.cached_tokens}
+        if tok in ends:
+            return {"eos": True, "eos_reason": "end_filter", **self._flush(job)}
         if tok in self.hold_ids:
             return {"eos": False}
         return {"eos": False, **self._flush(job)}
+
+    @staticmethod
+    def _filter_next(job: StandInJob) -> tuple[list[int] | None, set[int]]:
+        """The allowed ids (sorted) and end ids of the job's filters, or (None, {})."""
+        if not job.filters:
+            return None, set()
+        if job.new_tokens == 0:
+            for f in job.filters:
+                f.background_drop()
+                f.begin("")
+        allowed: set[int] | None = None
+        ends: set[int] = set()
+        for f in job.filters:
+            pass_tokens, end_tokens = f.get_next()
+            allowed = set(pass_tokens) if allowed is None else allowed & set(pass_tokens)
+            ends |= set(end_tokens)
+        assert allowed, "Filter excluded all tokens"
+        return sorted(allowed), ends
 
     @staticmethod
     def _flush(job: StandInJob) -> dict[str, Any]:

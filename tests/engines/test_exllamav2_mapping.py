@@ -1,241 +1,59 @@
 """The exllamav2 engine's mapping layer, run against stand-ins (no GPU, no torch here).
 
-``StandInDynamicGenerator``, ``StandInJob`` and ``StandInSettings`` are stand-ins below
-the engine interface: they copy the exact exllamav2 0.3.2 surface the engine uses
-(``ExLlamaV2DynamicGenerator.enqueue/iterate/cancel/num_remaining_jobs`` and its limit
-attributes, the ``ExLlamaV2DynamicJob`` constructor, ``ExLlamaV2Sampler.Settings`` with
-its non-neutral defaults) and play scripted ``iterate()`` result dicts shaped like the
-real ones (dynamic.py:916-985, 2005-2099). Unlike the real job class they refuse unknown
-keyword arguments, so a misspelt argument fails here instead of being swallowed by the
-real constructor's ``**kwargs``.
+The stand-ins (``StandInDynamicGenerator``, ``StandInJob``, ``StandInSettings``) live in
+tests/engines/exllamav2_standin.py and are re-exported here for the tests that import
+them from this module.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import numpy as np
 import pytest
 
 from app.messages import EngineFinish, SamplingParams
-from workers.engines.base import ChoiceJob, EngineJob, EngineStep, JobRejected
-from workers.engines.exllamav2 import (
-    NEUTRAL_SETTINGS,
-    ExllamaApi,
-    ExLlamaV2Engine,
-    logprobs_from_logits,
+from tests.engines.exllamav2_standin import (
+    EXL_DEFAULTS,
+    PADDED_VOCAB,
+    VOCAB,
+    StandInDynamicGenerator,
+    StandInJob,
+    StandInSettings,
+    held_back,
+    max_tokens,
+    stand_in_api,
+    stop_token,
+    stream,
+    toks,
 )
+from workers.engines.base import ChoiceJob, EngineJob, EngineStep, JobRejected
+from workers.engines.exllamav2 import ExLlamaV2Engine
+from workers.engines.exllamav2_jobs import NEUTRAL_SETTINGS, logprobs_from_logits
 
-VOCAB = 100
-PADDED_VOCAB = 128  # ((100 + 31) // 32) * 32, as dynamic.py:333 pads it
-
-# ExLlamaV2Sampler.Settings defaults in 0.3.2 (sampler.py:52-100), the fields we touch.
-EXL_DEFAULTS: dict[str, Any] = {
-    "token_repetition_penalty": 1.025,
-    "token_repetition_range": -1,
-    "token_repetition_decay": 0,
-    "token_frequency_penalty": 0.0,
-    "token_presence_penalty": 0.0,
-    "temperature": 0.8,
-    "smoothing_factor": 0.0,
-    "min_temp": 0,
-    "max_temp": 0.0,
-    "temp_exponent": 1.0,
-    "top_k": 50,
-    "top_p": 0.8,
-    "top_a": 0.0,
-    "min_p": 0,
-    "tfs": 0,
-    "typical": 0,
-    "skew": 0,
-    "temperature_last": False,
-    "mirostat": False,
-    "token_bias": None,
-    "cfg_scale": None,
-    "dry_multiplier": 0.0,
-    "xtc_probability": 0.0,
-}
+__all__ = [
+    "PADDED_VOCAB",
+    "VOCAB",
+    "StandInDynamicGenerator",
+    "StandInJob",
+    "StandInSettings",
+    "held_back",
+    "max_tokens",
+    "stand_in_api",
+    "stop_token",
+    "stream",
+    "toks",
+]
 
 
-class StandInSettings:
-    """Stand-in for ``ExLlamaV2Sampler.Settings``: a dataclass with 0.3.2's defaults."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(EXL_DEFAULTS)
-        if unknown:
-            raise TypeError(f"unexpected Settings fields {unknown}")
-        self.__dict__.update(EXL_DEFAULTS)
-        self.__dict__.update(kwargs)
-
-
-class StandInJob:
-    """Stand-in for ``ExLlamaV2DynamicJob``: 0.3.2's constructor, minus ``**kwargs``."""
-
-    def __init__(
-        self,
-        input_ids: Any,
-        max_new_tokens: int,
-        min_new_tokens: int = 0,
-        max_skips: int | None = 4,
-        gen_settings: StandInSettings | None = None,
-        seed: int | None = None,
-        stop_conditions: list[Any] | None = None,
-        decode_special_tokens: bool = False,
-        return_top_tokens: int = 0,
-        return_logits: bool = False,
-        return_probs: bool = False,
-        filters: list[Any] | None = None,
-        filter_prefer_eos: bool = False,
-        token_healing: bool = False,
-        identifier: object | None = None,
-        banned_strings: list[str] | None = None,
-        embeddings: list[Any] | None = None,
-    ) -> None:
-        assert input_ids.shape[0] == 1 and input_ids.shape[-1] > 0  # dynamic.py:1718-1721
-        self.input_ids = input_ids
-        self.max_new_tokens = max_new_tokens
-        self.min_new_tokens = min_new_tokens
-        self.gen_settings = gen_settings if gen_settings is not None else StandInSettings()
-        self.seed = seed
-        self.stop_conditions = stop_conditions
-        self.return_top_tokens = return_top_tokens
-        self.return_logits = return_logits
-        self.return_probs = return_probs
-        self.token_healing = token_healing
-        self.identifier = identifier
-        self.banned_strings = banned_strings
-        self.filters = filters if filters is not None else []
-        self.filter_prefer_eos = filter_prefer_eos
-        self.serial_number: int | None = None
-
-
-def toks(ids: list[int]) -> np.ndarray:
-    """A (1, n) id tensor, as results carry them (SeqTensor((1, 0)).torch())."""
-    return np.array([ids], dtype=np.int64)
-
-
-def stream(ids: list[int], logits: np.ndarray | None = None) -> dict[str, Any]:
-    r: dict[str, Any] = {"eos": False, "token_ids": toks(ids)}
-    if logits is not None:
-        r["logits"] = logits
-    return r
-
-
-def held_back() -> dict[str, Any]:
-    """exllamav2 holding output (incomplete UTF-8): a streaming result without ids."""
-    return {"eos": False}
-
-
-def stop_token(held: list[int], logits: np.ndarray | None = None) -> dict[str, Any]:
-    """An EOS on a stop token: no flush, the held ids (stop token last) under "held"."""
-    h: dict[str, Any] = {"token_ids": toks(held)}
-    if logits is not None:
-        h["logits"] = logits
-    return {
-        "eos": True,
-        "eos_reason": "stop_token",
-        "eos_triggering_token_id": held[-1],
-        "held": h,
-        "new_tokens": 9,
-        "cached_tokens": 256,
-    }
-
-
-def max_tokens(ids: list[int]) -> dict[str, Any]:
-    """max_new_tokens: the held ids are flushed into token_ids, "held" stays empty."""
-    return {"eos": True, "eos_reason": "max_new_tokens", "token_ids": toks(ids), "cached_tokens": 0}
-
-
-class StandInDynamicGenerator:
-    """Stand-in for ``ExLlamaV2DynamicGenerator`` playing scripted results per job."""
-
-    def __init__(
-        self,
-        *,
-        cache_tokens: int = 4096,
-        max_seq_len: int = 8192,
-        max_batch_size: int = 8,
-        paged: bool = True,
-    ) -> None:
-        self.max_total_tokens = cache_tokens
-        self.max_seq_len = max_seq_len
-        self.max_batch_size = max_batch_size
-        self.paged = paged
-        self.padded_vocab_size = PADDED_VOCAB
-        self.pending_jobs: list[StandInJob] = []
-        self.active_jobs: list[StandInJob] = []
-        self.enqueued: list[StandInJob] = []
-        self.cancelled: list[StandInJob] = []
-        self.scripts: dict[Any, deque[dict[str, Any]]] = {}
-        self.refuse: set[Any] = set()
-        self.iterations = 0
-        self._serial = 0
-
-    def script(self, identifier: Any, *results: dict[str, Any]) -> None:
-        self.scripts[identifier] = deque(results)
-
-    def enqueue(self, job: StandInJob) -> int:
-        if job.identifier in self.refuse:
-            raise RuntimeError("refused")
-        pages = -(-(job.input_ids.shape[-1] + job.max_new_tokens) // 256)
-        assert pages <= self.max_total_tokens // 256, "Job requires ... pages"  # dyn:2285
-        job.serial_number = self._serial
-        self._serial += 1
-        self.pending_jobs.append(job)
-        self.enqueued.append(job)
-        return job.serial_number
-
-    def cancel(self, job: StandInJob) -> None:
-        if job in self.pending_jobs:
-            self.pending_jobs.remove(job)
-        elif job in self.active_jobs:
-            self.active_jobs.remove(job)
-        self.cancelled.append(job)
-
-    def num_remaining_jobs(self) -> int:
-        return len(self.pending_jobs) + len(self.active_jobs)
-
-    def iterate(self) -> list[dict[str, Any]]:
-        self.iterations += 1
-        results: list[dict[str, Any]] = []
-        while self.pending_jobs and len(self.active_jobs) < self.max_batch_size:
-            job = self.pending_jobs.pop(0)
-            self.active_jobs.append(job)
-            results.append(self._result(job, {"stage": "started", "eos": False}))
-        for job in list(self.active_jobs):
-            r = self.scripts[job.identifier].popleft()
-            results.append(self._result(job, {"stage": "streaming", **r}))
-            if r.get("eos"):
-                self.active_jobs.remove(job)
-        return results
-
-    @staticmethod
-    def _result(job: StandInJob, r: dict[str, Any]) -> dict[str, Any]:
-        r = {"job": job, "serial": job.serial_number, **r}
-        if job.identifier is not None:
-            r["identifier"] = job.identifier
-        return r
-
-
-def stand_in_api() -> ExllamaApi:
-    def token_bias(size: int, bias: dict[int, float]) -> np.ndarray:
-        t = np.zeros((size,), dtype=np.float32)
-        for tok, value in bias.items():
-            t[tok] = value
-        return t
-
-    return ExllamaApi(
-        job_cls=StandInJob,
-        settings_cls=StandInSettings,
-        input_ids=lambda ids: np.array([ids], dtype=np.int64),
-        token_bias=token_bias,
-    )
-
-
-def make_engine(**gen: Any) -> tuple[ExLlamaV2Engine, StandInDynamicGenerator]:
+def make_engine(
+    *, segment_tokens: int = 512, **gen: Any
+) -> tuple[ExLlamaV2Engine, StandInDynamicGenerator]:
     generator = StandInDynamicGenerator(**gen)
-    return ExLlamaV2Engine(generator, vocab_size=VOCAB, api=stand_in_api()), generator
+    engine = ExLlamaV2Engine(
+        generator, vocab_size=VOCAB, api=stand_in_api(), segment_tokens=segment_tokens
+    )
+    return engine, generator
 
 
 def make_job(
@@ -323,8 +141,11 @@ def test_sampling_values_are_passed_through() -> None:
     job = gen.enqueued[0]
     s = job.gen_settings
     assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.7, 0.9, 40, 0.05)
-    assert (s.token_presence_penalty, s.token_frequency_penalty) == (0.5, -0.25)
-    assert s.token_repetition_penalty == 1.1
+    # presence/frequency live in the choice's token_bias (output tokens only), never
+    # in exllamav2's own pass, which counts the prompt too.
+    assert (s.token_presence_penalty, s.token_frequency_penalty) == (0.0, 0.0)
+    assert s.token_repetition_penalty == 1.1 and s.token_repetition_range == -1
+    assert s.token_bias is not None and not np.any(s.token_bias)
     assert job.seed == 42
     assert job.return_logits is False and job.return_top_tokens == 0
     assert job.token_healing is False and job.banned_strings is None
@@ -419,8 +240,8 @@ def test_max_new_tokens_is_a_length_finish() -> None:
 
 def test_every_choice_gets_exactly_one_finish() -> None:
     engine, gen = make_engine(max_batch_size=2)
-    engine.submit(make_job("a", n=2))
-    engine.submit(make_job("b"))
+    engine.submit(make_job("a", choices=[ChoiceJob(0, 16), ChoiceJob(1, 1)]))
+    engine.submit(make_job("b", max_new_tokens=3))
     gen.script(("a", 0), stream([5]), stop_token([2]))
     gen.script(("a", 1), max_tokens([6]))
     gen.script(("b", 0), stream([7]), stream([8]), max_tokens([9]))
@@ -459,7 +280,7 @@ def test_cancel_frees_the_jobs_and_reports_cancelled() -> None:
 
 def test_cancel_after_a_choice_finished_only_cancels_the_rest() -> None:
     engine, gen = make_engine()
-    engine.submit(make_job(n=2))
+    engine.submit(make_job(choices=[ChoiceJob(0, 1), ChoiceJob(1, 16)]))
     gen.script(("j1", 0), max_tokens([5]))
     gen.script(("j1", 1), stream([6]), stream([7]))
     engine.step()
@@ -470,21 +291,30 @@ def test_cancel_after_a_choice_finished_only_cancels_the_rest() -> None:
     ]
 
 
-def test_a_job_that_can_never_fit_the_cache_is_rejected_up_front() -> None:
+def test_only_a_prompt_with_no_room_in_the_cache_is_rejected() -> None:
     engine, gen = make_engine(cache_tokens=1024)
     with pytest.raises(JobRejected) as exc:
-        engine.submit(make_job(prompt=list(range(1, 11)) * 100, max_new_tokens=25))
-    assert (
-        str(exc.value) == "prompt (1000 tokens) + max_tokens (25) exceeds the cache (1024 tokens)"
-    )
+        engine.submit(make_job(prompt=list(range(1, 11)) * 103, max_new_tokens=25))
+    assert str(exc.value) == "prompt (1030 tokens) leaves no room in the cache (1024 tokens)"
+    with pytest.raises(JobRejected, match=r"prompt \(1024 tokens\) leaves no room"):
+        engine.submit(make_job(prompt=[1] * 1020, choices=[ChoiceJob(0, 3, prefix_ids=[5] * 4)]))
     assert gen.enqueued == [] and not engine.has_work()
-    engine.submit(make_job(prompt=list(range(1, 11)) * 100, max_new_tokens=24))  # fits exactly
 
 
-def test_a_resumed_prefix_counts_towards_the_cache_limit() -> None:
-    engine, _ = make_engine(cache_tokens=256)
-    with pytest.raises(JobRejected, match=r"prompt \(254 tokens\) \+ max_tokens \(3\)"):
-        engine.submit(make_job(prompt=[1] * 250, choices=[ChoiceJob(0, 3, prefix_ids=[5] * 4)]))
+def test_a_sequence_that_reaches_the_cache_size_finishes_with_length() -> None:
+    # prompt + max_tokens (1000 + 100) is more than the cache holds: it generates
+    # until the cache is full (24 tokens), then finishes with "length", as a context
+    # limit would; it is not a 400 any more.
+    engine, gen = make_engine(cache_tokens=1024, segment_tokens=16)
+    engine.submit(make_job(prompt=list(range(3, 13)) * 100, max_new_tokens=100, eos=frozenset()))
+    steps = run_until_idle(engine, limit=100)
+    assert sum(len(s.delta.token_ids) for s in steps) == 24
+    assert [s.delta.finish for s in steps if s.delta.finish] == [EngineFinish.LENGTH]
+    assert [j.max_new_tokens for j in gen.enqueued] == [16, 8]
+    # A resumed prefix fills the cache too: 1019 + 4 leaves room for one token.
+    engine.submit(make_job("r", prompt=[1] * 1019, choices=[ChoiceJob(0, 3, prefix_ids=[5] * 4)]))
+    steps = run_until_idle(engine)
+    assert [(len(s.delta.token_ids), s.delta.finish) for s in steps] == [(1, EngineFinish.LENGTH)]
 
 
 def test_a_job_longer_than_the_model_context_is_rejected() -> None:
@@ -536,7 +366,7 @@ def test_a_failing_job_does_not_affect_another() -> None:
 def test_a_choice_the_generator_refuses_errors_alone() -> None:
     engine, gen = make_engine()
     gen.refuse.add(("j1", 1))
-    engine.submit(make_job(n=2))
+    engine.submit(make_job(max_new_tokens=1, n=2))
     gen.script(("j1", 0), max_tokens([5]))
     steps = run_until_idle(engine)
     assert sorted((s.delta.choice, s.delta.finish) for s in steps) == [

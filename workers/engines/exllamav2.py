@@ -13,6 +13,11 @@ A constrained choice (``SamplingParams.constraint``) gets a ``GrammarFilter``
 (workers/engines/exllamav2_filter.py) on its job: the same llguidance grammar as the
 llama.cpp engine, through exllamav2's filter interface.
 
+A choice runs as successive jobs of at most ``segment_tokens`` new tokens, so that the
+cache holds as many sequences as their actual length allows, and its presence/frequency
+penalties count generated tokens only: both are explained in
+workers/engines/exllamav2_jobs.py, which holds the per-choice state.
+
 Source references are to exllamav2 v0.3.2 (``exllamav2/generator/dynamic.py`` = dyn,
 ``exllamav2/generator/sampler.py`` = smp, ``exllamav2_ext/ext_sampling.cpp`` = ext).
 """
@@ -21,53 +26,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from app.errors import ModelError
-from app.messages import EngineFinish, SamplingParams, TokenDelta, TokenLogprob
+from app.messages import EngineFinish, TokenDelta
 from app.model_card import ModelCard
 from app.settings import Settings
-from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep, JobRejected
+from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
 from workers.engines.constraint import ConstraintError, GrammarVocab, JobGrammar
 from workers.engines.exllamav2_filter import GrammarFilter
+from workers.engines.exllamav2_jobs import (
+    OutputPenalties,
+    _Choice,
+    _Job,
+    clamped_bias,
+    result_delta,
+    sampler_settings,
+)
 
 logger = logging.getLogger(__name__)
 
 # dyn:389 asserts cache.max_seq_len % 256 == 0 (PAGED_PAGE_SIZE), paged or not.
 CACHE_GRANULE = 256
 
-# OpenAI caps logit_bias at +-100; exllamav2 adds the bias to the logits as is (smp:429).
-_MAX_BIAS = 100.0
-
-# What a logprob of -inf (a token the penalties or the vocab padding ruled out) is
-# published as: JSON has no -Infinity, and vLLM's OpenAI server uses the same floor.
-_LOGPROB_FLOOR = -9999.0
-
-# ExLlamaV2Sampler.Settings fields (smp:52-100) that tokenrelay never exposes, pinned to
-# their neutral values so that no exllamav2 default can change the distribution. The
-# non-neutral defaults (temperature 0.8, top_k 50, top_p 0.8, token_repetition_penalty
-# 1.025) are always overwritten from SamplingParams by ``sampler_settings``.
-NEUTRAL_SETTINGS: dict[str, Any] = {
-    "token_repetition_range": -1,  # whole sequence (ext apply_rep_penalty: -1 = seq_len)
-    "token_repetition_decay": 0,
-    "smoothing_factor": 0.0,
-    "min_temp": 0.0,
-    "max_temp": 0.0,  # dynamic temperature only when max_temp > min_temp (ext:217)
-    "temp_exponent": 1.0,
-    "top_a": 0.0,
-    "tfs": 0.0,
-    "typical": 0.0,
-    "skew": 0.0,
-    "temperature_last": False,
-    "mirostat": False,
-    "cfg_scale": None,  # CFG would need two sequences per job (dyn:1863)
-    "dry_multiplier": 0.0,
-    "xtc_probability": 0.0,
-}
+# New tokens one exllamav2 job reserves pages for (Settings.exllamav2_segment_tokens).
+DEFAULT_SEGMENT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -106,83 +91,6 @@ class ExllamaApi:
         return cls(ExLlamaV2DynamicJob, ExLlamaV2Sampler.Settings, input_ids, token_bias)
 
 
-def sampler_settings(api: ExllamaApi, sampling: SamplingParams, token_bias: Any) -> Any:
-    """One ``ExLlamaV2Sampler.Settings`` with every field that matters set explicitly.
-
-    Greedy (temperature 0) is spelled the way ``Settings.greedy()`` spells it (smp:102):
-    top_k 1, top_p 0, temperature 1. The extension would also turn temperature < 0.01
-    into top_k 1 on its own (ext:147), but being explicit keeps the intent visible.
-    Penalties and logit_bias still apply when greedy, as they do for OpenAI.
-    top_k 0 and top_p 1.0 / min_p 0 are exllamav2's own "disabled" values (ext:175-197).
-    """
-    greedy = sampling.temperature == 0.0
-    return api.settings_cls(
-        **NEUTRAL_SETTINGS,
-        temperature=1.0 if greedy else sampling.temperature,
-        top_k=1 if greedy else sampling.top_k,
-        top_p=0.0 if greedy else sampling.top_p,
-        min_p=sampling.min_p,
-        # exllamav2 applies all three over prompt + output (range -1), the way HF's
-        # repetition_penalty does; OpenAI's presence/frequency penalties count output
-        # tokens only. 1.0 / 0.0 / 0.0 skip the penalty pass entirely (smp:408).
-        token_repetition_penalty=sampling.repetition_penalty,
-        token_presence_penalty=sampling.presence_penalty,
-        token_frequency_penalty=sampling.frequency_penalty,
-        token_bias=token_bias,
-    )
-
-
-def logprobs_from_logits(logits: np.ndarray, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """Log-softmax of each row of ``logits`` (n, vocab) for the sampled ids, plus top k.
-
-    exllamav2's ``return_probs``/``return_top_tokens`` report probabilities *after*
-    top-k/top-p truncation and temperature (ext:239-284): under greedy decoding every
-    sampled token would get logprob 0 and every alternative -inf. The logits it returns
-    with ``return_logits`` are the model's, with penalties, logit_bias and min_tokens
-    blocking already applied in place (smp:408-429) but before temperature and
-    truncation, which is the distribution OpenAI's logprobs describe.
-    """
-    rows = np.asarray(logits, dtype=np.float32)
-    peak = rows.max(axis=1, keepdims=True)
-    with np.errstate(under="ignore"):
-        lse = peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))
-    lp = np.maximum(rows - lse, _LOGPROB_FLOOR)
-    out: list[TokenLogprob] = []
-    for i, tok in enumerate(token_ids):
-        top: list[tuple[int, float]] = []
-        if k > 0:
-            row = lp[i]
-            kk = min(k, row.shape[0])
-            idx = np.argpartition(-row, kk - 1)[:kk]
-            idx = idx[np.argsort(-row[idx], kind="stable")]
-            top = [(int(j), float(row[j])) for j in idx]
-        out.append(TokenLogprob(int(tok), float(lp[i, tok]), top))
-    return out
-
-
-def _ids(tensor: Any) -> list[int]:
-    """Token ids of a (1, n) tensor (torch in production, anything with tolist in tests)."""
-    return [int(t) for t in tensor.tolist()[0]]
-
-
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    exl_job: Any = None
-    done: bool = False
-    grammar: GrammarFilter | None = None  # a constrained choice's filter
-    # A finish decided outside the generator (cancel, error, nothing left to generate),
-    # reported at the next step() so that every finish goes out the same way.
-    pending: TokenDelta | None = None
-
-
-@dataclass(slots=True)
-class _Job:
-    job_id: str
-    logprobs: int | None
-    choices: dict[int, _Choice] = field(default_factory=dict)
-
-
 class ExLlamaV2Engine(Engine):
     """Maps tokenrelay jobs onto an ``ExLlamaV2DynamicGenerator`` (one job per choice).
 
@@ -203,9 +111,12 @@ class ExLlamaV2Engine(Engine):
         api: ExllamaApi | None = None,
         on_close: Callable[[], None] | None = None,
         grammar_vocab: Callable[[], GrammarVocab] | None = None,
+        segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     ) -> None:
         self._generator = generator
         self._vocab_size = vocab_size
+        # Most new tokens one exllamav2 job reserves pages for; 0 = the whole max_tokens.
+        self._segment_tokens = segment_tokens
         self._api = api
         self._on_close = on_close
         # Builds llguidance's view of the vocabulary on the first constrained job.
@@ -225,6 +136,8 @@ class ExLlamaV2Engine(Engine):
             cache_tokens=settings.exllamav2_cache_tokens,
             max_batch_size=settings.worker_slots * settings.max_n,
             eos_token_ids=list(card.eos_token_ids),
+            max_chunk_size=settings.exllamav2_max_chunk_size,
+            segment_tokens=settings.exllamav2_segment_tokens,
         )
 
     @classmethod
@@ -239,6 +152,7 @@ class ExLlamaV2Engine(Engine):
         paged: bool | None = None,
         warmup: bool = True,
         eos_token_ids: list[int] | None = None,
+        segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     ) -> ExLlamaV2Engine:
         """Load an EXL2 or FP16 HF-style model directory onto the visible GPUs.
 
@@ -311,6 +225,7 @@ class ExLlamaV2Engine(Engine):
             api=ExllamaApi.load(),
             on_close=model.unload,
             grammar_vocab=grammar_vocab,
+            segment_tokens=segment_tokens,
         )
 
     # --- Engine interface ------------------------------------------------------------
@@ -334,27 +249,34 @@ class ExLlamaV2Engine(Engine):
         self._validate(job)
         filters = self._filters(job)
         api = self._load_api()
-        bias = self._token_bias(api, job.sampling.logit_bias)
-        state = _Job(job.job_id, job.sampling.logprobs)
+        sampling = job.sampling
+        bias = self._token_bias(api, sampling.logit_bias)
+        state = _Job(job.job_id, job, sorted(job.all_stop_ids))
         self._jobs[job.job_id] = state
-        stop_conditions = sorted(job.all_stop_ids)
         for choice in job.choices:
-            c = _Choice(choice.index)
+            c = _Choice(
+                choice.index, job.prompt_ids, list(choice.prefix_ids), choice.max_new_tokens
+            )
             state.choices[choice.index] = c
             if choice.max_new_tokens <= 0:
                 # A resumed choice with nothing left; exllamav2 would still sample one.
                 c.pending = TokenDelta(choice.index, [], finish=EngineFinish.LENGTH)
                 continue
             c.grammar = filters.get(choice.index)
-            try:
-                c.exl_job = self._make_job(api, job, choice, bias, stop_conditions, c.grammar)
-                self._generator.enqueue(c.exl_job)
-            except Exception:
-                logger.exception("exllamav2 refused job %s choice %d", job.job_id, choice.index)
-                c.exl_job = None
-                c.pending = TokenDelta(
-                    choice.index, [], finish=EngineFinish.ERROR, error="the engine failed"
+            choice_bias = bias
+            if OutputPenalties.wanted(sampling):
+                # Its own tensor, updated as it generates; a resumed prefix counts too.
+                clamped = clamped_bias(sampling.logit_bias)
+                choice_bias = api.token_bias(int(self._generator.padded_vocab_size), clamped)
+                c.penalties = OutputPenalties(
+                    choice_bias,
+                    clamped,
+                    presence=sampling.presence_penalty,
+                    frequency=sampling.frequency_penalty,
                 )
+                c.penalties.count(choice.prefix_ids)
+            c.settings = sampler_settings(api, sampling, choice_bias)
+            self._start_segment(api, state, c)
 
     def cancel(self, job_id: str) -> None:
         state = self._jobs.get(job_id)
@@ -383,7 +305,13 @@ class ExLlamaV2Engine(Engine):
         if self._generator.num_remaining_jobs():
             # An exception here cannot be pinned on one job (one forward pass serves the
             # whole batch), so it propagates: the engine itself is broken.
-            for result in self._generator.iterate():
+            results = self._generator.iterate()
+            # Penalties first: a segment that just ended is replaced while mapping.
+            for state in self._jobs.values():
+                for c in state.choices.values():
+                    if c.penalties is not None and c.exl_job is not None and not c.done:
+                        c.penalties.observe(c.exl_job)
+            for result in results:
                 step = self._map_result(result)
                 if step is not None:
                     out.append(step)
@@ -410,9 +338,11 @@ class ExLlamaV2Engine(Engine):
         """Reject up front what exllamav2 would assert on, or what would crash the GPU.
 
         A job needs ceil((P + M) / page) pages and the cache has cache_tokens / page of
-        them (dyn:2258-2290; unpaged: one page of cache_tokens), so P + M <= cache tokens
-        in both modes. A token id past the vocabulary would index out of range in the
-        embedding kernel, a CUDA error that takes every other job down with it.
+        them (dyn:2258-2290; unpaged: one page of cache_tokens). Segments keep M small and
+        a sequence that reaches the cache's size finishes with ``length``, so only a
+        prompt with no room left for one new token cannot run. A token id past the
+        vocabulary would index out of range in the embedding kernel, a CUDA error that
+        takes every other job down with it.
         """
         if not job.prompt_ids:
             raise JobRejected("the prompt is empty")  # dyn:1719 asserts a non-empty input
@@ -433,9 +363,9 @@ class ExLlamaV2Engine(Engine):
         for choice in job.choices:
             p = len(job.prompt_ids) + len(choice.prefix_ids)
             m = max(choice.max_new_tokens, 0)
-            if p + m > cache:
+            if m > 0 and p + 1 > cache:
                 raise JobRejected(
-                    f"prompt ({p} tokens) + max_tokens ({m}) exceeds the cache ({cache} tokens)"
+                    f"prompt ({p} tokens) leaves no room in the cache ({cache} tokens)"
                 )
             if p + m > context:
                 # Rotary tables are sized to the model's max_seq_len.
@@ -469,41 +399,74 @@ class ExLlamaV2Engine(Engine):
     def _token_bias(self, api: ExllamaApi, logit_bias: dict[int, float]) -> Any:
         if not logit_bias:
             return None
-        clamped = {t: max(-_MAX_BIAS, min(_MAX_BIAS, b)) for t, b in logit_bias.items()}
         # The logits row is padded to a multiple of 32 (dyn:333), the bias must match it.
-        return api.token_bias(int(self._generator.padded_vocab_size), clamped)
+        return api.token_bias(int(self._generator.padded_vocab_size), clamped_bias(logit_bias))
 
-    def _make_job(
-        self,
-        api: ExllamaApi,
-        job: EngineJob,
-        choice: ChoiceJob,
-        bias: Any,
-        stop_conditions: list[int],
-        grammar: GrammarFilter | None = None,
-    ) -> Any:
+    def _start_segment(
+        self, api: ExllamaApi, state: _Job, c: _Choice, previous: Any = None
+    ) -> None:
+        """Enqueue the choice's next exllamav2 job (its first, or the continuation of
+        ``previous``, which just ended on max_new_tokens); a refusal errors this choice
+        alone. With no room left in the cache the choice finishes with ``length``."""
+        job = state.job
+        n = c.segment_length(self._segment_tokens, int(self._generator.max_total_tokens))
+        if n <= 0:
+            c.exl_job = None
+            c.pending = TokenDelta(
+                c.index, [], finish=EngineFinish.LENGTH, cached_tokens=c.cached_tokens
+            )
+            return
         seed = job.sampling.seed
         # Only constrained jobs pass filters, so an unconstrained job is built exactly
         # as before (exllamav2 refuses filters together with banned strings, dyn:1769).
-        extra: dict[str, Any] = {"filters": [grammar]} if grammar is not None else {}
-        return api.job_cls(
-            # A resumed choice continues from its own tokens; the shared prompt's full
-            # pages are still found by hash and reused across choices (dyn:2551).
-            input_ids=api.input_ids([*job.prompt_ids, *choice.prefix_ids]),
-            max_new_tokens=choice.max_new_tokens,
-            # Stop tokens are blocked until this many new tokens exist (dyn:1881-1885);
-            # tokens generated before a resume already count towards min_tokens.
-            min_new_tokens=max(0, job.min_tokens - len(choice.prefix_ids)),
-            gen_settings=sampler_settings(api, job.sampling, bias),
-            # Distinct seeds per choice, or n seeded choices would be n copies.
-            seed=None if seed is None else seed + choice.index,
-            # Ints only: strings would make exllamav2 match stop strings on its own
-            # text, which is the streamer's job. An empty list means no stop at all.
-            stop_conditions=stop_conditions,
-            return_logits=job.sampling.logprobs is not None,
-            identifier=(job.job_id, choice.index),
-            **extra,
-        )
+        # The same filter object serves every segment: it holds the grammar's state.
+        extra: dict[str, Any] = {"filters": [c.grammar]} if c.grammar is not None else {}
+        context = c.context()
+        try:
+            exl_job = api.job_cls(
+                # A resumed choice or a later segment continues from its own tokens; the
+                # shared prompt's full pages are found by hash and reused (dyn:2551).
+                input_ids=api.input_ids(context),
+                max_new_tokens=n,
+                # Stop tokens are blocked until this many new tokens exist (dyn:1881-1885);
+                # a resumed prefix and earlier segments count towards min_tokens.
+                min_new_tokens=max(0, job.min_tokens - len(c.generated)),
+                gen_settings=c.settings,
+                # Distinct seeds per choice, or n seeded choices would be n copies.
+                seed=None if seed is None else seed + c.index,
+                # Ints only: strings would make exllamav2 match stop strings on its own
+                # text, which is the streamer's job. An empty list means no stop at all.
+                stop_conditions=state.stop_conditions,
+                return_logits=job.sampling.logprobs is not None,
+                identifier=(job.job_id, c.index),
+                **extra,
+            )
+            if previous is not None:
+                # One random stream per choice: job.rng is drawn once per token (dyn:1740,
+                # 1892), so a seeded choice samples as if it were one long job.
+                exl_job.rng = previous.rng
+            self._generator.enqueue(exl_job)
+            if previous is not None:
+                self._to_front(exl_job)
+        except Exception:
+            logger.exception("exllamav2 refused job %s choice %d", job.job_id, c.index)
+            c.exl_job = None
+            c.pending = TokenDelta(
+                c.index, [], finish=EngineFinish.ERROR, error="the engine failed"
+            )
+            return
+        c.exl_job = exl_job
+        c.segments += 1
+        if c.penalties is not None:
+            c.penalties.follow(len(context))
+
+    def _to_front(self, exl_job: Any) -> None:
+        """A continuation starts before jobs that have not started yet: its stream is
+        live, and the pages its previous segment just released are still cached. Jobs
+        start in ``pending_jobs`` order (dyn:1310-1330), enqueue appends (dyn:851)."""
+        pending = self._generator.pending_jobs
+        if pending and pending[-1] is exl_job:
+            pending.insert(0, pending.pop())
 
     def _map_result(self, result: dict[str, Any]) -> EngineStep | None:
         """One ``iterate()`` result dict (dyn:916-985) -> one EngineStep, or None."""
@@ -518,14 +481,28 @@ class ExLlamaV2Engine(Engine):
         if state is None or c is None or c.done or c.pending is not None:
             return None
         try:
-            delta = self._delta(c.index, result, state.logprobs)
+            delta = result_delta(c.index, result, state.logprobs)
         except Exception:
             logger.exception("cannot map exllamav2 output of %s choice %d", state.job_id, c.index)
             if not result.get("eos") and c.exl_job is not None:
                 self._generator.cancel(c.exl_job)
             delta = TokenDelta(c.index, [], finish=EngineFinish.ERROR, error="the engine failed")
+        c.generated += delta.token_ids
+        c.left -= len(delta.token_ids)
+        failed = c.grammar is not None and c.grammar.error is not None
+        if delta.finish is EngineFinish.LENGTH and c.left > 0 and not failed:
+            # A segment's end, not the choice's: continue it (module docstring of
+            # exllamav2_jobs). Its cached_tokens describe the prompt, so they are kept.
+            if c.segments == 1:
+                c.cached_tokens = delta.cached_tokens
+            self._start_segment(self._load_api(), state, c, previous=c.exl_job)
+            ended, c.pending = c.pending, None  # no room left, or refused: ends here
+            delta.finish = ended.finish if ended is not None else None
+            delta.error = ended.error if ended is not None else None
+        if c.segments > 1:
+            delta.cached_tokens = c.cached_tokens if delta.finish is not None else None
         if delta.finish is not None:
-            if c.grammar is not None and c.grammar.error is not None:
+            if failed:
                 # The filter ended the job on a grammar error (it never raises into
                 # the generator): the request's constraint failed, a 400.
                 delta.finish = EngineFinish.ERROR
@@ -536,34 +513,3 @@ class ExLlamaV2Engine(Engine):
         elif not delta.token_ids:
             return None  # output held back by exllamav2 (incomplete UTF-8, dyn:2137)
         return EngineStep(state.job_id, delta)
-
-    @staticmethod
-    def _delta(index: int, result: dict[str, Any], logprobs: int | None) -> TokenDelta:
-        # Token ids arrive in result["token_ids"], except what exllamav2 was still
-        # holding when the job ended: on a stop token it does not flush its buffer but
-        # returns it, stop token included, under result["held"] (dyn:2079-2093, 2121).
-        held = result.get("held") or {}
-        parts = [p for p in (result.get("token_ids"), held.get("token_ids")) if p is not None]
-        token_ids = [t for p in parts for t in _ids(p)]
-
-        lps: list[TokenLogprob] | None = None
-        if logprobs is not None and token_ids:
-            rows = [
-                np.asarray(p)[0]
-                for p in (result.get("logits"), held.get("logits"))
-                if p is not None
-            ]
-            logits = np.concatenate(rows, axis=0) if rows else np.empty((0, 0), np.float32)
-            if logits.shape[0] != len(token_ids):
-                raise ValueError(f"{logits.shape[0]} logit rows for {len(token_ids)} tokens")
-            lps = logprobs_from_logits(logits, token_ids, logprobs)
-
-        finish: EngineFinish | None = None
-        cached: int | None = None
-        if result.get("eos"):
-            # "max_new_tokens" is a length stop; "stop_token" (and the unused
-            # "stop_string"/"end_filter") end the choice like an EOS (dyn:2121-2132).
-            reason = result.get("eos_reason")
-            finish = EngineFinish.LENGTH if reason == "max_new_tokens" else EngineFinish.EOS
-            cached = result.get("cached_tokens")
-        return TokenDelta(index, token_ids, lps, finish, cached_tokens=cached)
