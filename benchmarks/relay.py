@@ -24,6 +24,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -46,6 +47,12 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of a process and its reaped children, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    """Calls per Redis command since the server started (INFO commandstats)."""
+    stats: Any = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,6 +99,7 @@ def run(
                         deadline=now + 600,
                     )
                 )
+            calls0 = command_calls(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             t0 = time.time()
             for r in records:
@@ -140,6 +148,7 @@ def run(
                                     cursors.pop(key, None)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+            calls = command_calls(client)
         out: dict[str, object] = {
             "stage": stage,
             "streamers": streamers if stage == "relay" else 0,
@@ -152,6 +161,14 @@ def run(
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }
         out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
+        # Redis commands per delivered token, by command (scripts count once per call):
+        # the round trips each process makes, which a paced run turns into wake-ups.
+        per_token = {
+            k: round((v - calls0.get(k, 0)) / delivered, 3)
+            for k, v in calls.items()
+            if v > calls0.get(k, 0) and k not in ("info",)
+        }
+        out["redis_calls_per_token"] = dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
         if stage == "relay":
             out["added_latency_ms"] = {
                 "ttft_p50": round(percentile(ttft_added, 0.5) * 1000, 2),

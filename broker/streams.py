@@ -102,14 +102,74 @@ class OutputStreams:
         pipe.execute()
         return set()
 
-    def _write_owned(self, entries: Sequence[OutputEntry], owner: str) -> set[str]:
+    def write_then_read(
+        self,
+        entries: Sequence[OutputEntry],
+        owner: str,
+        streams: dict[str, str],
+        *,
+        count: int,
+        block_ms: int,
+        on_written: Callable[[set[str]], None],
+    ) -> Any:
+        """``write(entries, owner)`` and then a blocking XREAD of ``streams``, sent as one
+        round trip: a streamer's steady cycle costs one wake-up instead of two, and the
+        outputs are in Redis as soon as they would have been written alone.
+
+        The write's reply is read before the read's, and ``on_written`` gets the fenced
+        request ids at once: if the connection breaks while the read blocks, the caller
+        still knows its entries are written (and must not write them again into a Redis
+        that has come back empty). If Redis lost the script (restarted), the write is
+        redone with the script loaded before the read's reply is handed back.
+        Returns the XREAD reply."""
+        keys, args = self._fenced_args(entries, owner)
+        sha = self._write_fenced.sha
+        read_args = ["COUNT", count, "BLOCK", block_ms, "STREAMS", *streams, *streams.values()]
+        # redis-py's connection layer is untyped; this is the one place we use it.
+        client: Any = self.redis
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(
+                conn.pack_commands(
+                    [("EVALSHA", sha, len(keys), *keys, *args), ("XREAD", *read_args)]
+                )
+            )
+            try:
+                fenced: Any = client.parse_response(conn, "EVALSHA")
+            except redis.ResponseError as exc:
+                fenced = exc  # the read's reply follows all the same
+            else:
+                on_written(self._fenced_ids(entries, fenced))
+            read = client.parse_response(conn, "XREAD")
+        except BaseException:
+            conn.disconnect()  # a reply may still be on its way: never reuse it
+            raise
+        finally:
+            pool.release(conn)
+        if isinstance(fenced, redis.exceptions.NoScriptError):
+            on_written(self._write_owned(entries, owner))
+        elif isinstance(fenced, Exception):
+            raise fenced
+        return read
+
+    def _fenced_args(
+        self, entries: Sequence[OutputEntry], owner: str
+    ) -> tuple[list[str], list[Any]]:
         keys = [self.keys.new_requests, *(self.keys.output(e.request_id) for e in entries)]
         args: list[Any] = [GROUP, owner, self.ttl_s]
         for e in entries:
             args += [e.handoff_id, "1" if e.first else "0", encode_events(e.events)]
             args += [e.source, e.published if e.published is not None else ""]
-        fenced: Any = self._write_fenced(keys=keys, args=args)
+        return keys, args
+
+    @staticmethod
+    def _fenced_ids(entries: Sequence[OutputEntry], fenced: Any) -> set[str]:
         return {entries[int(i) - 1].request_id for i in fenced or []}
+
+    def _write_owned(self, entries: Sequence[OutputEntry], owner: str) -> set[str]:
+        keys, args = self._fenced_args(entries, owner)
+        return self._fenced_ids(entries, self._write_fenced(keys=keys, args=args))
 
     def last_source(self, rid: str) -> tuple[str, bool] | None:
         """(token cursor of the last written entry, whether the stream has ended)."""

@@ -79,6 +79,8 @@ logger = logging.getLogger(__name__)
 WATCHDOG_S = 0.5
 HEARTBEAT_S = 2.0
 READ_BLOCK_MS = 50
+CLAIM_BATCH = 64  # new requests claimed per round trip
+READ_COUNT = 512  # token entries per stream per read
 
 
 class Streamer:
@@ -112,6 +114,9 @@ class Streamer:
         self._set_up = False  # hand-off group ensured since the last outage
         self._resend_queued = False  # after an outage: resend queued requests at once
         self._take_over_from = 0.0  # no takeovers before (set after an outage)
+        # Ask the group for new requests only when the wake-up read saw one (or the
+        # watchdog says so): one round trip less per cycle while requests stream.
+        self._claim_due = True
         self._commits: deque[Commit] = deque()
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
@@ -138,6 +143,7 @@ class Streamer:
             if self._outage.recovered():
                 logger.info("redis is reachable again; streamer %s resumes", self.consumer)
         with contextlib.suppress(*BACKBONE_ERRORS):
+            self._flush()  # the last cycle's outputs: its next read never came
             self.registry.unregister(self.consumer)
 
     def _set_up_loop(self) -> None:
@@ -150,6 +156,7 @@ class Streamer:
         self.handoff.ensure_group()
         self._flush()  # what the outage interrupted comes first
         self._handoff_cursor = self.handoff.last_id()
+        self._claim_due = True  # entries before the new cursor wake no one
         if self._resend_queued:  # set by an outage
             self._take_over_from = self.clock() + self.settings.streamer_takeover_s
         self._set_up = True
@@ -167,12 +174,19 @@ class Streamer:
         self.stopping.wait(self._outage.delay_s)
 
     def iterate(self) -> None:
-        self._flush()
-        for entry_id, rid in self.handoff.claim_new(self.consumer):
-            self._adopt(entry_id, rid)
+        """One cycle. The outputs a cycle decodes are written by the next cycle's read
+        round trip (``_read_and_decode``), unless something else must talk to Redis
+        first: then they are flushed before it, so outputs never wait behind it."""
+        if self._claim_due:
+            self._flush()
+            claimed = self.handoff.claim_new(self.consumer, count=CLAIM_BATCH)
+            self._claim_due = len(claimed) >= CLAIM_BATCH  # more may be waiting
+            for entry_id, rid in claimed:
+                self._adopt(entry_id, rid)
         self._read_and_decode()
         now = self.clock()
         if now - self._last_watchdog >= WATCHDOG_S:
+            self._flush()
             self._watchdog()
 
     def _read_and_decode(self) -> None:
@@ -182,7 +196,7 @@ class Streamer:
             key = self.keys.tokens(rid)
             streams[key] = t.cursor
             by_key[key] = t
-        res: Any = self.redis.xread(streams, count=512, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+        res = self._write_and_read(streams)
         if self.clock() - self._last_heartbeat > self.settings.streamer_takeover_s / 2:
             # We were stalled (a pause, a slow round trip): another streamer may own
             # some of these requests now, and writing them too would repeat text.
@@ -195,6 +209,7 @@ class Streamer:
             key = as_str(key_raw)
             if key == self.keys.new_requests:
                 self._handoff_cursor = as_str(entries[-1][0])
+                self._claim_due = True
                 continue
             t = by_key.get(key)
             if t is None or not entries or t.record.request_id not in self.tracked:
@@ -214,7 +229,29 @@ class Streamer:
                 ended.append(t)
             if out is not None:
                 outputs.append(out)
-        self._commit(outputs, ended, failed, cancels)
+        if outputs or ended or failed or cancels:
+            # Written by the next read's round trip, or by whatever talks to Redis first.
+            self._commits.append(Commit(outputs, ended, failed, cancels))
+
+    def _write_and_read(self, streams: dict[str, str]) -> Any:
+        """The blocking read of ``streams``, carrying the last cycle's output write when
+        that is all there is to write (one round trip per cycle while requests stream).
+        Anything older (a write that failed and is being retried) is flushed first."""
+        fresh = self._commits[-1] if self._commits else None
+        if fresh is None or len(self._commits) > 1 or fresh.tries or not fresh.outputs:
+            self._flush()
+            return self.redis.xread(streams, count=READ_COUNT, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+        fresh.tries = 1
+        res = self.outputs.write_then_read(
+            fresh.outputs,
+            self.consumer,
+            streams,
+            count=READ_COUNT,
+            block_ms=READ_BLOCK_MS,
+            on_written=lambda taken: self._mark_written(fresh, taken),
+        )
+        self._flush()  # ends what the write ended (no write left to do)
+        return res
 
     def _commit(
         self,
@@ -237,21 +274,31 @@ class Streamer:
                 c.tries += 1
                 entries = c.outputs if c.tries == 1 else self._unwritten(c.outputs)
                 # Fenced: written only for requests whose hand-off entry is still ours.
-                taken = self.outputs.write(entries, owner=self.consumer)
-                c.written = True
-                if taken:
-                    self._forget_taken_over(taken)
-                    c.ended = [t for t in c.ended if t.record.request_id not in taken]
-                    c.failed = [t for t in c.failed if t.record.request_id not in taken]
-                    c.cancels = [rid for rid in c.cancels if rid not in taken]
-            for rid in c.cancels:
-                self.store.cancel(rid)
-            c.cancels = []
-            for t in c.ended:  # ending is idempotent: safe to redo after an outage
-                self._end(t)
-            for t in c.failed:
-                self._end_failed(t)
+                self._mark_written(c, self.outputs.write(entries, owner=self.consumer))
+            self._settle(c)
             self._commits.popleft()
+
+    def _mark_written(self, c: Commit, taken: set[str]) -> None:
+        """``c``'s outputs are in Redis, but for ``taken`` (fenced: another streamer
+        has those requests now, so we leave them alone). No round trip: this runs the
+        moment the write's reply arrives."""
+        c.written = True
+        if taken:
+            self._forget_taken_over(taken)
+            c.ended = [t for t in c.ended if t.record.request_id not in taken]
+            c.failed = [t for t in c.failed if t.record.request_id not in taken]
+            c.cancels = [rid for rid in c.cancels if rid not in taken]
+
+    def _settle(self, c: Commit) -> None:
+        """After ``c``'s outputs are written: cancel what it cancels, end the requests
+        it ends (each step idempotent: safe to redo after an outage)."""
+        for rid in c.cancels:
+            self.store.cancel(rid)
+        c.cancels = []
+        for t in c.ended:  # ending is idempotent: safe to redo after an outage
+            self._end(t)
+        for t in c.failed:
+            self._end_failed(t)
 
     def _unwritten(self, entries: Sequence[OutputEntry]) -> list[OutputEntry]:
         """On a retry: the entries the failed round trip did not write after all (Redis
@@ -385,6 +432,7 @@ class Streamer:
     def _watchdog(self, force: bool = False) -> None:
         now = self.clock()
         self._last_watchdog = now
+        self._claim_due = True  # a safety net: a wake-up read can miss an entry
         if force or now - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = now
             self._heartbeat_and_take_over()

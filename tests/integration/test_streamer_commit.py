@@ -5,8 +5,9 @@ lost before Redis ran it or after (Redis ran it, then died before answering)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -28,20 +29,41 @@ pytestmark = pytest.mark.integration
 
 class FlakyOutputs(OutputStreams):
     """Real output streams whose first non-empty write fails like a dying Redis: before
-    running it (``ran=False``) or after (``ran=True``)."""
+    running it (``ran=False``) or after (``ran=True``). Either way of writing can fail:
+    alone, or carried by the streamer's next read (``write_then_read``)."""
 
     def __init__(self, inner: OutputStreams, *, ran: bool) -> None:
         super().__init__(inner.redis, inner.keys, ttl_s=inner.ttl_s)
         self.ran = ran
         self.failures = 0
+        self.failed_in = ""  # which way of writing failed
 
-    def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
+    def _fail_once(self, entries: Sequence[OutputEntry], owner: str | None, way: str) -> None:
         if entries and self.failures == 0:
             self.failures += 1
+            self.failed_in = way
             if self.ran:
                 super().write(entries, owner)
             raise redis.ConnectionError("Connection reset by peer")
+
+    def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
+        self._fail_once(entries, owner, "alone")
         return super().write(entries, owner)
+
+    def write_then_read(
+        self,
+        entries: Sequence[OutputEntry],
+        owner: str,
+        streams: dict[str, str],
+        *,
+        count: int,
+        block_ms: int,
+        on_written: Callable[[set[str]], None],
+    ) -> Any:
+        self._fail_once(entries, owner, "carried")
+        return super().write_then_read(
+            entries, owner, streams, count=count, block_ms=block_ms, on_written=on_written
+        )
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +71,10 @@ def tokenizer(models_dir: Path) -> Tokenizer:
     return load_tokenizer(load_model_card(models_dir / "SmolLM2-135M-Instruct"))
 
 
+@pytest.mark.parametrize("way", ["alone", "carried"])
 @pytest.mark.parametrize("ran", [False, True], ids=["lost-before-running", "lost-after"])
 def test_output_of_a_failed_write_is_written_once(
-    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, ran: bool
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, ran: bool, way: str
 ) -> None:
     keys = Keys(settings.key_prefix)
     store = RequestStore(redis_client, keys, stream_ttl_s=600)
@@ -69,8 +92,18 @@ def test_output_of_a_failed_write_is_written_once(
     for deltas, first, done in steps:
         store.publish([PublishItem(rid, lease, 0, encode_deltas(deltas), first, done)], 30.0)
 
-    streamer = Streamer(settings, redis_client, tokenizer, create_celery(settings))
-    streamer.handoff.ensure_group()
+    if way == "alone":
+        # The first cycle's watchdog flushes the output on its own before it runs.
+        streamer = Streamer(settings, redis_client, tokenizer, create_celery(settings))
+        streamer.handoff.ensure_group()
+    else:
+        # A clock that stands still never makes the watchdog due, and after the set-up
+        # the wake-up read does not see the hand-off entry again: the output written by
+        # the next cycle's read round trip, as while requests stream.
+        streamer = Streamer(
+            settings, redis_client, tokenizer, create_celery(settings), clock=lambda: 1.0
+        )
+        streamer._set_up_loop()
     flaky = FlakyOutputs(streamer.outputs, ran=ran)
     streamer.outputs = flaky
     for _ in range(10):
@@ -80,7 +113,7 @@ def test_output_of_a_failed_write_is_written_once(
             continue  # as the run loop does: pause, then go on
         if rid not in streamer.tracked:
             break
-    assert flaky.failures == 1 and rid not in streamer.tracked
+    assert flaky.failures == 1 and flaky.failed_in == way and rid not in streamer.tracked
     events = [ev for _eid, ev in OutputStreams(redis_client, keys).follow(rid, timeout_s=5)]
     got = collect(iter(events))
     assert got.texts == {0: TEXT}
