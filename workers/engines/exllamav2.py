@@ -45,11 +45,16 @@ from workers.engines.exllamav2_jobs import (
     result_delta,
     sampler_settings,
 )
+from workers.engines.exllamav2_startup import (
+    MODE_PAGED,
+    MODE_UNPAGED,
+    ModelLimits,
+    free_cuda_memory,
+    plan_startup,
+    resolve_paged,
+)
 
 logger = logging.getLogger(__name__)
-
-# dyn:389 asserts cache.max_seq_len % 256 == 0 (PAGED_PAGE_SIZE), paged or not.
-CACHE_GRANULE = 256
 
 # New tokens one exllamav2 job reserves pages for (Settings.exllamav2_segment_tokens).
 DEFAULT_SEGMENT_TOKENS = 512
@@ -114,6 +119,11 @@ class ExLlamaV2Engine(Engine):
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
     ) -> None:
         self._generator = generator
+        # Read once, here: the start-up log, the heartbeat (another thread) and a closed
+        # engine all answer them without touching the generator.
+        self._paged = bool(generator.paged)
+        # Unpaged mode has a single cache page, so one job at a time (dyn:384-391).
+        self._capacity = int(generator.max_batch_size) if self._paged else 1
         self._vocab_size = vocab_size
         # Most new tokens one exllamav2 job reserves pages for; 0 = the whole max_tokens.
         self._segment_tokens = segment_tokens
@@ -138,6 +148,7 @@ class ExLlamaV2Engine(Engine):
             eos_token_ids=list(card.eos_token_ids),
             max_chunk_size=settings.exllamav2_max_chunk_size,
             segment_tokens=settings.exllamav2_segment_tokens,
+            allow_unpaged=settings.exllamav2_allow_unpaged,
         )
 
     @classmethod
@@ -153,28 +164,22 @@ class ExLlamaV2Engine(Engine):
         warmup: bool = True,
         eos_token_ids: list[int] | None = None,
         segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+        allow_unpaged: bool = False,
     ) -> ExLlamaV2Engine:
         """Load an EXL2 or FP16 HF-style model directory onto the visible GPUs.
 
         ``cache_tokens`` is the KV cache shared by all running sequences (rounded up to a
         multiple of 256, dyn:389). ``paged=None`` uses paged attention when flash-attn
-        2.5.7+ is importable (attn.py:47-59); without it the generator runs unpaged, which
-        supports one sequence at a time (dyn:316-318), so ``capacity`` becomes 1.
+        2.5.7+ is importable (attn.py:47-59); without it the generator would run unpaged,
+        one sequence at a time (dyn:316-318), and this refuses to start unless
+        ``allow_unpaged``. Every limit exllamav2 asserts on is checked from config.json
+        before the weights load (``exllamav2_startup.plan_startup``).
         ``cache_bits`` 16 is an FP16 cache; 4/6/8 select the quantized Q4/Q6/Q8 caches
         (the plain 8-bit cache is refused by the dynamic generator, dyn:359).
         """
         import exllamav2
         from exllamav2 import attn as exl_attn
         from exllamav2.generator import ExLlamaV2DynamicGenerator
-
-        config = exllamav2.ExLlamaV2Config(str(model_dir))
-        config.arch_compat_overrides()
-        if paged is None:
-            paged = exl_attn.has_flash_attn_with_paged and not config.no_flash_attn
-            if not paged:
-                logger.warning("flash-attn >= 2.5.7 unavailable: unpaged mode, one sequence")
-        batch = max_batch_size if paged else 1
-        tokens = -(-cache_tokens // CACHE_GRANULE) * CACHE_GRANULE
 
         caches = {
             16: exllamav2.ExLlamaV2Cache,
@@ -184,31 +189,47 @@ class ExLlamaV2Engine(Engine):
         }
         if cache_bits not in caches:
             raise ValueError(f"cache_bits must be one of {sorted(caches)}, not {cache_bits}")
-        cache_cls = caches[cache_bits]
+        config = exllamav2.ExLlamaV2Config(str(model_dir))  # parses config.json only
+        config.arch_compat_overrides()
+        paged = resolve_paged(
+            paged,
+            has_paged_attention=bool(exl_attn.has_flash_attn_with_paged),
+            no_flash_attn=bool(config.no_flash_attn),
+            allow_unpaged=allow_unpaged,
+        )
+        plan = plan_startup(
+            ModelLimits(config.max_seq_len, config.max_input_len, config.max_batch_size),
+            cache_tokens=cache_tokens,
+            max_batch_size=max_batch_size,
+            max_chunk_size=max_chunk_size,
+            paged=paged,
+        )
+        for warning in plan.warnings:
+            logger.warning("exllamav2: %s", warning)
+
         model = exllamav2.ExLlamaV2(config)
-        cache = cache_cls(model, max_seq_len=tokens, lazy=True)
+        cache = caches[cache_bits](model, max_seq_len=plan.cache_tokens, lazy=True)
         model.load_autosplit(cache, progress=False)
         tokenizer = exllamav2.ExLlamaV2Tokenizer(config)
-
-        # dyn:364-370 asserts max_batch_size * max_q_size (8) <= config.max_batch_size *
-        # config.max_input_len; load_autosplit lowered max_input_len to max_seq_len.
-        room = config.max_batch_size * config.max_input_len
-        if batch * 8 > room:
-            model.unload()
-            raise ValueError(
-                f"max_batch_size {batch} too large for this model: at most {room // 8} "
-                f"(max_input_len {config.max_input_len})"
-            )
         generator = ExLlamaV2DynamicGenerator(
             model=model,
             cache=cache,
             tokenizer=tokenizer,
-            max_batch_size=batch,
-            max_chunk_size=max_chunk_size,
-            paged=paged,
+            max_batch_size=plan.max_batch_size,
+            max_chunk_size=plan.max_chunk_size,
+            paged=plan.paged,
         )
         if warmup:
             generator.warmup()  # kernel autotune before the first real job (dyn:514)
+        logger.info(
+            "exllamav2 loaded %s: %s attention, capacity %d sequences, cache %d tokens, "
+            "prefill chunk %s tokens",
+            model_dir,
+            plan.mode,
+            plan.capacity,
+            plan.cache_tokens,
+            plan.max_chunk_size or config.max_input_len,
+        )
 
         def grammar_vocab() -> GrammarVocab:
             import llguidance
@@ -219,11 +240,21 @@ class ExLlamaV2Engine(Engine):
                 llguidance.LLTokenizer(text, n_vocab=config.vocab_size, eos_token=eos)
             )
 
+        # Only this closure keeps the model and its cache once the engine drops the
+        # generator: ``close`` runs it, and the GPU memory is free afterwards.
+        gpu: dict[str, Any] = {"model": model, "cache": cache}
+        del model, cache
+
+        def release() -> None:
+            gpu["model"].unload()
+            gpu.clear()
+            free_cuda_memory()
+
         return cls(
             generator,
             vocab_size=config.vocab_size,
             api=ExllamaApi.load(),
-            on_close=model.unload,
+            on_close=release,
             grammar_vocab=grammar_vocab,
             segment_tokens=segment_tokens,
         )
@@ -232,13 +263,18 @@ class ExLlamaV2Engine(Engine):
 
     @property
     def generator(self) -> Any:
-        """The wrapped generator (read-only use: benchmarks look at its active jobs)."""
+        """The wrapped generator (read-only use: benchmarks look at its active jobs);
+        None once the engine is closed."""
         return self._generator
 
     @property
     def capacity(self) -> int:
-        # Unpaged mode has a single cache page, so one job at a time (dyn:384-391).
-        return int(self._generator.max_batch_size) if self._generator.paged else 1
+        return self._capacity
+
+    @property
+    def mode(self) -> str:
+        """``paged`` (continuous batching) or ``unpaged`` (one sequence at a time)."""
+        return MODE_PAGED if self._paged else MODE_UNPAGED
 
     def has_work(self) -> bool:
         return any(not c.done for job in self._jobs.values() for c in job.choices.values())
@@ -320,12 +356,20 @@ class ExLlamaV2Engine(Engine):
         return out
 
     def close(self) -> None:
-        for job_id in list(self._jobs):
-            self.cancel(job_id)
+        """Cancel what runs, then let go of the GPU: the generator (which holds the
+        model, the cache and its buffers) is dropped and ``on_close`` unloads the weights
+        and returns CUDA's cached memory. Only the engine's own thread, or a caller that
+        knows that thread has ended, may call it (``WorkerRuntime.stop``)."""
+        if self._generator is not None:
+            for job_id in list(self._jobs):
+                self.cancel(job_id)
         self._jobs.clear()
-        if self._on_close is not None:
-            self._on_close()
-            self._on_close = None
+        self._generator = None
+        self._grammar_vocab = None
+        self._grammar_vocab_factory = None
+        release, self._on_close = self._on_close, None
+        if release is not None:
+            release()
 
     # --- mapping ---------------------------------------------------------------------
 
