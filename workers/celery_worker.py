@@ -76,7 +76,9 @@ def engine_info_step(state: dict[str, WorkerRuntime]) -> type[bootsteps.Step]:
     Flower shows the keys it does not know on the worker page's "Other" tab: engine,
     mode (paged/unpaged), capacity and slots, next to Celery's own pool and queues."""
 
-    class EngineInfo(bootsteps.Step):  # type: ignore[misc]
+    # A StartStopStep (starting and stopping nothing): only those are added to the
+    # worker's ``steps``, the list whose ``info()`` the stats merge.
+    class EngineInfo(bootsteps.StartStopStep):  # type: ignore[misc]
         name = "tokenrelay.EngineInfo"
 
         def info(self, worker: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import pytest
 import redis
+from celery import bootsteps
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -541,6 +542,12 @@ def test_flower_shows_the_engine_mode_and_capacity() -> None:
     assert stats["tokenrelay_engine_capacity"] == 1
     assert stats["tokenrelay_worker_slots"] == 4
     assert engine_info_step({})(parent=None).info(None) == {}
+    # As Celery's worker builds it: the blueprint applies the step to the worker, and the
+    # worker's stats merge the info of every step in ``worker.steps``.
+    worker = types.SimpleNamespace(steps=[])
+    blueprint = bootsteps.Blueprint([engine_info_step(state)], name="worker")
+    blueprint.apply(worker)
+    assert blueprint.info(worker)["tokenrelay_engine_mode"] == "unpaged"
     app = build_app(Settings(served_model_name="m"))
     assert "tokenrelay.EngineInfo" in {s.name for s in app.steps["worker"]}
     info = runtime.info()

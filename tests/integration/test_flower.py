@@ -99,6 +99,13 @@ def test_flower_lists_worker_and_task(settings: Settings, tmp_path: Path) -> Non
                 interval=0.5,
             )
             assert any(name.startswith("tokenrelay-") for name in workers)  # type: ignore[union-attr]
+            # The worker's page shows its engine, mode and capacity (the "Other" tab).
+            (ours,) = [w for name, w in workers.items() if name.startswith("tokenrelay-")]  # type: ignore[union-attr]
+            stats = ours["stats"]
+            assert stats["tokenrelay_engine"] == "echo"
+            assert stats["tokenrelay_engine_mode"] == "batched"
+            assert stats["tokenrelay_engine_capacity"] >= 1
+            assert stats["tokenrelay_worker_slots"] == settings.worker_slots
             task = _get(f"{base}/api/task/info/{task_id}", auth)
             assert task["name"] == "tokenrelay.generate"
     finally:
