@@ -1,7 +1,7 @@
 """flash-attn for the GPU image (Dockerfile.gpu): which wheel, and does exllamav2 page.
 
 Without flash-attn >= 2.5.7 exllamav2's dynamic generator runs unpaged, one sequence at
-a time (exllamav2 0.3.2 attn.py:47-59, generator/dynamic.py:316-318), so the image
+a time (exllamav2 0.3.2 attn.py:47-59, generator/dynamic.py:314-317), so the image
 installs it and checks it at build time.
 
     python flash_attn_wheel.py url VERSION   # the release wheel for the installed torch

@@ -57,7 +57,7 @@ from workers.runtime import WorkerRuntime
 def exllamav2_would_assert(
     max_seq_len: int, batch: int, chunk: int | None, paged: bool, cache_tokens: int
 ) -> bool:
-    """ExLlamaV2DynamicGenerator.__init__'s asserts (v0.3.2 dynamic.py:364-406), after
+    """ExLlamaV2DynamicGenerator.__init__'s asserts (v0.3.2 dynamic.py:365-408), after
     load_autosplit capped max_input_len at max_seq_len (model.py:535-536); config
     defaults max_input_len 2048, max_batch_size 1 (config.py:174-175); max_q_size 8."""
     max_input_len = min(2048, max_seq_len)
@@ -284,10 +284,10 @@ class FakeExllama:
                     max_batch_size=max_batch_size, max_chunk_size=max_chunk_size, paged=paged
                 )
                 cfg = model.config
-                assert max_batch_size * 8 <= cfg.max_batch_size * cfg.max_input_len  # dyn:364
+                assert max_batch_size * 8 <= cfg.max_batch_size * cfg.max_input_len  # dyn:368
                 chunk = cfg.max_input_len if max_chunk_size is None else max_chunk_size
                 assert chunk <= cfg.max_input_len  # dyn:399
-                assert not paged or chunk % 256 == 0  # dyn:405
+                assert not paged or chunk % 256 == 0  # dyn:407
                 assert cache.max_seq_len % 256 == 0  # dyn:389
                 super().__init__(
                     cache_tokens=cache.max_seq_len,

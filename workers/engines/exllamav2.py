@@ -171,7 +171,7 @@ class ExLlamaV2Engine(Engine):
         ``cache_tokens`` is the KV cache shared by all running sequences (rounded up to a
         multiple of 256, dyn:389). ``paged=None`` uses paged attention when flash-attn
         2.5.7+ is importable (attn.py:47-59); without it the generator would run unpaged,
-        one sequence at a time (dyn:316-318), and this refuses to start unless
+        one sequence at a time (dyn:314-317), and this refuses to start unless
         ``allow_unpaged``. Every limit exllamav2 asserts on is checked from config.json
         before the weights load (``exllamav2_startup.plan_startup``).
         ``cache_bits`` 16 is an FP16 cache; 4/6/8 select the quantized Q4/Q6/Q8 caches
@@ -189,7 +189,7 @@ class ExLlamaV2Engine(Engine):
         }
         if cache_bits not in caches:
             raise ValueError(f"cache_bits must be one of {sorted(caches)}, not {cache_bits}")
-        config = exllamav2.ExLlamaV2Config(str(model_dir))  # parses config.json only
+        config = exllamav2.ExLlamaV2Config(str(model_dir))  # reads no weights
         config.arch_compat_overrides()
         paged = resolve_paged(
             paged,

@@ -24,12 +24,12 @@ from app.errors import ModelError
 logger = logging.getLogger(__name__)
 
 # The dynamic generator's page size (dyn PAGED_PAGE_SIZE): the cache and, in paged mode,
-# every prefill chunk are whole pages (dyn:389, dyn:405).
+# every prefill chunk are whole pages (dyn:389, dyn:406-408).
 PAGE_SIZE = 256
 
-# ``max_q_size``, the tokens per sequence one generation step evaluates (dyn:247 default,
+# ``max_q_size``, the tokens per sequence one generation step evaluates (dyn:249 default,
 # which tokenrelay never changes): ``max_batch_size * MAX_Q_SIZE`` must fit the model's
-# scratch, ``config.max_batch_size * config.max_input_len`` (dyn:364-370).
+# scratch, ``config.max_batch_size * config.max_input_len`` (dyn:365-370).
 MAX_Q_SIZE = 8
 
 # flash-attn's first version with paged KV (``flash_attn_with_kvcache`` + block table):
@@ -113,7 +113,7 @@ def plan_startup(
 
     chunk = max_chunk_size
     if chunk is not None and chunk > input_len:
-        # Paged, a chunk is whole pages (dyn:404-406); unpaged, any length fits.
+        # Paged, a chunk is whole pages (dyn:406-408); unpaged, any length fits.
         lowered = (input_len // PAGE_SIZE) * PAGE_SIZE if paged else input_len
         if lowered > 0:
             warnings.append(
@@ -168,7 +168,7 @@ def resolve_paged(
 ) -> bool:
     """Paged or not, decided before loading; ``ModelError`` for a worker that would run
     unpaged without being allowed to (``paged=None``: as the libraries allow) or that
-    asked for paged attention it does not have (dyn:322-325 would assert after the load).
+    asked for paged attention it does not have (dyn:354-357 would assert after the load).
 
     ``has_paged_attention`` is ``exllamav2.attn.has_flash_attn_with_paged`` and
     ``no_flash_attn`` the model config's.
