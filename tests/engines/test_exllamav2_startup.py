@@ -1,14 +1,13 @@
-"""The exllamav2 worker's start-up and shutdown, without a GPU (issue 15, items 1, 5, 6).
+"""The exllamav2 worker's start-up, without a GPU (issue 15, items 1, 6 and the close of 5).
 
 - Item 6: ``plan_startup`` refuses, before any weight loads, exactly the settings that
   ``ExLlamaV2DynamicGenerator.__init__`` would assert on after the load (checked against
   a literal copy of those asserts over a grid of models and settings), naming the
   settings to change.
 - Item 1: a worker that would run unpaged (no flash-attn >= 2.5.7) refuses to start
-  unless allowed, and says why; mode and capacity reach the start-up log and Flower.
-- Item 5: ``WorkerRuntime.stop`` never closes the engine while the engine thread is
-  still inside a step; ``close`` drops the generator, model and cache and frees CUDA's
-  cache.
+  unless allowed, and says why; mode and capacity reach the start-up log.
+- Item 5 (its ``close`` half): ``close`` drops the generator, model and cache and frees
+  CUDA's cache. The shutdown order is tested in test_exllamav2_shutdown.py.
 
 ``from_model_dir`` runs here on a stand-in ``exllamav2`` package (config, model, cache,
 tokenizer, generator classes with 0.3.2's constructor arguments) so that the order of
@@ -21,35 +20,25 @@ import gc
 import json
 import logging
 import sys
-import threading
-import time
 import types
 import weakref
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
-import redis
-from celery import bootsteps
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from app.errors import ModelError
 from app.model_card import ModelCard
 from app.settings import Settings
 from tests.engines.exllamav2_standin import VOCAB, StandInDynamicGenerator, stand_in_api
-from workers.celery_worker import build_app, engine_info_step
-from workers.engine_thread import WorkItem
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.exllamav2 import ExLlamaV2Engine
 from workers.engines.exllamav2_startup import (
     ModelLimits,
-    StartupPlan,
     plan_startup,
     resolve_paged,
     unpaged_reason,
 )
-from workers.runtime import WorkerRuntime
 
 # --- item 6: limits checked before the load ---------------------------------------------
 
@@ -437,126 +426,3 @@ def test_from_card_passes_the_settings_through(monkeypatch: pytest.MonkeyPatch) 
     assert seen["max_batch_size"] == 32 and seen["allow_unpaged"] is True
     assert seen["max_chunk_size"] == 512
     assert seen["cache_tokens"] == settings.exllamav2_cache_tokens
-
-
-# --- item 5: shutdown never races the engine thread ----------------------------------------
-
-
-class BlockingGenerator(StandInDynamicGenerator):
-    """A generator whose ``iterate`` blocks until released, recording every caller."""
-
-    def __init__(self) -> None:
-        super().__init__(cache_tokens=4096, max_batch_size=8)
-        self.callers: set[int] = set()
-        self.stepping = threading.Event()
-        self.release = threading.Event()
-
-    def enqueue(self, job: Any) -> int:
-        self.callers.add(threading.get_ident())
-        return super().enqueue(job)
-
-    def cancel(self, job: Any) -> None:
-        self.callers.add(threading.get_ident())
-        super().cancel(job)
-
-    def iterate(self) -> list[dict[str, Any]]:
-        self.callers.add(threading.get_ident())
-        self.stepping.set()
-        assert self.release.wait(10), "never released"
-        return super().iterate()
-
-
-class CountingEngine(ExLlamaV2Engine):
-    def __init__(self, generator: Any) -> None:
-        self.closed_by: list[int] = []
-        super().__init__(generator, vocab_size=VOCAB, api=stand_in_api(), on_close=self._closed)
-
-    def _closed(self) -> None:
-        self.closed_by.append(threading.get_ident())
-
-
-def runtime_for(engine: ExLlamaV2Engine) -> WorkerRuntime:
-    """A worker runtime whose Redis is unreachable (refused at once, no retries): the
-    engine thread keeps stepping and its publishes back off, as in a Redis outage."""
-    client = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
-    settings = Settings(served_model_name="m", worker_slots=4)
-    card = cast(ModelCard, types.SimpleNamespace(eos_token_ids=[2]))
-    return WorkerRuntime(settings, card, engine, client)
-
-
-def submit(runtime: WorkerRuntime) -> None:
-    job = EngineJob("r1/0.0/0", [1, 2, 3], [ChoiceJob(0, 50)])
-    runtime.thread.submit(WorkItem("r1", 0, "lease", [job], deadline=time.time() + 60))
-
-
-def test_stop_does_not_close_an_engine_whose_thread_is_still_in_a_step(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    gen = BlockingGenerator()
-    engine = CountingEngine(gen)
-    runtime = runtime_for(engine)
-    runtime.stop_join_s = 0.2
-    runtime.start()
-    submit(runtime)
-    assert gen.stepping.wait(5)
-    with caplog.at_level(logging.ERROR):
-        runtime.stop()  # the join times out: the step is still running
-    assert runtime.thread.is_alive()
-    assert engine.closed_by == [] and engine.generator is gen
-    assert "left open" in caplog.text
-    gen.release.set()
-    runtime.thread.join(5)
-    assert not runtime.thread.is_alive()
-    assert gen.callers == {runtime.thread.ident}  # no other thread ever touched it
-    assert engine.closed_by == []  # left to the process exit
-
-
-def test_stop_closes_the_engine_once_its_thread_has_ended(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    gen = BlockingGenerator()
-    gen.release.set()
-    engine = CountingEngine(gen)
-    runtime = runtime_for(engine)
-    with caplog.at_level(logging.INFO):
-        runtime.start()
-    assert "mode paged, capacity 8 sequences, 4 slots" in caplog.text
-    submit(runtime)
-    assert gen.stepping.wait(5)
-    runtime.stop()
-    assert not runtime.thread.is_alive()
-    assert engine.closed_by == [threading.get_ident()]
-    assert engine.generator is None
-    # Whatever the generator still had was cancelled before the engine let go of it.
-    assert gen.num_remaining_jobs() == 0
-
-
-def test_flower_shows_the_engine_mode_and_capacity() -> None:
-    engine = CountingEngine(StandInDynamicGenerator(max_batch_size=8, paged=False))
-    runtime = runtime_for(engine)
-    state = {"runtime": runtime}
-    step = engine_info_step(state)(parent=None)
-    stats = step.info(None)
-    assert stats["tokenrelay_engine"] == "exllamav2"
-    assert stats["tokenrelay_engine_mode"] == "unpaged"
-    assert stats["tokenrelay_engine_capacity"] == 1
-    assert stats["tokenrelay_worker_slots"] == 4
-    assert engine_info_step({})(parent=None).info(None) == {}
-    # As Celery's worker builds it: the blueprint applies the step to the worker, and the
-    # worker's stats merge the info of every step in ``worker.steps``.
-    worker = types.SimpleNamespace(steps=[])
-    blueprint = bootsteps.Blueprint([engine_info_step(state)], name="worker")
-    blueprint.apply(worker)
-    assert blueprint.info(worker)["tokenrelay_engine_mode"] == "unpaged"
-    app = build_app(Settings(served_model_name="m"))
-    assert "tokenrelay.EngineInfo" in {s.name for s in app.steps["worker"]}
-    info = runtime.info()
-    assert (info.mode, info.engine_capacity, info.capacity) == ("unpaged", 1, 4)
-
-
-def test_engines_without_modes_say_batched() -> None:
-    plan = StartupPlan(paged=True, max_batch_size=4, cache_tokens=1024, max_chunk_size=None)
-    assert (plan.mode, plan.capacity) == ("paged", 4)
-    from workers.engines.echo import EchoEngine
-
-    assert EchoEngine(tokens_per_second=0, max_batch=4, context_length=64).mode == "batched"
