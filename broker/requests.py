@@ -21,6 +21,7 @@ from app.messages import EngineFinish, TokenDelta
 from app.records import RequestRecord, RequestState
 from broker import scripts
 from broker.celery_app import send_generate
+from broker.direct import DirectConnection
 from broker.keys import Keys
 
 
@@ -256,10 +257,18 @@ class RequestStore:
         )
         return ClaimResult(_s(res))
 
-    def publish(self, items: Sequence[PublishItem], lease_ttl_s: float) -> list[PublishStatus]:
+    def publish(
+        self,
+        items: Sequence[PublishItem],
+        lease_ttl_s: float,
+        *,
+        via: DirectConnection | None = None,
+    ) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
 
         Also refreshes each request's lease and reports cancels and lost leases.
+        ``via``: the calling thread's own connection (the engine thread publishes once
+        per step, see broker/direct.py).
         """
         keys: list[str] = []
         # The publish time travels with each entry so the relay's added latency can be
@@ -273,7 +282,11 @@ class RequestStore:
             args += [it.lease_value, it.attempt, it.payload, flags]
         if not items:
             return []
-        return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
+        if via is not None:
+            res = via.evalsha(self._publish, keys, args)
+        else:
+            res = self._publish(keys=keys, args=args)
+        return [PublishStatus(int(x)) for x in res]
 
     def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:
         """Extend the leases ``(request_id, lease_value)`` still held with those values;

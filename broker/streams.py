@@ -32,6 +32,7 @@ import redis
 
 from app.messages import OutputEvent, OutputKind
 from broker import scripts
+from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
 
 GROUP = "streamers"
@@ -111,6 +112,7 @@ class OutputStreams:
         count: int,
         block_ms: int,
         on_written: Callable[[set[str]], None],
+        via: DirectConnection,
     ) -> Any:
         """``write(entries, owner)`` and then a blocking XREAD of ``streams``, sent as one
         round trip: a streamer's steady cycle costs one wake-up instead of two, and the
@@ -123,30 +125,17 @@ class OutputStreams:
         redone with the script loaded before the read's reply is handed back.
         Returns the XREAD reply."""
         keys, args = self._fenced_args(entries, owner)
-        sha = self._write_fenced.sha
-        read_args = ["COUNT", count, "BLOCK", block_ms, "STREAMS", *streams, *streams.values()]
-        # redis-py's connection layer is untyped; this is the one place we use it.
-        client: Any = self.redis
-        pool = client.connection_pool
-        conn = pool.get_connection()
+        via.send(
+            ("EVALSHA", self._write_fenced.sha, len(keys), *keys, *args),
+            xread_command(streams, count=count, block_ms=block_ms),
+        )
         try:
-            conn.send_packed_command(
-                conn.pack_commands(
-                    [("EVALSHA", sha, len(keys), *keys, *args), ("XREAD", *read_args)]
-                )
-            )
-            try:
-                fenced: Any = client.parse_response(conn, "EVALSHA")
-            except redis.ResponseError as exc:
-                fenced = exc  # the read's reply follows all the same
-            else:
-                on_written(self._fenced_ids(entries, fenced))
-            read = client.parse_response(conn, "XREAD")
-        except BaseException:
-            conn.disconnect()  # a reply may still be on its way: never reuse it
-            raise
-        finally:
-            pool.release(conn)
+            fenced: Any = via.reply("EVALSHA")
+        except redis.ResponseError as exc:
+            fenced = exc  # the read's reply follows all the same
+        else:
+            on_written(self._fenced_ids(entries, fenced))
+        read = via.reply("XREAD")
         if isinstance(fenced, redis.exceptions.NoScriptError):
             on_written(self._write_owned(entries, owner))
         elif isinstance(fenced, Exception):
@@ -368,6 +357,7 @@ class OutputHub:
         self.buffer_bytes = buffer_bytes
         self.stall_s = stall_s
         self.wake_key = keys.hub_wake(uuid.uuid4().hex)
+        self._direct = DirectConnection(client)  # the reader thread's own connection
         self._wake_cursor = "0-0"
         # Usually one subscriber per stream; two while a client resumes on this process
         # before its old connection noticed it was gone.
@@ -551,7 +541,7 @@ class OutputHub:
         streams[self.wake_key] = self._wake_cursor
         # Paused readers free room by taking, which does not wake the hub: look again soon.
         block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
-        res: Any = self.redis.xread(streams, count=256, block=block)
+        res: Any = self._direct.call(*xread_command(streams, count=256, block_ms=block))
         for key_raw, entries in res or []:
             key = _s(key_raw)
             if not entries:

@@ -31,6 +31,7 @@ import redis
 
 from app.messages import EngineFinish, TokenDelta
 from broker.celery_app import GenerateResult, TaskOutcome
+from broker.direct import DirectConnection
 from broker.requests import PublishItem, PublishStatus, RequestStore, encode_deltas
 from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
@@ -112,6 +113,8 @@ class EngineThread(threading.Thread):
         # keeper refreshes leases while a step outlasts a third of a lease.
         self.step_started: float | None = None
         self.lease_keeper = LeaseKeeper(self, store, lease_ttl_s=lease_ttl_s)
+        # This thread publishes once per step: on a connection of its own (broker/direct.py).
+        self._direct = DirectConnection(store.redis)
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -146,6 +149,7 @@ class EngineThread(threading.Thread):
                 faults.recovered()
         self.lease_keeper.stop()
         self._abandon_all("worker shutting down")
+        self._direct.close()
 
     def iterate(self) -> None:
         # Wait for work only while the engine has none: finished jobs are published in
@@ -319,7 +323,7 @@ class EngineThread(threading.Thread):
         if not items:
             return
         try:
-            statuses = self.store.publish([p for _, p in items], self.lease_ttl_s)
+            statuses = self.store.publish([p for _, p in items], self.lease_ttl_s, via=self._direct)
         except redis.RedisError as exc:
             # Keep the deltas; retry after a growing pause (one warning per outage).
             if self._publish_backoff.failed(now):

@@ -52,6 +52,7 @@ from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.connection import redis_client
+from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStatus, RequestStore, decode_deltas
@@ -105,6 +106,8 @@ class Streamer:
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(client, keys, ttl_s=settings.stream_ttl_s)
         self.handoff = RequestHandoff(client, keys)
+        # The loop's read (and the write it carries) go on a connection of their own.
+        self.direct = DirectConnection(client)
         self.workers = worker_registry(client, keys)
         self.registry = streamer_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.tracked: dict[str, Tracked] = {}
@@ -240,7 +243,8 @@ class Streamer:
         fresh = self._commits[-1] if self._commits else None
         if fresh is None or len(self._commits) > 1 or fresh.tries or not fresh.outputs:
             self._flush()
-            return self.redis.xread(streams, count=READ_COUNT, block=READ_BLOCK_MS)  # type: ignore[arg-type]
+            read = xread_command(streams, count=READ_COUNT, block_ms=READ_BLOCK_MS)
+            return self.direct.call(*read)
         fresh.tries = 1
         res = self.outputs.write_then_read(
             fresh.outputs,
@@ -249,6 +253,7 @@ class Streamer:
             count=READ_COUNT,
             block_ms=READ_BLOCK_MS,
             on_written=lambda taken: self._mark_written(fresh, taken),
+            via=self.direct,
         )
         self._flush()  # ends what the write ended (no write left to do)
         return res

@@ -17,6 +17,7 @@ from app.messages import EngineFinish, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery
+from broker.direct import DirectConnection
 from broker.keys import Keys
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
 from broker.streams import OutputEntry, OutputStreams
@@ -59,10 +60,17 @@ class FlakyOutputs(OutputStreams):
         count: int,
         block_ms: int,
         on_written: Callable[[set[str]], None],
+        via: DirectConnection,
     ) -> Any:
         self._fail_once(entries, owner, "carried")
         return super().write_then_read(
-            entries, owner, streams, count=count, block_ms=block_ms, on_written=on_written
+            entries,
+            owner,
+            streams,
+            count=count,
+            block_ms=block_ms,
+            on_written=on_written,
+            via=via,
         )
 
 

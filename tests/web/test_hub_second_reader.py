@@ -48,18 +48,19 @@ def test_a_reader_that_subscribes_during_a_read_misses_nothing(
     # The second reader subscribes (from the start) while the hub's read is in flight:
     # the read began at the first reader's cursor, after "one " and "two ".
     hub = service.hub
-    real_xread = hub.redis.xread
+    real_call = hub._direct.call  # the hub thread's own connection
     joined: list[Run] = []
     calls: list[int] = []
 
-    def xread(streams: dict[Any, Any], **kw: Any) -> Any:
-        calls.append(1)
-        res = real_xread(streams, **kw)
-        if res and not joined and any(rid in str(k) for k, _ in res):
-            joined.append(follow(service, rid))
+    def call(*args: Any) -> Any:
+        res = real_call(*args)
+        if args[0] == "XREAD":
+            calls.append(1)
+            if res and not joined and any(rid in str(k) for k, _ in res):
+                joined.append(follow(service, rid))
         return res
 
-    monkeypatch.setattr(hub.redis, "xread", xread)
+    monkeypatch.setattr(hub._direct, "call", call)
     other = follow(service, "wakes-the-hub")  # its wake-up ends the read in flight
     wait_for(lambda: calls, 5.0, "the hub's next read")
     scripted.write(rid, delta(0, "three"), final(0), usage())
