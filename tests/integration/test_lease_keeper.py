@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import pytest
 
@@ -54,14 +55,18 @@ class OneSlowStep(Engine):
         return self.inner.capacity
 
 
-def claimed(store: RequestStore, rid: str) -> WorkItem:
+def claimed(
+    store: RequestStore, rid: str, prompt: list[int] | None = None, max_tokens: int = 11
+) -> WorkItem:
+    """A request created and claimed for worker "w", as the task would hand it over."""
     now = time.time()
+    prompt = prompt if prompt is not None else list(range(100, 110))
     store.create(
         RequestRecord(
             request_id=rid,
             model="m",
-            prompts=[list(range(100, 110))],
-            stop=StopConditions(max_tokens=11, eos_token_ids=(2,)),
+            prompts=[prompt],
+            stop=StopConditions(max_tokens=max_tokens, eos_token_ids=(2,)),
             created=now,
             deadline=now + 60,
         )
@@ -69,27 +74,43 @@ def claimed(store: RequestStore, rid: str) -> WorkItem:
     assert store.claim(rid, 0, "w", LEASE_S, now) is ClaimResult.OK
     job = EngineJob(
         job_id=f"{rid}/0",
-        prompt_ids=list(range(100, 110)),
-        choices=[ChoiceJob(0, 11)],
+        prompt_ids=prompt,
+        choices=[ChoiceJob(0, max_tokens)],
         eos_token_ids=frozenset({2}),
     )
     return WorkItem(rid, 0, lease_value("w", 0), [job], deadline=now + 60)
 
 
-def run_through_a_slow_step(store: RequestStore, *, max_step_s: float | None) -> tuple[str, Any]:
-    engine = OneSlowStep()
+class SlowOnce(Protocol):
+    """What sleeps through one long step once ``armed`` (an engine or a generator)."""
+
+    armed: bool
+    slept: bool
+
+
+def run_through_a_slow_step(
+    store: RequestStore,
+    engine: Engine,
+    slow: SlowOnce,
+    item: Callable[[str], WorkItem],
+    *,
+    max_step_s: float | None = None,
+) -> tuple[str, Any]:
+    """Run one request through ``engine`` on a real EngineThread while ``slow`` makes
+    one step last SLOW_STEP_S; (request id, (result, lease alive at each look during
+    the step, the lease keeper's refresh count))."""
     thread = EngineThread(engine, store, lease_ttl_s=LEASE_S)
     if max_step_s is not None:
         thread.lease_keeper.max_step_s = max_step_s
     thread.start()
     try:
         rid = f"slow-{uuid.uuid4().hex[:6]}"
-        engine.armed = True
-        handle = thread.submit(claimed(store, rid))
+        slow.armed = True
+        handle = thread.submit(item(rid))
         lease_seen: list[bool] = []
         deadline = time.monotonic() + SLOW_STEP_S + 5
         while not handle.done.is_set() and time.monotonic() < deadline:
-            if engine.slept and thread.step_started is not None:
+            if slow.slept and thread.step_started is not None:
                 lease_seen.append(store.lease_alive(rid))
             time.sleep(0.1)
         assert handle.wait(10)
@@ -99,8 +120,15 @@ def run_through_a_slow_step(store: RequestStore, *, max_step_s: float | None) ->
         thread.join(5)
 
 
+def slow_echo(store: RequestStore, *, max_step_s: float | None) -> tuple[str, Any]:
+    engine = OneSlowStep()
+    return run_through_a_slow_step(
+        store, engine, engine, lambda rid: claimed(store, rid), max_step_s=max_step_s
+    )
+
+
 def test_a_step_longer_than_the_lease_keeps_the_request(store: RequestStore) -> None:
-    rid, (result, lease_seen, refreshed) = run_through_a_slow_step(store, max_step_s=None)
+    rid, (result, lease_seen, refreshed) = slow_echo(store, max_step_s=None)
     assert result is not None and result.outcome is TaskOutcome.DONE, result
     assert lease_seen and all(lease_seen), "the lease lapsed during the long step"
     assert refreshed >= 3  # about one refresh per third of a lease, for 3.5 leases
@@ -110,6 +138,6 @@ def test_a_step_longer_than_the_lease_keeps_the_request(store: RequestStore) -> 
 def test_a_wedged_step_lets_the_lease_expire(store: RequestStore) -> None:
     # A step that runs past max_step_s counts as wedged: no more refreshes, the lease
     # expires, another worker may resume the request; this one is fenced.
-    _rid, (result, lease_seen, _refreshed) = run_through_a_slow_step(store, max_step_s=1.5)
+    _rid, (result, lease_seen, _refreshed) = slow_echo(store, max_step_s=1.5)
     assert result is not None and result.outcome is TaskOutcome.FENCED, result
     assert lease_seen and not lease_seen[-1]

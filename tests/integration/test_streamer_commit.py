@@ -5,7 +5,7 @@ lost before Redis ran it or after (Redis ran it, then died before answering)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ from app.messages import EngineFinish, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery
-from broker.direct import DirectConnection
 from broker.keys import Keys
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
 from broker.streams import OutputEntry, OutputStreams
@@ -52,26 +51,10 @@ class FlakyOutputs(OutputStreams):
         return super().write(entries, owner)
 
     def write_then_read(
-        self,
-        entries: Sequence[OutputEntry],
-        owner: str,
-        streams: dict[str, str],
-        *,
-        count: int,
-        block_ms: int,
-        on_written: Callable[[set[str]], None],
-        via: DirectConnection,
+        self, entries: Sequence[OutputEntry], owner: str, *args: Any, **kwargs: Any
     ) -> Any:
         self._fail_once(entries, owner, "carried")
-        return super().write_then_read(
-            entries,
-            owner,
-            streams,
-            count=count,
-            block_ms=block_ms,
-            on_written=on_written,
-            via=via,
-        )
+        return super().write_then_read(entries, owner, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
