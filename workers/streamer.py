@@ -114,6 +114,10 @@ class Streamer:
         self._handoff_cursor = "0-0"
         self._last_watchdog = 0.0
         self._last_heartbeat = 0.0
+        # Touch our hand-off entries well within the takeover time: at a period close to
+        # it, a live streamer's entries look idle to the others between two touches and
+        # requests ping-pong between live streamers (each hand-off redoes the replay).
+        self._heartbeat_s = min(HEARTBEAT_S, settings.streamer_takeover_s / 4)
         self._set_up = False  # hand-off group ensured since the last outage
         self._resend_queued = False  # after an outage: resend queued requests at once
         self._take_over_from = 0.0  # no takeovers before (set after an outage)
@@ -438,7 +442,7 @@ class Streamer:
         now = self.clock()
         self._last_watchdog = now
         self._claim_due = True  # a safety net: a wake-up read can miss an entry
-        if force or now - self._last_heartbeat >= HEARTBEAT_S:
+        if force or now - self._last_heartbeat >= self._heartbeat_s:
             self._last_heartbeat = now
             self._heartbeat_and_take_over()
         if self.tracked:

@@ -1,7 +1,7 @@
-"""A streamer stalls (SIGSTOP) longer than the takeover time while it decodes a request,
-then wakes up (SIGCONT). Another streamer has taken the request over meanwhile; the one
-that wakes must notice and drop it rather than write it too: the client gets the text
-exactly once."""
+"""A streamer stalls (SIGSTOP) while it decodes a request, until another streamer has
+taken the request over (the takeover time plus up to a heartbeat), then wakes up
+(SIGCONT). The one that wakes must notice and drop the request rather than write it
+too: the client gets the text exactly once."""
 
 from __future__ import annotations
 
@@ -51,9 +51,13 @@ def test_a_stalled_streamer_does_not_repeat_text(
             stalled = {s1.pid: s1, s2.pid: s2}[int(owner.rsplit("-", 2)[-2])]
             os.kill(stalled.pid, signal.SIGSTOP)
             try:
-                time.sleep(TAKEOVER_S + 2.5)
+                # Stalled until the other streamer has taken the request over: that
+                # takes the takeover time plus up to one heartbeat period (longer on a
+                # loaded machine), so wait for it rather than for a fixed time.
+                took_over = wait_for_new_owner(client, owner, deadline=time.monotonic() + 30)
             finally:
                 os.kill(stalled.pid, signal.SIGCONT)
+            assert took_over, "no streamer took the stalled streamer's request over"
             reader.poll(time.monotonic() + 20)
             assert s1.alive() and s2.alive()
             logs = stalled.output()
@@ -63,3 +67,15 @@ def test_a_stalled_streamer_does_not_repeat_text(
         # Dropped when it woke (it saw it had stalled), or, stopped between decoding and
         # writing, by the write itself: fenced, since the hand-off entry is not its own.
         assert "was taken over by" in logs
+
+
+def wait_for_new_owner(client: Client, owner: str, deadline: float) -> bool:
+    """Poll the hand-off group until its one pending entry belongs to someone else."""
+    while time.monotonic() < deadline:
+        pending = client.redis.xpending_range(
+            client.store.keys.new_requests, GROUP, min="-", max="+", count=10
+        )
+        if pending and pending[0]["consumer"].decode() != owner:
+            return True
+        time.sleep(0.1)
+    return False
