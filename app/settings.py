@@ -74,6 +74,11 @@ class Settings(BaseSettings):
     llamacpp_threads: int | None = Field(
         default=None, ge=1, description="CPU threads for llama.cpp (default: all cores)."
     )
+    llamacpp_extra_buffers: bool | None = Field(
+        default=None,
+        description="llama.cpp's extra weight buffers (repacked layouts, AMX kernels); "
+        "default: on, except on CPUs with AMX, where this llama.cpp's AMX matmul crashes.",
+    )
     llamacpp_n_ctx: int = Field(
         default=8192, ge=256, description="llama.cpp context shared by all active sequences."
     )

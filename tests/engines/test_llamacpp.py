@@ -18,7 +18,7 @@ from app.model_card import ModelCard, load_model_card
 from app.settings import Settings
 from tests.engines.test_contract import PROMPT, Run, advance, bundled_model_dir, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
-from workers.engines.llamacpp import KV_FULL_MESSAGE, LlamaCppEngine, choice_seed
+from workers.engines.llamacpp import KV_FULL_MESSAGE, LlamaCppEngine, choice_seed, cpu_has_amx
 
 __all__ = ["bundled_model_dir"]  # the session fixture, shared with the contract suite
 
@@ -245,6 +245,24 @@ def test_zero_max_new_tokens_finishes_without_tokens(engine: LlamaCppEngine) -> 
     run = run_jobs(engine, j)
     assert run["z", 0].tokens == [] and run["z", 0].finishes == [EngineFinish.LENGTH]
     assert len(run["z", 1].tokens) == 2
+
+
+def test_extra_buffers_are_off_on_amx_cpus_unless_asked_for(
+    bundled_model_dir: Path, card: ModelCard, tmp_path: Path
+) -> None:
+    """ggml's AMX matmul segfaults on batched decodes in this llama.cpp (every batched
+    test crashed on an AMX machine): AMX CPUs run without the extra buffers."""
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_int8 amx_tile\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert cpu_has_amx(amx) and not cpu_has_amx(plain)
+    assert not cpu_has_amx(tmp_path / "missing")
+    engine = LlamaCppEngine.from_card(card, Settings(llamacpp_extra_buffers=False, worker_slots=2))
+    try:
+        assert engine.extra_buffers is False
+        assert len(run_jobs(engine, one("a", PROMPT, 3))["a", 0].tokens) == 3
+    finally:
+        engine.close()
 
 
 def test_from_card_uses_settings(bundled_model_dir: Path, card: ModelCard) -> None:

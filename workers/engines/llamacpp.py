@@ -120,6 +120,17 @@ class _Entry:
     prefill: _Prefill | None = None  # or a prompt token
 
 
+def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has Intel AMX (which ggml uses through its extra buffers)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    return any(
+        line.startswith("flags") and "amx_int8" in line.split() for line in text.splitlines()
+    )
+
+
 class LlamaCppEngine(Engine):
     """Many sequences, one ``llama_decode`` per step, on a GGUF model (see module doc)."""
 
@@ -134,6 +145,7 @@ class LlamaCppEngine(Engine):
         capacity: int = 16,
         prefill_chunk: int = 256,
         context_length: int | None = None,
+        extra_buffers: bool | None = None,
         verbose: bool = False,
     ) -> None:
         if not 1 <= capacity <= MAX_CAPACITY:
@@ -147,6 +159,11 @@ class LlamaCppEngine(Engine):
             logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        # ggml's extra weight buffers (repacked layouts, the AMX kernels) are on by
+        # default; its AMX matmul crashes on batched decodes in this llama.cpp
+        # (ggml-org/llama.cpp#20824; every batched test here segfaulted on an AMX CPU).
+        self.extra_buffers = not cpu_has_amx() if extra_buffers is None else extra_buffers
+        mparams.use_extra_bufts = self.extra_buffers
         self._model = lc.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {model_path}")
@@ -183,11 +200,12 @@ class LlamaCppEngine(Engine):
         self._closed = False
         self._grammar_vocab: GrammarVocab | None = None  # on the first constrained job
         logger.info(
-            "llama.cpp engine: %s, n_ctx %d, %d sequences, %d threads",
+            "llama.cpp engine: %s, n_ctx %d, %d sequences, %d threads, extra buffers %s",
             Path(model_path).name,
             self.n_ctx,
             capacity,
             threads,
+            "on" if self.extra_buffers else "off",
         )
 
     @classmethod
@@ -203,6 +221,7 @@ class LlamaCppEngine(Engine):
             n_threads=settings.llamacpp_threads or os.cpu_count(),
             capacity=capacity,
             context_length=card.context_length,
+            extra_buffers=settings.llamacpp_extra_buffers,
         )
 
     @property
