@@ -77,8 +77,19 @@ class DirectConnection:
     def evalsha(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """Run a registered ``redis.commands.core.Script``, loading it first if Redis
         has lost it (restarted)."""
+        self.send_evalsha(script, keys, args)
+        return self.evalsha_reply(script, keys, args)
+
+    def send_evalsha(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
+        """The first half of ``evalsha``: send it; ``evalsha_reply`` reads its reply
+        later, so the caller can work while Redis runs the script."""
+        self.send(("EVALSHA", script.sha, len(keys), *keys, *args))
+
+    def evalsha_reply(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """The reply of ``send_evalsha(script, keys, args)``; if Redis had lost the
+        script (restarted), it is loaded and run again, now."""
         try:
-            return self.call("EVALSHA", script.sha, len(keys), *keys, *args)
+            return self.reply("EVALSHA")
         except redis.exceptions.NoScriptError:
             self.call("SCRIPT", "LOAD", script.script)
             return self.call("EVALSHA", script.sha, len(keys), *keys, *args)

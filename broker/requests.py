@@ -270,6 +270,27 @@ class RequestStore:
         ``via``: the calling thread's own connection (the engine thread publishes once
         per step, see broker/direct.py).
         """
+        if not items:
+            return []
+        keys, args = self._publish_args(items, lease_ttl_s)
+        if via is not None:
+            res = via.evalsha(self._publish, keys, args)
+        else:
+            res = self._publish(keys=keys, args=args)
+        return [PublishStatus(int(x)) for x in res]
+
+    def publish_begin(
+        self, items: Sequence[PublishItem], lease_ttl_s: float, via: DirectConnection
+    ) -> PendingPublish:
+        """``publish``, split in two: send it now, read its statuses later with the
+        result's ``statuses()``, so the engine can run its next step meanwhile."""
+        keys, args = self._publish_args(items, lease_ttl_s)
+        via.send_evalsha(self._publish, keys, args)
+        return PendingPublish(via, self._publish, keys, args)
+
+    def _publish_args(
+        self, items: Sequence[PublishItem], lease_ttl_s: float
+    ) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         # The publish time travels with each entry so the relay's added latency can be
         # measured to the microsecond (entry ids only carry milliseconds).
@@ -280,13 +301,7 @@ class RequestStore:
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
             flags = int(it.first) | (2 * int(it.done))
             args += [it.lease_value, it.attempt, it.payload, flags]
-        if not items:
-            return []
-        if via is not None:
-            res = via.evalsha(self._publish, keys, args)
-        else:
-            res = self._publish(keys=keys, args=args)
-        return [PublishStatus(int(x)) for x in res]
+        return keys, args
 
     def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:
         """Extend the leases ``(request_id, lease_value)`` still held with those values;
@@ -305,6 +320,21 @@ class RequestStore:
         """If ``rid`` is running with an expired lease, requeue it; the new attempt."""
         res = int(self._resume(keys=[self.keys.request(rid), self.keys.lease(rid)]))
         return None if res < 0 else res
+
+
+@dataclass(slots=True)
+class PendingPublish:
+    """A publish sent on ``via`` whose reply has not been read yet."""
+
+    via: DirectConnection
+    script: Any  # the registered publish script (reloaded if Redis lost it)
+    keys: list[str]
+    args: list[Any]
+
+    def statuses(self) -> list[PublishStatus]:
+        """Read the reply (waits for it if Redis has not answered yet)."""
+        res = self.via.evalsha_reply(self.script, self.keys, self.args)
+        return [PublishStatus(int(x)) for x in res]
 
 
 def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:

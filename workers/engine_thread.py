@@ -11,6 +11,11 @@ worker's thread count is its backpressure. Each loop iteration:
    than a third of a lease has them refreshed meanwhile by ``workers.lease_keeper``),
 4. cancels jobs whose request was cancelled, fenced, or ran past its deadline.
 
+The publish overlaps the next step: it is sent after step N and its reply read after
+step N+1 (at once when the engine has nothing more to run), so the engine never waits
+for Redis while it has work; what the reply says (fenced, cancelled) acts one step
+later, which the lease already allows for.
+
 A job that fails is reported as an error on its token stream; nothing a job does can
 end the loop. When Redis is unreachable the loop keeps stepping and keeps the unpublished
 deltas, retrying the publish with a growing backoff (one warning per outage); a job
@@ -20,6 +25,7 @@ resumed elsewhere from what it had published.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -32,7 +38,13 @@ import redis
 from app.messages import EngineFinish, TokenDelta
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.direct import DirectConnection
-from broker.requests import PublishItem, PublishStatus, RequestStore, encode_deltas
+from broker.requests import (
+    PendingPublish,
+    PublishItem,
+    PublishStatus,
+    RequestStore,
+    encode_deltas,
+)
 from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
 from workers.lease_keeper import LeaseKeeper
@@ -82,6 +94,15 @@ class _Active:
     outcome: TaskOutcome = TaskOutcome.DONE
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A publish sent whose reply is still to be read: what it carried, per request."""
+
+    pending: PendingPublish
+    items: list[tuple[_Active, PublishItem, list[TokenDelta]]]
+    sent_at: float
+
+
 class EngineThread(threading.Thread):
     """Owns the engine; see the module docstring for one iteration."""
 
@@ -115,6 +136,7 @@ class EngineThread(threading.Thread):
         self.lease_keeper = LeaseKeeper(self, store, lease_ttl_s=lease_ttl_s)
         # This thread publishes once per step: on a connection of its own (broker/direct.py).
         self._direct = DirectConnection(store.redis)
+        self._in_flight: _InFlight | None = None  # sent, reply not read yet
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -148,6 +170,8 @@ class EngineThread(threading.Thread):
             else:
                 faults.recovered()
         self.lease_keeper.stop()
+        with contextlib.suppress(redis.RedisError):
+            self._finish_publish()  # what the last step published
         self._abandon_all("worker shutting down")
         self._direct.close()
 
@@ -184,7 +208,10 @@ class EngineThread(threading.Thread):
             except Exception:
                 logger.exception("engine stats failed")
         self._check_deadlines()
+        self._finish_publish()  # the last step's, sent before this step ran
         self._publish()
+        if not self.engine.has_work():
+            self._finish_publish()  # nothing to overlap it with: read it now
 
     def _admit(self, block: bool) -> None:
         try:
@@ -300,11 +327,13 @@ class EngineThread(threading.Thread):
         self._cancel_jobs(act)
 
     def _publish(self) -> None:
+        """Send this step's deltas (and the leases due a refresh); the reply is read by
+        ``_finish_publish``, after the next step."""
         now = self.clock()
         if not self._publish_backoff.ready(now):
             return  # Redis was unreachable: keep the deltas until the next try
         refresh_after = self.lease_ttl_s / 3
-        items: list[tuple[_Active, PublishItem]] = []
+        items: list[tuple[_Active, PublishItem, list[TokenDelta]]] = []
         for rid, act in list(self._active.items()):
             done = not act.open_choices
             if not act.unpublished and not done and now - act.last_publish < refresh_after:
@@ -319,23 +348,37 @@ class EngineThread(threading.Thread):
                 first=act.first,
                 done=not act.open_choices,
             )
-            items.append((act, pitem))
+            items.append((act, pitem, act.unpublished))
+            act.unpublished = []  # in flight now; put back if the publish fails
         if not items:
             return
         try:
-            statuses = self.store.publish([p for _, p in items], self.lease_ttl_s, via=self._direct)
+            pending = self.store.publish_begin(
+                [p for _, p, _ in items], self.lease_ttl_s, via=self._direct
+            )
         except redis.RedisError as exc:
-            # Keep the deltas; retry after a growing pause (one warning per outage).
-            if self._publish_backoff.failed(now):
-                logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
+            self._publish_failed(items, now, exc)
+            return
+        self._in_flight = _InFlight(pending, items, now)
+
+    def _finish_publish(self) -> None:
+        """Read the reply of the publish in flight, if any, and act on it."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        try:
+            statuses = flight.pending.statuses()
+        except redis.RedisError as exc:
+            self._publish_failed(flight.items, flight.sent_at, exc)
             return
         if self._publish_backoff.recovered():
             logger.info("publishing to redis again")
-        for (act, pitem), status in zip(items, statuses, strict=True):
-            act.unpublished = []
+        for (act, pitem, _deltas), status in zip(flight.items, statuses, strict=True):
+            if self._active.get(pitem.request_id) is not act:
+                continue  # superseded meanwhile by a newer attempt here: released already
             if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
                 act.first = False
-            act.last_publish = now
+            act.last_publish = flight.sent_at
             if status is PublishStatus.FENCED:
                 act.outcome = TaskOutcome.FENCED
                 self._cancel_jobs(act)
@@ -346,6 +389,16 @@ class EngineThread(threading.Thread):
                 self._release(act)
             elif status is PublishStatus.CANCEL:
                 self._cancel_jobs(act)
+
+    def _publish_failed(
+        self, items: list[tuple[_Active, PublishItem, list[TokenDelta]]], now: float, exc: Exception
+    ) -> None:
+        """Keep the deltas (ahead of any recorded since) and retry after a growing pause,
+        with one warning per outage."""
+        for act, _pitem, deltas in items:
+            act.unpublished = deltas + act.unpublished
+        if self._publish_backoff.failed(now):
+            logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
 
     def _payload(self, act: _Active) -> bytes:
         """The request's unpublished deltas, encoded; a request whose deltas cannot be
