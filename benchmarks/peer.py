@@ -54,6 +54,7 @@ from benchmarks.relay import TICK, percentile
 from benchmarks.sse_clients import tree_cpu
 from broker.server import free_port
 from tests.stack import Proc, wait_for
+from workers.engines.llamacpp import cpu_has_amx
 
 PACKAGE = "llama-cpp-python"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenrelay-peer"
@@ -198,6 +199,10 @@ def llama_server(
         "-np", str(parallel), "-kvu", "--no-cache-prompt", "--no-webui",
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+    if cpu_has_amx():
+        # As tokenrelay's engine there: no extra weight buffers (ggml's AMX matmul
+        # crashes on batched decodes in this llama.cpp), so both run the same kernels.
+        args.append("--no-repack")
     return http_server("llama-server", args, dict(os.environ), port, log_dir, "/health")
 
 
