@@ -152,9 +152,16 @@ class EngineThread(threading.Thread):
         return len(self._active)
 
     def held_leases(self) -> list[tuple[str, str]]:
-        """``(request_id, lease_value)`` of every request this thread generates (for the
-        lease keeper, from its own thread: a copy of the dict taken in one call)."""
-        return [(rid, act.handle.item.lease_value) for rid, act in dict(self._active).items()]
+        """``(request_id, lease_value)`` of every request this thread generates, and of
+        those submitted but not admitted yet (for the lease keeper, from its own
+        thread). A task claims its request, then submits it: one that arrives during a
+        long step waits in the inbox until the step ends, and nobody else refreshes its
+        lease (it expired, and the request was resumed, again and again, on a loaded
+        machine whose steps took longer than a lease)."""
+        held = [(rid, act.handle.item.lease_value) for rid, act in dict(self._active).items()]
+        with self.inbox.mutex:  # queue.Queue's own lock: a consistent copy
+            waiting = [(h.item.request_id, h.item.lease_value) for h in self.inbox.queue]
+        return held + waiting
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:

@@ -8,7 +8,8 @@ was fenced on its next publish and threw its work away. Under overload that turn
 more work for everybody (measured with ``benchmarks/peer.py`` at load 15: every request
 restarted, some up to three times).
 
-This thread refreshes the leases of the requests the engine thread holds, on a timer
+This thread refreshes the leases of the requests the engine thread holds (running, or
+claimed and waiting in its inbox for the step to end), on a timer
 of a third of the lease, but only while the engine is inside a step that has not run
 for longer than ``max_step_s``: a wedged engine, or a dead engine thread, stops the
 refresh and the leases expire, so the requests still resume on another worker. Between

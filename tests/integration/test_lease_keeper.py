@@ -135,6 +135,37 @@ def test_a_step_longer_than_the_lease_keeps_the_request(store: RequestStore) -> 
     assert store.progress(rid, 1)[0].token_ids == [*range(100, 110), 2]
 
 
+def test_a_request_submitted_during_a_long_step_keeps_its_lease(store: RequestStore) -> None:
+    """A task claims its request, then hands it to the engine thread; during a long
+    step it waits in the inbox, where only the lease keeper can refresh its lease."""
+    engine = OneSlowStep()
+    thread = EngineThread(engine, store, lease_ttl_s=LEASE_S)
+    thread.start()
+    try:
+        engine.armed = True
+        first = thread.submit(claimed(store, f"first-{uuid.uuid4().hex[:6]}"))
+        deadline = time.monotonic() + 5
+        while not (engine.slept and thread.step_started is not None):
+            assert time.monotonic() < deadline, "the slow step never started"
+            time.sleep(0.01)
+        rid = f"waiting-{uuid.uuid4().hex[:6]}"
+        second = thread.submit(claimed(store, rid))  # claimed now, admitted after the step
+        lease_seen: list[bool] = []
+        while thread.step_started is not None and engine.slept and not first.done.is_set():
+            lease_seen.append(store.lease_alive(rid))
+            time.sleep(0.1)
+            if len(lease_seen) > 100:
+                break
+        assert first.wait(10) and second.wait(10)
+    finally:
+        thread.stop()
+        thread.join(5)
+    assert len(lease_seen) > 2 * LEASE_S / 0.1, "the step was not long enough to tell"
+    assert all(lease_seen), "the waiting request's lease lapsed during the long step"
+    assert second.result is not None and second.result.outcome is TaskOutcome.DONE, second.result
+    assert store.progress(rid, 1)[0].token_ids == [*range(100, 110), 2]
+
+
 def test_a_wedged_step_lets_the_lease_expire(store: RequestStore) -> None:
     # A step that runs past max_step_s counts as wedged: no more refreshes, the lease
     # expires, another worker may resume the request; this one is fenced.
