@@ -27,6 +27,7 @@ row with), and the ratios tokenrelay/peer.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import http.client
 import itertools
 import json
@@ -591,6 +592,7 @@ def main() -> int:
         peers.remove("llama-cpp-python")
 
     with ExitStack() as stack:
+        stack.enter_context(one_run_at_a_time(cache.parent / "peer-run.lock"))
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tr-peer-")))
         log_dir = args.log_dir or tmp / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -643,6 +645,19 @@ def main() -> int:
     print()
     print(report(results, args.concurrency, names))
     return 0 if all(len(r.ok) == r.requests for r in results) else 1
+
+
+@contextmanager
+def one_run_at_a_time(path: Path) -> Iterator[None]:
+    """Refuse to run beside another run: two sets of servers on the same cores measure
+    nothing, and four spinning llama.cpp threads on two cores make steps take seconds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"another peer.py run holds {path}; wait for it to end") from None
+        yield
 
 
 if __name__ == "__main__":
