@@ -257,27 +257,17 @@ class RequestStore:
         )
         return ClaimResult(_s(res))
 
-    def publish(
-        self,
-        items: Sequence[PublishItem],
-        lease_ttl_s: float,
-        *,
-        via: DirectConnection | None = None,
-    ) -> list[PublishStatus]:
+    def publish(self, items: Sequence[PublishItem], lease_ttl_s: float) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
 
-        Also refreshes each request's lease and reports cancels and lost leases.
-        ``via``: the calling thread's own connection (the engine thread publishes once
-        per step, see broker/direct.py).
+        Also refreshes each request's lease and reports cancels and lost leases. The
+        engine thread uses ``publish_begin`` (on its own connection, the reply read
+        after its next step); this is the same call, whole.
         """
         if not items:
             return []
         keys, args = self._publish_args(items, lease_ttl_s)
-        if via is not None:
-            res = via.evalsha(self._publish, keys, args)
-        else:
-            res = self._publish(keys=keys, args=args)
-        return [PublishStatus(int(x)) for x in res]
+        return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
 
     def publish_begin(
         self, items: Sequence[PublishItem], lease_ttl_s: float, via: DirectConnection
