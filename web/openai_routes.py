@@ -264,7 +264,7 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
                 frames: list[str] = []
                 for item in read:
                     eid = event_id(item)
-                    frames += (sse.data_frame(c.to_json(), eid) for c in chunks.feed(item[1]))
+                    frames += (sse.data_frame(j, eid) for j in chunks.feed_json(item[1]))
                     if chunks.error is not None:
                         frames.append(sse.error_frame(chunks.error, eid))
                         break

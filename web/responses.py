@@ -16,6 +16,7 @@ any output, an SSE error event after).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from app.errors import StreamError, event_error
@@ -35,6 +36,11 @@ from app.timings import timings_from_usage
 
 Chunk = ChatCompletionChunk | CompletionChunk
 
+# Stands for a delta's text while a choice's template is made (a private-use character:
+# JSON leaves it as it is).
+_TEXT_MARK = "\ue000"
+_TEXT_MARK_JSON = json.dumps(_TEXT_MARK, ensure_ascii=False)
+
 
 class ChunkStream:
     """Output events -> the chunks of one streamed response."""
@@ -45,6 +51,9 @@ class ChunkStream:
         self.usage: dict[str, Any] | None = None  # raw, timings included (for metrics)
         self.ended = False  # the terminal event was seen
         self._offsets = [0] * shape.num_choices  # legacy logprobs' text_offset per choice
+        # Per choice: the JSON of a plain text delta around its text (``feed_json``);
+        # None until first needed, False when the shape cannot have one.
+        self._templates: list[tuple[str, str] | bool | None] = [None] * shape.num_choices
 
     def _chat(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
         s = self.shape
@@ -98,6 +107,42 @@ class ChunkStream:
                 )
             ]
         return []
+
+    def feed_json(self, ev: OutputEvent) -> list[str]:
+        """``feed``, serialized: exactly ``[c.to_json() for c in feed(ev)]``.
+
+        A plain text delta (no logprobs asked for, no reasoning, no tool calls), which
+        is nearly every event of a stream, is written into its choice's template
+        instead of being built and dumped as models: that was a sixth of the web
+        tier's CPU per token (docs/benchmarks.md). The template is the models' own
+        JSON around a marker, and ``json.dumps`` escapes a string as pydantic does
+        (tests/web/test_chunk_json.py), so the bytes are the same.
+        """
+        index = ev.choice or 0
+        if (
+            ev.kind is OutputKind.DELTA
+            and ev.text
+            and not ev.reasoning
+            and not ev.tool_calls
+            and (ev.logprobs is None or not self.shape.logprobs)
+            and self.error is None
+            and not self.ended
+            and 0 <= index < len(self._templates)
+        ):
+            template = self._templates[index]
+            if template is None:
+                template = self._templates[index] = self._template(index)
+            if template is not False:
+                head, tail = template  # type: ignore[misc]
+                return [head + json.dumps(ev.text, ensure_ascii=False) + tail]
+        return [chunk.to_json() for chunk in self.feed(ev)]
+
+    def _template(self, index: int) -> tuple[str, str] | bool:
+        marked = self._delta(OutputEvent(OutputKind.DELTA, choice=index, text=_TEXT_MARK))
+        parts = marked.to_json().split(_TEXT_MARK_JSON)
+        if len(parts) != 2:  # the marker is in the model's name or id too: no template
+            return False
+        return parts[0], parts[1]
 
     def _delta(self, ev: OutputEvent) -> Chunk:
         index = ev.choice or 0
