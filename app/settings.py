@@ -239,6 +239,12 @@ class Settings(BaseSettings):
         description="Seconds without output after which an SSE stream gets a keep-alive "
         "comment (also how soon a silent client's disconnect is noticed).",
     )
+    sse_pump: bool = Field(
+        default=True,
+        description="Write a flowing SSE stream's events from the web process's output "
+        "reader thread instead of waking the request's thread for each (web CPU per "
+        "token; gunicorn's head-first worker only). false: every write from its thread.",
+    )
     ws_max_message_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,

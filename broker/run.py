@@ -52,7 +52,7 @@ from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RequestStore
-from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, is_terminal
+from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, Pumped, is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -168,13 +168,40 @@ class Run:
         if self.ended:
             return None
         if self._sub.dropped:
+            self._sub.stop_pump()
             return self._fail(STALLED_MESSAGE, 504)
         try:
             eid, events = self._sub.take(timeout_s)
         except queue.Empty:
-            return self._guard()
+            # A pump (``hand_to``) may have run meanwhile: it stops now, and what it
+            # declined after the wait ended is still read.
+            self._sub.stop_pump()
+            try:
+                eid, events = self._sub.take(None)
+            except queue.Empty:
+                return self._guard()
         self._queue(eid, events)
         return self._deliver(self._pending.popleft()) if self._pending else None
+
+    def hand_to(self, pump: Callable[[str, list[OutputEvent]], Pumped]) -> bool:
+        """Until the next ``next`` returns, let the hub's thread hand entries to
+        ``pump`` (``Subscription.start_pump``), which delivers them with ``absorb``.
+
+        For a framer that can write without its own thread (``web.sse_pump``): a flowing
+        stream then costs no thread wake-up per entry. Refused (False) while items wait
+        here or in the queue, or after the end. The pump may touch this run only while
+        it runs: ``next`` stops it before it returns."""
+        if self._pending or self.ended or self._closed:
+            return False
+        return self._sub.start_pump(pump)
+
+    def absorb(self, eid: str, events: list[OutputEvent]) -> list[Item]:
+        """Every item of one entry, delivered (the pump's ``next`` + ``poll``)."""
+        self._queue(eid, events)
+        out: list[Item] = []
+        while self._pending:
+            out.append(self._deliver(self._pending.popleft()))
+        return out
 
     def poll(self) -> list[Item]:
         """Every item available now, without blocking (the batch driver's loop)."""
@@ -287,6 +314,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self._sub.stop_pump()
         self.runner.hub.unsubscribe(self._sub)
         runner, rid = self.runner, self.request_id
         try:
@@ -310,6 +338,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self._sub.stop_pump()
         self.runner.hub.unsubscribe(self._sub)
         with contextlib.suppress(redis.RedisError):
             self.runner.followers(self.request_id, -1)

@@ -18,6 +18,7 @@ time belong to a dead streamer and are claimed by a live one (XAUTOCLAIM).
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -285,6 +286,19 @@ def _id_order(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+class Pumped(enum.Enum):
+    """What a subscription's pump did with an entry the hub offered it."""
+
+    TAKEN = "taken"  # delivered; keep offering
+    TAKEN_LAST = "taken_last"  # delivered, but offer no more: wake the reader
+    DECLINED = "declined"  # not delivered: queue it (and all after it) for the reader
+
+
+# Queued by a pump that stopped after taking its entry: wakes a reader blocked in
+# ``take``, which then behaves as if its wait had timed out.
+_WAKE: tuple[str, list[OutputEvent], int] = ("", [], 0)
+
+
 @dataclass(slots=True, eq=False)
 class Subscription:
     """One reader's view of one output stream, fed by an ``OutputHub``.
@@ -294,6 +308,15 @@ class Subscription:
     costs its web process at most that much. Readers take entries with ``take`` (which
     keeps the count); ``taken_at`` is when the reader last took one, which tells a
     stalled reader (dropped: ``dropped`` is set, ``on_drop`` called) from a slow one.
+
+    A reader with nothing queued may install a *pump* (``start_pump``) before it waits:
+    the hub then calls the pump with each entry, on the hub's thread, instead of
+    queueing it and waking the reader, so a stream that flows costs no thread hand-off
+    per entry (the SSE route writes its frames from there, ``web.sse_pump``). The pump
+    runs under the subscription's lock, so ``stop_pump`` returns only once no call is
+    running and none will start: the reader owns its state again. A pump that declines
+    an entry (or takes it as its last) is removed, and the reader gets the entry (or a
+    wake-up) in its queue as before.
     """
 
     request_id: str
@@ -305,19 +328,53 @@ class Subscription:
     buffered: int = 0
     taken_at: float = field(default_factory=time.monotonic)
     dropped: bool = False
+    pump: Callable[[str, list[OutputEvent]], Pumped] | None = None
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def put(self, eid: str, events: list[OutputEvent], size: int) -> None:
+        """Hand an entry to the reader: to its pump if it has one, else to its queue."""
         with self._count_lock:
+            pump = self.pump
+            if pump is not None:
+                verdict = pump(eid, events)
+                if verdict is Pumped.TAKEN:
+                    self.taken_at = time.monotonic()
+                    return
+                self.pump = None
+                if verdict is Pumped.TAKEN_LAST:
+                    self.taken_at = time.monotonic()
+                    self.entries.put(_WAKE)
+                    return
             self.buffered += size
-        self.entries.put((eid, events, size))
+            # Under the lock: a pump started between the count and the put would
+            # deliver later entries ahead of this one.
+            self.entries.put((eid, events, size))
+
+    def start_pump(self, pump: Callable[[str, list[OutputEvent]], Pumped]) -> bool:
+        """Let the hub deliver entries through ``pump`` until it declines one or
+        ``stop_pump``. Refused (False) while entries wait in the queue: they come first."""
+        with self._count_lock:
+            if not self.entries.empty() or self.dropped:
+                return False
+            self.pump = pump
+            return True
+
+    def stop_pump(self) -> None:
+        """No pump call is running or will start once this returns."""
+        if self.pump is not None:
+            with self._count_lock:
+                self.pump = None
 
     def take(self, timeout_s: float | None) -> tuple[str, list[OutputEvent]]:
-        """The next entry (``timeout_s`` None: do not wait); raises ``queue.Empty``."""
+        """The next entry (``timeout_s`` None: do not wait); raises ``queue.Empty``
+        (also when a pump that stopped woke the reader)."""
         if timeout_s is None:
-            eid, events, size = self.entries.get_nowait()
+            entry = self.entries.get_nowait()
         else:
-            eid, events, size = self.entries.get(timeout=max(timeout_s, 0.0))
+            entry = self.entries.get(timeout=max(timeout_s, 0.0))
+        if entry is _WAKE:
+            raise queue.Empty
+        eid, events, size = entry
         with self._count_lock:
             self.buffered -= size
             self.taken_at = time.monotonic()

@@ -44,6 +44,8 @@ from typing import Any
 
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
+#: The WSGI environ key of gunicorn's response object for the request (``load_wsgi``).
+RESPONSE_KEY = "tokenrelay.server_response"
 #: Bodies up to this size (declared by Content-Length) are read in the event loop;
 #: every chat or completion request is far below it.
 PREBUFFER_BYTES = 1024 * 1024
@@ -130,6 +132,19 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
         self.heads: dict[TConn, float] = {}
 
     # -- gthread's hooks -----------------------------------------------------------------
+
+    def load_wsgi(self) -> None:
+        """The app, told of gunicorn's response object (``RESPONSE_KEY``):
+        a streamed response's frames may then be written from the output hub's thread,
+        framed as gunicorn frames its own writes."""
+        super().load_wsgi()
+        app = self.wsgi
+
+        def with_response(environ: dict[str, Any], start_response: Any) -> Any:
+            environ[RESPONSE_KEY] = getattr(start_response, "__self__", None)
+            return app(environ, start_response)
+
+        self.wsgi = with_response
 
     def accept(self, listener: socket.socket) -> None:
         if self.cfg.is_ssl:

@@ -49,6 +49,7 @@ from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
 from web.responses import ChunkStream
 from web.resume import event_id, parse_event_id
+from web.sse_pump import ClientGone, SsePump, reads
 
 logger = logging.getLogger(__name__)
 
@@ -236,28 +237,22 @@ def _opening(run: Run, wait_s: float) -> list[Item]:
 
 
 def _stream(run: Run, *, opening: bool = True) -> Response:
-    keepalive_s = max(settings_of(current_app).sse_keepalive_s, 0.001)
+    settings = settings_of(current_app)
+    keepalive_s = max(settings.sse_keepalive_s, 0.001)
     first = _opening(run, keepalive_s) if opening else []
     ended_by_client = False
-
-    def reads() -> Iterator[list[Item] | None]:
-        """What each read brings: the item it waited for and every one already behind
-        it (one write per read, not one per event), or None for a keep-alive tick."""
-        if first:
-            yield first
-        while not run.ended:
-            item = run.next(keepalive_s)
-            yield None if item is None else [item, *run.poll()]
+    chunks = ChunkStream(run.shape)
+    # Writes a flowing stream from the hub's thread while this one sleeps (web.sse_pump).
+    pump = SsePump.for_request(request.environ, run, chunks) if settings.sse_pump else None
 
     def body() -> Iterator[str]:
         nonlocal ended_by_client
-        chunks = ChunkStream(run.shape)
         try:
             if opening:
                 head = chunks.opening()
                 if head:
                     yield "".join(sse.data_frame(c.to_json()) for c in head)
-            for read in reads():
+            for read in reads(run, pump, keepalive_s, first):
                 if read is None:
                     yield sse.KEEPALIVE
                     continue
@@ -277,6 +272,9 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
         except GeneratorExit:  # the WSGI server closed us: the client is gone
             ended_by_client = True
             raise
+        except ClientGone:  # the pump's write failed: nobody to write to any more
+            ended_by_client = True
+            return
         except Exception as exc:
             logger.exception("stream of request %s failed", run.request_id)
             run.close(error=exc)
