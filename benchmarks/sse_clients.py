@@ -6,7 +6,8 @@ Each client (a thread) sends one streaming chat completion over its own HTTP
 connection and reads the SSE stream to ``[DONE]``; the echo engine runs at ``--rate``
 steps per second, so every stream stays open for tokens/rate seconds and all of them
 are open at once. Reports how many completed with the exact expected text, delivered
-tokens/s, time to first token (p50/p99) and the web server's CPU per delivered token.
+tokens/s, time to first token (p50/p99; and, from the usage chunk's `timings`, how much of it
+was the queue and the worker's first token) and the web server's CPU per delivered token.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def one_client(base_url: str, model: str, text: str, out: list[dict[str, float |
     ttft = None
     got = []
     tokens = 0
+    timings: dict[str, float] = {}
     try:
         with requests.post(
             f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=300
@@ -64,6 +66,7 @@ def one_client(base_url: str, model: str, text: str, out: list[dict[str, float |
                     raise RuntimeError(chunk["error"].get("message"))
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+                    timings = chunk.get("timings") or {}
                 for c in chunk.get("choices", []):
                     piece = c["delta"].get("content")
                     if piece:
@@ -75,6 +78,10 @@ def one_client(base_url: str, model: str, text: str, out: list[dict[str, float |
                 "ttft": ttft or 0.0,
                 "tokens": tokens,
                 "e2e": time.perf_counter() - t0,
+                # From the request's arrival at the web tier (the server's clock):
+                # until a worker took it, and until its first token left the worker.
+                "queue_ms": timings.get("queue_ms") or 0.0,
+                "server_ttft_ms": timings.get("ttft_ms") or 0.0,
             }
         )
     except (requests.RequestException, RuntimeError) as exc:
@@ -124,6 +131,8 @@ def main() -> int:
     ok = [r for r in results if r["ok"] is True]
     delivered = sum(int(r["tokens"]) for r in ok)
     ttfts = [float(r["ttft"]) for r in ok]
+    queue_ms = [float(r["queue_ms"]) for r in ok]
+    server_ttft_ms = [float(r["server_ttft_ms"]) for r in ok]
     print(
         json.dumps(
             {
@@ -137,6 +146,8 @@ def main() -> int:
                 "delivered_tokens_per_s": round(delivered / elapsed),
                 "ttft_ms_p50": round(percentile(ttfts, 0.5) * 1000, 1),
                 "ttft_ms_p99": round(percentile(ttfts, 0.99) * 1000, 1),
+                "queue_ms_p50": round(percentile(queue_ms, 0.5), 1),
+                "server_ttft_ms_p50": round(percentile(server_ttft_ms, 0.5), 1),
                 "web_cpu_us_per_token": round(web_cpu * 1e6 / max(delivered, 1), 1),
                 "errors": sorted({str(r.get("error")) for r in results if "error" in r})[:3],
             },

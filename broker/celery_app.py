@@ -68,11 +68,27 @@ def worker_queues(model: str) -> list[str]:
     return [queue_name("interactive", model), queue_name("batch", model)]
 
 
-def create_celery(settings: Settings, model: str | None = None) -> Celery:
+def create_celery(settings: Settings, model: str | None = None, *, results: bool = True) -> Celery:
+    """The app for ``model``'s queues.
+
+    ``results=False``: an app that only sends tasks and never reads their results (the
+    web tier, the batch driver, the streamers' watchdog). Its sends then skip what a
+    result backend does for a sender: a Redis backend built per thread on first use
+    (Celery's backend is thread-local: one more connection pool and pub/sub connection
+    for each of the web's request threads) and a pub/sub subscription to every task's
+    result channel, which nobody reads (the subscriptions piled up for the process's
+    life, and Redis buffered every published result for them). Half of a request's
+    start in the web tier went there (docs/benchmarks.md). Workers still store results
+    (Flower and ``celery result`` read them): the message does not say to ignore them.
+    """
     model = model or settings.served_name
     # redis:// as it is; redis+sentinel:// in kombu's Sentinel form (broker.sentinel)
     redis_conn = celery_connection(settings.redis_url)
-    app = Celery("tokenrelay", broker=redis_conn.broker_url, backend=redis_conn.backend_url)
+    app = Celery(
+        "tokenrelay",
+        broker=redis_conn.broker_url,
+        backend=redis_conn.backend_url if results else "disabled",
+    )
     app.conf.update(
         task_queues=[Queue(q) for q in worker_queues(model)],  # type: ignore[no-untyped-call]
         task_default_queue=queue_name("interactive", model),
@@ -112,6 +128,12 @@ def create_celery(settings: Settings, model: str | None = None) -> Celery:
             **redis_conn.broker_transport_options,
         },
         result_backend_transport_options=redis_conn.backend_transport_options,
+        # One result backend for all of a worker's threads, not one built per thread on
+        # its first task (a Redis client and pool each: a burst of 200 requests built
+        # 200, a tenth of the worker's CPU before their first tokens). The Redis
+        # backend stores through redis-py's thread-safe pool; only a caller waiting on
+        # results uses its pub/sub, and our workers never wait on one.
+        result_backend_thread_safe=True,
         worker_hijack_root_logger=False,
     )
     return app

@@ -423,7 +423,7 @@ class Runner:
         )
         self.workers = worker_registry(self.redis, keys)
         self.streamers = streamer_registry(self.redis, keys)
-        self.celery = celery_app or create_celery(settings)
+        self.celery = celery_app or create_celery(settings, results=False)
         self.metrics = metrics
         self._ready_until = 0.0
 

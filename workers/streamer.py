@@ -600,7 +600,7 @@ def build_streamer(settings: Settings) -> Streamer:
     card = load_model_card(settings.model_path())
     tokenizer = load_tokenizer(card)
     client = redis_client(settings.redis_url, max_connections=16)
-    return Streamer(settings, client, tokenizer, create_celery(settings))
+    return Streamer(settings, client, tokenizer, create_celery(settings, results=False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,9 +81,14 @@ def test_max_tokens_and_redelivery_does_not_generate_twice(
         assert store.read_tokens(rec.request_id) == entries
 
 
-def test_cancel_stops_within_two_steps(
+def test_cancel_stops_within_three_steps(
     redis_server: RedisServer, models_dir: Path, tmp_path: Path
 ) -> None:
+    """At most three steps' tokens land after a cancel: the step running when it came,
+    the one during which its publish's reply (saying "cancelled") is in flight (a reply
+    acts one step later, docs/architecture.md "Publish"), and a publish sent just
+    before the cancel that Redis ran after the test counted. It was two before the
+    publish overlapped the next step; this failed about one run in three since."""
     settings = isolated_settings(redis_server.url, models_dir, echo_tokens_per_second=20.0)
     store = RequestStore(redis.Redis.from_url(redis_server.url), Keys(settings.key_prefix))
     with worker_process(settings, tmp_path):
@@ -99,7 +104,7 @@ def test_cancel_stops_within_two_steps(
         wait_done(store, rec.request_id, timeout=5)
         progress = store.progress(rec.request_id, 2)
         after = sum(len(p.token_ids) for p in progress) - at_cancel
-        assert after <= 2 * 2, f"{after} tokens published after the cancel"
+        assert after <= 3 * 2, f"{after} tokens published after the cancel"
         assert all(p.finish is EngineFinish.CANCELLED for p in progress)
 
 
