@@ -138,9 +138,14 @@ class RecordBuilder:
         request_timeout_s: float,
         clock: Callable[[], float],
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        echo: bool = True,
     ) -> None:
         self.card = card
         self.prompts = prompts
+        # Chat records carry the last user turn's ids for the echo engine to repeat;
+        # another engine never reads them, so they are neither tokenized (a second
+        # tokenization per request) nor stored unless the served engine is echo.
+        self.echo = echo
         self.tokenizer = prompts.tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
@@ -194,7 +199,9 @@ class RecordBuilder:
         prompt = self.prompts.encode(text)
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
         echo = (
-            [self.tokenizer.encode(last_user, add_special_tokens=False).ids] if last_user else None
+            [self.tokenizer.encode(last_user, add_special_tokens=False).ids]
+            if last_user and self.echo
+            else None
         )
         return self._record(
             req,
@@ -360,6 +367,7 @@ class Intake:
             request_timeout_s=limits.request_timeout_s,
             clock=clock,
             new_id=new_id,
+            echo=settings.engine == "echo",
         )
         return cls(builder, limits)
 
