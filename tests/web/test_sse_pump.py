@@ -302,24 +302,26 @@ def test_a_pump_that_fails_ends_the_stream_with_an_error_event(
 
 
 def test_keep_alives_only_when_nothing_flows(
-    pump_app: Flask,
+    settings: Settings,
+    service: Runner,
     ids: RequestIds,
     scripted: ScriptedOutput,
 ) -> None:
-    """The settings' keep-alive is 0.2 s: a stream that flows for 1 s gets none; a
-    pause of 0.7 s gets some."""
+    """Keep-alive 0.4 s: a stream that flows for 1 s (its request thread's wait ends
+    twice meanwhile, with nothing for it) gets none; a pause of 1.2 s gets some."""
+    app = create_app(settings.model_copy(update={"sse_keepalive_s": 0.4}), runner=service)
 
     def script(rid: str) -> None:
         time.sleep(0.1)
         for i in range(50):
             scripted.write(rid, delta(0, f"a{i} "))
             time.sleep(0.02)
-        time.sleep(0.7)
+        time.sleep(1.2)
         for i in range(5):
             scripted.write(rid, delta(0, f"b{i} "))
         scripted.write(rid, final(0), usage())
 
-    body, _ = run_stream(pump_app, script, ids.peek())
+    body, _ = run_stream(app, script, ids.peek())
     evs = events(body)
     first_b = next(i for i, e in enumerate(evs) if isinstance(e, dict) and "b0" in json.dumps(e))
     last_a = max(i for i, e in enumerate(evs) if isinstance(e, dict) and "a49" in json.dumps(e))
