@@ -48,8 +48,8 @@ from web.bodies import json_body
 from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
 from web.responses import ChunkStream
-from web.resume import event_id, parse_event_id
-from web.sse_pump import ClientGone, SsePump, reads
+from web.resume import parse_event_id
+from web.sse_pump import ClientGone, SsePump, frame_items, reads
 
 logger = logging.getLogger(__name__)
 
@@ -256,15 +256,7 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
                 if read is None:
                     yield sse.KEEPALIVE
                     continue
-                frames: list[str] = []
-                for item in read:
-                    eid = event_id(item)
-                    frames += (sse.data_frame(j, eid) for j in chunks.feed_json(item[1]))
-                    if chunks.error is not None:
-                        frames.append(sse.error_frame(chunks.error, eid))
-                        break
-                    if chunks.ended:
-                        break
+                frames = frame_items(chunks, read)
                 if frames:
                     yield "".join(frames)
                 if chunks.error is not None or chunks.ended:

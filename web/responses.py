@@ -52,8 +52,8 @@ class ChunkStream:
         self.ended = False  # the terminal event was seen
         self._offsets = [0] * shape.num_choices  # legacy logprobs' text_offset per choice
         # Per choice: the JSON of a plain text delta around its text (``feed_json``);
-        # None until first needed, False when the shape cannot have one.
-        self._templates: list[tuple[str, str] | bool | None] = [None] * shape.num_choices
+        # None until first needed, ("", "") when the shape cannot have one.
+        self._templates: list[tuple[str, str] | None] = [None] * shape.num_choices
 
     def _chat(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
         s = self.shape
@@ -132,16 +132,16 @@ class ChunkStream:
             template = self._templates[index]
             if template is None:
                 template = self._templates[index] = self._template(index)
-            if template is not False:
-                head, tail = template  # type: ignore[misc]
+            head, tail = template
+            if head:
                 return [head + json.dumps(ev.text, ensure_ascii=False) + tail]
         return [chunk.to_json() for chunk in self.feed(ev)]
 
-    def _template(self, index: int) -> tuple[str, str] | bool:
+    def _template(self, index: int) -> tuple[str, str]:
         marked = self._delta(OutputEvent(OutputKind.DELTA, choice=index, text=_TEXT_MARK))
         parts = marked.to_json().split(_TEXT_MARK_JSON)
         if len(parts) != 2:  # the marker is in the model's name or id too: no template
-            return False
+            return "", ""
         return parts[0], parts[1]
 
     def _delta(self, ev: OutputEvent) -> Chunk:

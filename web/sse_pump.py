@@ -110,10 +110,7 @@ class SsePump:
         if any(ev.kind is not OutputKind.DELTA for ev in events):
             return Pumped.DECLINED
         try:
-            frames: list[str] = []
-            for item in self.run.absorb(eid, events):
-                cursor = event_id(item)
-                frames += (sse.data_frame(j, cursor) for j in self.chunks.feed_json(item[1]))
+            frames = frame_items(self.chunks, self.run.absorb(eid, events))
             if not frames:
                 return Pumped.TAKEN
             data = "".join(frames).encode()
@@ -136,6 +133,21 @@ class SsePump:
             self.leftover = wire[sent:]
             return Pumped.TAKEN_LAST
         return Pumped.TAKEN
+
+
+def frame_items(chunks: ChunkStream, items: list[Item]) -> list[str]:
+    """The SSE frames of one read's items, each with its cursor as ``id:``; stops at
+    a request-level error (its error event is the last frame) or at the end."""
+    frames: list[str] = []
+    for item in items:
+        cursor = event_id(item)
+        frames += (sse.data_frame(j, cursor) for j in chunks.feed_json(item[1]))
+        if chunks.error is not None:
+            frames.append(sse.error_frame(chunks.error, cursor))
+            break
+        if chunks.ended:
+            break
+    return frames
 
 
 def reads(
