@@ -323,8 +323,11 @@ def test_keep_alives_only_when_nothing_flows(
 
     body, _ = run_stream(app, script, ids.peek())
     evs = events(body)
-    first_b = next(i for i, e in enumerate(evs) if isinstance(e, dict) and "b0" in json.dumps(e))
-    last_a = max(i for i, e in enumerate(evs) if isinstance(e, dict) and "a49" in json.dumps(e))
+
+    def at(text: str) -> int:  # by the delta's text: the response id is hex and may hold "b0"
+        return next(i for i, e in enumerate(evs) if isinstance(e, dict) and texts([e]) == [text])
+
+    first_b, last_a = at("b0 "), at("a49 ")
     assert "keep-alive" not in evs[:last_a]
     assert "keep-alive" in evs[last_a:first_b]
     assert texts(evs) == [f"a{i} " for i in range(50)] + [f"b{i} " for i in range(5)]
