@@ -15,6 +15,8 @@ from kombu import Queue  # type: ignore[attr-defined]
 from pydantic import BaseModel, ConfigDict
 
 from app.settings import Settings
+from broker.kombu_redis import transport_for
+from broker.sent_events import sent_events
 from broker.sentinel import celery_connection
 
 GENERATE_TASK = "tokenrelay.generate"
@@ -90,6 +92,8 @@ def create_celery(settings: Settings, model: str | None = None, *, results: bool
         backend=redis_conn.backend_url if results else "disabled",
     )
     app.conf.update(
+        # kombu's Redis transports with one client per channel (broker.kombu_redis).
+        broker_transport=transport_for(redis_conn.broker_url),
         task_queues=[Queue(q) for q in worker_queues(model)],  # type: ignore[no-untyped-call]
         task_default_queue=queue_name("interactive", model),
         task_serializer="json",
@@ -140,12 +144,14 @@ def create_celery(settings: Settings, model: str | None = None, *, results: bool
 
 
 def send_generate(app: Celery, request_id: str, attempt: int, *, queue: str, model: str) -> None:
-    """Enqueue ``generate(request_id, attempt)`` without importing worker code."""
+    """Enqueue ``generate(request_id, attempt)`` without importing worker code; its
+    ``task-sent`` event goes out on its own thread (``broker.sent_events``)."""
     app.send_task(
         GENERATE_TASK,
         args=[request_id, attempt],
         queue=queue_name(queue, model),
         task_id=f"{request_id}.{attempt}",
+        event_dispatcher=sent_events(app),
     )
 
 
