@@ -17,6 +17,7 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.signals import worker_init, worker_shutdown
 from celery.worker.consumer import Consumer
+from vine import promise
 
 from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery
@@ -29,13 +30,41 @@ logger = logging.getLogger(__name__)
 # costs nothing (a refused TCP connect) and brings the worker back within a second.
 RECONNECT_INTERVALS = {"interval_start": 0.5, "interval_step": 0.5, "interval_max": 1.0}
 
+# Celery flushes the worker's buffered task events (received, started, succeeded) on
+# the loop's next turn: one PUBLISH round trip on the consumer's thread for almost
+# every event, half of that thread's time in a burst of requests (docs/benchmarks.md).
+# Letting them gather this long sends one message for all of them; Flower and
+# ``celery events`` see each event at most this much later.
+EVENT_LINGER_S = 0.05
+
 
 class BrokerConsumer(Consumer):  # type: ignore[misc]
     """Celery's consumer, reconnecting to a lost broker at ``RECONNECT_INTERVALS``.
 
     Celery calls ``conn.ensure_connection`` with kombu's default intervals and no way
     to set them; this passes ours for the duration of that one call (the worker setting
-    ``worker_consumer`` names this class)."""
+    ``worker_consumer`` names this class). Its task events go out at most every
+    ``EVENT_LINGER_S`` instead of on every turn of the loop."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._event_flush_due = False
+        self._linger_promise = promise(self._flush_events_later)
+
+    def on_send_event_buffered(self) -> None:
+        # Any thread may buffer an event; call_soon is the hub's thread-safe entry.
+        if self.hub:
+            self.hub.call_soon(self._linger_promise)
+
+    def _flush_events_later(self) -> None:
+        # On the hub's thread: one timer at a time, so a flush covers what it gathered.
+        if not self._event_flush_due:
+            self._event_flush_due = True
+            self.hub.call_later(EVENT_LINGER_S, self._flush_lingered)
+
+    def _flush_lingered(self) -> None:
+        self._event_flush_due = False
+        self._flush_events()
 
     def ensure_connected(self, conn: Any) -> Any:
         ensure = conn.ensure_connection

@@ -108,5 +108,10 @@ def test_flower_lists_worker_and_task(settings: Settings, tmp_path: Path) -> Non
             assert stats["tokenrelay_worker_slots"] == settings.worker_slots
             task = _get(f"{base}/api/task/info/{task_id}", auth)
             assert task["name"] == "tokenrelay.generate"
+            # Each of its events reached Flower: the sender's task-sent (published off
+            # the sending thread, broker.sent_events) and the worker's, which it lets
+            # gather (workers.celery_worker.EVENT_LINGER_S).
+            for stamp in ("sent", "received", "started", "succeeded"):
+                assert task[stamp], (stamp, task)
     finally:
         flower.stop()
