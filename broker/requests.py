@@ -131,6 +131,11 @@ class RequestStore:
     def submit(self, record: RequestRecord, celery_app: Celery) -> None:
         """Write the record, hand it to the streamers, and queue ``generate`` for it."""
         self.create(record)
+        self.send(record, celery_app)
+
+    def send(self, record: RequestRecord, celery_app: Celery) -> None:
+        """Queue ``generate`` for a record already written (``create``, or ``admit``
+        with ``create=``)."""
         send_generate(celery_app, record.request_id, 0, queue=record.queue, model=record.model)
 
     @property
@@ -147,14 +152,19 @@ class RequestStore:
         weight: int = 1,
         owner: str = "",
         owner_limit: int = 0,
+        create: RequestRecord | None = None,
     ) -> Admission:
         """Count ``rid`` (``weight`` choices) against the shared in-flight limit and
-        one request against ``owner``'s ``owner_limit`` (0: none); falsy when refused."""
-        res = self._admit(
-            keys=[self.keys.inflight, self.inflight_weights],
-            args=[now, limit, rid, deadline, max(weight, 1), owner, owner_limit],
-        )
-        return Admission(int(res))
+        one request against ``owner``'s ``owner_limit`` (0: none); falsy when refused.
+
+        ``create``: ``rid``'s record, written (as ``create`` writes it) in the same
+        atomic call when it is admitted, and not at all when it is refused."""
+        keys = [self.keys.inflight, self.inflight_weights]
+        args: list[Any] = [now, limit, rid, deadline, max(weight, 1), owner, owner_limit]
+        if create is not None:
+            keys += [self.keys.request(rid), self.keys.new_requests]
+            args += [create.encode(), RequestState.QUEUED.value, self.stream_ttl_s]
+        return Admission(int(self._admit(keys=keys, args=args)))
 
     def release(self, rid: str) -> None:
         """The request's reader is done with it: free its admission slot. ZREM and

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
+from redis.client import Pipeline
 
 from app.errors import (
     NotFound,
@@ -46,6 +47,7 @@ from app.errors import (
 from app.intake import Endpoint, Intake, PreparedRequest
 from app.messages import OutputEvent, OutputKind
 from app.model_card import ModelCard, load_model_card
+from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.connection import redis_client
@@ -159,12 +161,22 @@ class Run:
         self._last_seen = runner.clock()
         self._closed = False
         self._sub = runner.hub.subscribe(
-            self.request_id, entry_before(entry), notify=notify, on_drop=self._stalled
+            self.request_id,
+            entry_before(entry),
+            notify=notify,
+            on_drop=self._stalled,
+            wake=False,
         )
+        # The hub's wake-up and the follower count in one round trip. Both are best
+        # effort: the hub reads the new stream on its next read anyway, and a follower
+        # not counted only delays a disconnect's cancel.
         try:
-            runner.followers(self.request_id, +1)
-        except redis.RedisError as exc:  # best effort: only delays a disconnect's cancel
-            logger.warning("could not count a follower of %s: %s", self.request_id, exc)
+            pipe = runner.redis.pipeline(transaction=False)
+            runner.hub.queue_wake(pipe, self.request_id)
+            runner.queue_follower(pipe, self.request_id, +1)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("could not wake the output reader for %s: %s", self.request_id, exc)
 
     # -- reading -------------------------------------------------------------------------
     def next(self, timeout_s: float) -> Item | None:
@@ -514,12 +526,16 @@ class Runner:
     # -- following and cancelling ---------------------------------------------------------
     def followers(self, rid: str, change: int) -> int:
         """Count a client starting (+1) or stopping (-1) to follow ``rid``; the count."""
-        key = self.store.keys.followers(rid)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.incrby(key, change)
-        pipe.expire(key, self.settings.stream_ttl_s)
+        self.queue_follower(pipe, rid, change)
         count: Any = pipe.execute()[0]
         return int(count)
+
+    def queue_follower(self, pipe: Pipeline, rid: str, change: int) -> None:
+        """``followers``'s commands, added to ``pipe`` (its first result is the count)."""
+        key = self.store.keys.followers(rid)
+        pipe.incrby(key, change)
+        pipe.expire(key, self.settings.stream_ttl_s)
 
     def cancel(self, rid: str) -> None:
         """Stop generating ``rid`` and free its admission slot."""
@@ -551,16 +567,7 @@ class Runner:
                 f"quota is {settings.max_request_choices} per request (max_request_choices)."
             )
         try:
-            admitted = self.store.admit(
-                record.request_id,
-                record.deadline,
-                settings.max_queue,
-                self.clock(),
-                weight=record.num_choices,
-                # Only with keys configured does an owner stand for one client.
-                owner=record.owner if settings.api_keys else "",
-                owner_limit=settings.key_max_in_flight,
-            )
+            admitted = self._admit(record)
             if admitted is Admission.OWNER_FULL:
                 full = QuotaExceeded(
                     f"This API key already has {settings.key_max_in_flight} requests in "
@@ -573,11 +580,11 @@ class Runner:
                     "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
                 )
             try:
-                self.store.submit(record, self.celery)
+                self.store.send(record, self.celery)
             except Exception:
-                # The record may be written without its task (Redis went away between
-                # the two): cancel it, or a streamer would send the task again for a
-                # client that was told 503.
+                # The record is written without its task (Redis went away between the
+                # two): cancel it, or a streamer would send the task again for a client
+                # that was told 503.
                 with contextlib.suppress(redis.RedisError):
                     self.store.cancel(record.request_id)
                 self.store.release(record.request_id)
@@ -585,6 +592,28 @@ class Runner:
         except (redis.RedisError, OperationalError) as exc:
             self._ready_until = 0.0
             raise backbone_unavailable() from exc
+
+    def _admit(self, record: RequestRecord) -> Admission:
+        """Admit ``record`` and write it, in one call (``RequestStore.admit``)."""
+        settings = self.settings
+        try:
+            return self.store.admit(
+                record.request_id,
+                record.deadline,
+                settings.max_queue,
+                self.clock(),
+                weight=record.num_choices,
+                # Only with keys configured does an owner stand for one client.
+                owner=record.owner if settings.api_keys else "",
+                owner_limit=settings.key_max_in_flight,
+                create=record,
+            )
+        except redis.RedisError:
+            # The call may have counted the request before it failed (a full Redis
+            # refuses the record's write): free its slot, which Redis allows even then.
+            with contextlib.suppress(redis.RedisError):
+                self.store.release(record.request_id)
+            raise
 
     # -- readiness -----------------------------------------------------------------------
     def readiness(self) -> tuple[bool, str]:

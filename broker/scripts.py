@@ -119,14 +119,16 @@ end
 return n
 """
 
-# KEYS: inflight zset, inflight weights hash
-# ARGV: now, limit, rid, deadline, weight, owner, owner_limit
+# KEYS: inflight zset, inflight weights hash[, request hash, new-requests stream]
+# ARGV: now, limit, rid, deadline, weight, owner, owner_limit[, body, state, ttl]
 # Admission across every web process: requests in flight (pruned at their deadline,
 # so a crashed web process cannot leak capacity), each weighing its choices (prompts x
 # n) against ``limit``, and counted against its owner's ``owner_limit`` (0 or owner ""
 # = none). The weights hash holds "<weight> <owner>" per request; a member without an
 # entry weighs 1 and has no owner. A request that weighs more than the limit gets in
-# only when nothing else is in flight, so it is never refused forever.
+# only when nothing else is in flight, so it is never refused forever. With the last two
+# keys an admitted request's record is written and handed to the streamers in the same
+# call (``RequestStore.create``'s commands): a start's one round trip, not two.
 # -> 1 admitted, 0 full, -1 the owner's quota is full
 ADMIT = """
 local function each_chunk(list, fn)
@@ -158,5 +160,10 @@ local weight = tonumber(ARGV[5])
 if total > 0 and total + weight > tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[5] .. ' ' .. owner)
+if KEYS[4] then
+  redis.call('HSET', KEYS[3], 'body', ARGV[8], 'state', ARGV[9], 'attempt', 0, 'worker', '')
+  redis.call('EXPIRE', KEYS[3], ARGV[10])
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'r', ARGV[3])
+end
 return 1
 """

@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 import redis
+from redis.client import Pipeline
 
 from app.messages import OutputEvent, OutputKind
 from broker import scripts
@@ -435,12 +436,14 @@ class OutputHub:
         *,
         notify: threading.Event | None = None,
         on_drop: Callable[[], None] | None = None,
+        wake: bool = True,
     ) -> Subscription:
         """Follow ``rid`` from ``cursor``; entries arrive in order (``sub.take``).
 
         ``on_drop`` is called (on the hub's thread) when the reader stalls with a full
         buffer and the hub drops it. The wake-up is best effort: with Redis down the
         hub's next read (after its reconnect) picks the new subscription up anyway.
+        ``wake=False``: the caller sends it, in its own round trip (``queue_wake``).
         """
         sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue(), notify, on_drop)
         with self._lock:
@@ -449,14 +452,20 @@ class OutputHub:
                 self._thread = threading.Thread(target=self._run, name="output-hub", daemon=True)
                 self._thread.start()
         self._kick.set()
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.wake_key, {"r": rid}, maxlen=16, approximate=True)
-            pipe.expire(self.wake_key, self.ttl_s)
-            pipe.execute()
-        except redis.RedisError as exc:
-            logger.warning("output hub: could not wake the reader (%s)", exc)
+        if wake:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                self.queue_wake(pipe, rid)
+                pipe.execute()
+            except redis.RedisError as exc:
+                logger.warning("output hub: could not wake the reader (%s)", exc)
         return sub
+
+    def queue_wake(self, pipe: Pipeline, rid: str) -> None:
+        """Add the reader's wake-up for a new subscription to ``rid`` to ``pipe``: its
+        blocking read returns and reads again with the new stream in it."""
+        pipe.xadd(self.wake_key, {"r": rid}, maxlen=16, approximate=True)
+        pipe.expire(self.wake_key, self.ttl_s)
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:

@@ -1,0 +1,80 @@
+"""Admission and the record's write in one call (``RequestStore.admit(create=...)``):
+a start's one round trip, with nothing written for a request that is refused."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import redis
+
+from app.messages import SamplingParams, StopConditions
+from app.records import RequestRecord, RequestState
+from broker.requests import Admission, RequestStore
+
+pytestmark = pytest.mark.integration
+
+
+def record(owner: str = "") -> RequestRecord:
+    now = time.time()
+    return RequestRecord(
+        request_id=uuid.uuid4().hex,
+        model="m",
+        prompts=[[10, 11, 12]],
+        sampling=SamplingParams(),
+        stop=StopConditions(max_tokens=8, eos_token_ids=(2,)),
+        created=now,
+        deadline=now + 60,
+        owner=owner,
+    )
+
+
+def handed_to_streamers(store: RequestStore, rid: str) -> bool:
+    entries = store.redis.xrange(store.keys.new_requests)
+    return any(fields[b"r"].decode() == rid for _eid, fields in entries)
+
+
+def admit(store: RequestStore, rec: RequestRecord, limit: int, owner_limit: int = 0) -> Admission:
+    return store.admit(
+        rec.request_id,
+        rec.deadline,
+        limit,
+        time.time(),
+        owner=rec.owner,
+        owner_limit=owner_limit,
+        create=rec,
+    )
+
+
+def test_an_admitted_request_is_written_as_create_writes_it(
+    store: RequestStore, redis_client: redis.Redis
+) -> None:
+    rec = record()
+    assert admit(store, rec, limit=10) is Admission.ADMITTED
+    loaded = store.load(rec.request_id)
+    assert loaded == (rec, RequestState.QUEUED, 0)
+    assert redis_client.hget(store.keys.request(rec.request_id), "worker") == b""
+    assert 0 < redis_client.ttl(store.keys.request(rec.request_id)) <= store.stream_ttl_s
+    assert handed_to_streamers(store, rec.request_id)
+    assert store.in_flight(time.time()) >= 1
+    store.release(rec.request_id)
+
+
+def test_a_refused_request_writes_nothing(store: RequestStore, redis_client: redis.Redis) -> None:
+    held = record()
+    assert admit(store, held, limit=1) is Admission.ADMITTED
+    refused = record()
+    assert admit(store, refused, limit=1) is Admission.FULL
+    assert store.load(refused.request_id) is None
+    assert not handed_to_streamers(store, refused.request_id)
+    store.release(held.request_id)
+
+
+def test_an_owner_over_quota_writes_nothing(store: RequestStore) -> None:
+    first, second = record(owner="k1"), record(owner="k1")
+    assert admit(store, first, limit=10, owner_limit=1) is Admission.ADMITTED
+    assert admit(store, second, limit=10, owner_limit=1) is Admission.OWNER_FULL
+    assert store.load(second.request_id) is None
+    assert not handed_to_streamers(store, second.request_id)
+    store.release(first.request_id)
