@@ -77,7 +77,12 @@ def test_client_follows_the_failover(group: SentinelGroup) -> None:
     assert time.monotonic() - started < 1.0
     old = group.master_port()
     assert old == group.master.port  # type: ignore[union-attr]
-    wait_for(lambda: group.replicas[0].client().get("before") == b"1", 10, "replication")
+
+    def replicated() -> bool:
+        with group.replicas[0].client() as replica:  # closed: a leaked socket fails a test
+            return bool(replica.get("before") == b"1")
+
+    wait_for(replicated, 10, "replication")
 
     killed = group.kill_master()
     errors = 0
