@@ -608,9 +608,10 @@ class Runner:
                 owner_limit=settings.key_max_in_flight,
                 create=record,
             )
-        except redis.RedisError:
-            # The call may have counted the request before it failed (a full Redis
-            # refuses the record's write): free its slot, which Redis allows even then.
+        except redis.ResponseError:
+            # The script may have counted the request before a command in it failed
+            # (a full Redis refuses the record's write): free its slot, which Redis
+            # allows even then. (Not after a connection error: then nothing answers.)
             with contextlib.suppress(redis.RedisError):
                 self.store.release(record.request_id)
             raise

@@ -80,7 +80,8 @@ def test_a_full_redis_is_503_and_deletes_still_work(
 ) -> None:
     settings = isolated_settings(full_redis.url, models_dir)
     LiveFleet(settings)
-    app = create_app(settings, runner=Runner(settings, new_id=RequestIds()))
+    runner = Runner(settings, new_id=RequestIds())
+    app = create_app(settings, runner=runner)
     app.testing = True
     client = app.test_client()
     kept = upload(client)
@@ -95,6 +96,7 @@ def test_a_full_redis_is_503_and_deletes_still_work(
         CHAT, json={"messages": [{"role": "user", "content": "hi"}], "stream": True}
     )
     assert_unavailable(stream)
+    assert runner.store.in_flight(time.time()) == 0  # no admission slot is left held
     assert_unavailable(upload(client, b'{"b": 2}\n' * 1000))
 
     assert client.get(f"/v1/files/{fid}").status_code == 200  # reads work
