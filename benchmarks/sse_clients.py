@@ -42,6 +42,16 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
+def run_all(threads: list[threading.Thread]) -> float:
+    """Start every client thread at once, wait for all; the seconds that took."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def one_client(base_url: str, model: str, text: str, out: list[dict[str, float | str]]) -> None:
     body = {
         "model": model,
@@ -121,12 +131,7 @@ def main() -> int:
                 for i in range(args.clients)
             ]
             cpu0 = tree_cpu(web_pid)
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            elapsed = time.perf_counter() - t0
+            elapsed = run_all(threads)
             web_cpu = tree_cpu(web_pid) - cpu0
     ok = [r for r in results if r["ok"] is True]
     delivered = sum(int(r["tokens"]) for r in ok)

@@ -21,7 +21,6 @@ import json
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.prepare import prepare_bundled_model
 from benchmarks.relay import cpu_seconds
-from benchmarks.sse_clients import tree_cpu
+from benchmarks.sse_clients import run_all, tree_cpu
 from broker.server import RedisServer
 from tests.stack import full_stack, isolated_settings
 
@@ -95,12 +94,7 @@ def main() -> int:
                 for k in range(args.clients)
             ]
             before = cpu()
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            elapsed = time.perf_counter() - t0
+            elapsed = run_all(threads)
             after = cpu()
     if failures:
         print(f"{len(failures)} clients failed: {failures[0]}", file=sys.stderr)
