@@ -49,10 +49,11 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / TICK
 
 
-def command_calls(client: redis.Redis) -> dict[str, int]:
-    """Calls per Redis command since the server started (INFO commandstats)."""
+def command_stats(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """(calls, µs of CPU) per Redis command since the server started (INFO
+    commandstats; a script's commands count inside its EVALSHA and on their own)."""
     stats: Any = client.info("commandstats")
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -99,7 +100,7 @@ def run(
                         deadline=now + 600,
                     )
                 )
-            calls0 = command_calls(client)
+            calls0 = command_stats(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             t0 = time.time()
             for r in records:
@@ -148,7 +149,7 @@ def run(
                                     cursors.pop(key, None)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
-            calls = command_calls(client)
+            calls = command_stats(client)
         out: dict[str, object] = {
             "stage": stage,
             "streamers": streamers if stage == "relay" else 0,
@@ -164,11 +165,19 @@ def run(
         # Redis commands per delivered token, by command (scripts count once per call):
         # the round trips each process makes, which a paced run turns into wake-ups.
         per_token = {
-            k: round((v - calls0.get(k, 0)) / delivered, 3)
+            k: round((v[0] - calls0.get(k, (0, 0))[0]) / delivered, 3)
             for k, v in calls.items()
-            if v > calls0.get(k, 0) and k not in ("info",)
+            if v[0] > calls0.get(k, (0, 0))[0] and k not in ("info",)
         }
         out["redis_calls_per_token"] = dict(sorted(per_token.items(), key=lambda kv: -kv[1]))
+        # Where Redis spends its time, per delivered token: what a command costs inside
+        # the server, which is what the per-process CPU above cannot break down.
+        usec = {
+            k: round((v[1] - calls0.get(k, (0, 0))[1]) / delivered, 2)
+            for k, v in calls.items()
+            if k in per_token
+        }
+        out["redis_us_per_token"] = dict(sorted(usec.items(), key=lambda kv: -kv[1])[:12])
         if stage == "relay":
             out["added_latency_ms"] = {
                 "ttft_p50": round(percentile(ttft_added, 0.5) * 1000, 2),

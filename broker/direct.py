@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -33,6 +33,42 @@ def xread_command(streams: Mapping[Any, Any], *, count: int, block_ms: int | Non
     """XREAD's arguments as redis-py's ``xread`` builds them."""
     block = [] if block_ms is None else ["BLOCK", block_ms]
     return ["XREAD", "COUNT", count, *block, "STREAMS", *streams, *streams.values()]
+
+
+def read_rest(
+    via: DirectConnection,
+    streams: Mapping[Any, Any],
+    reply: Any,
+    *,
+    count: int,
+    quiet: Collection[Any] = (),
+) -> Any:
+    """``reply`` (a blocking XREAD's) with whatever the streams it left out hold now.
+
+    Redis serves a blocked XREAD with the first of its streams that gets an entry and
+    only that one (6.2 and 7.0 alike), even when one script appends to many of them:
+    an engine step's publish (one entry per request) wakes a streamer with one
+    request's tokens, and a streamer's output write wakes a web process's reader with
+    one stream. Left alone, the reader handles that one and reads again for the rest
+    (which is already there): two cycles per step, each with its write and its wake-ups
+    downstream. So when the reply holds some streams but not all, the others are read
+    at once, without blocking, and the step is handled as one.
+
+    ``quiet`` streams (a wake-up or hand-off stream, rarely written together with the
+    others) do not call for that read on their own: a reader of one stream plus its
+    wake-up key pays no extra round trip per entry."""
+    if not reply:
+        return reply
+    got = {_as_bytes(key) for key, _ in reply}
+    rest = {key: cursor for key, cursor in streams.items() if _as_bytes(key) not in got}
+    if not any(key not in quiet for key in rest):
+        return reply
+    more = via.call(*xread_command(rest, count=count, block_ms=None))
+    return [*reply, *more] if more else reply
+
+
+def _as_bytes(key: Any) -> bytes:
+    return key if isinstance(key, bytes) else str(key).encode()
 
 
 class DirectConnection:

@@ -34,7 +34,7 @@ from redis.client import Pipeline
 
 from app.messages import OutputEvent, OutputKind
 from broker import scripts
-from broker.direct import DirectConnection, xread_command
+from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
 
 GROUP = "streamers"
@@ -608,6 +608,7 @@ class OutputHub:
         # Paused readers free room by taking, which does not wake the hub: look again soon.
         block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
         res: Any = self._direct.call(*xread_command(streams, count=256, block_ms=block))
+        res = read_rest(self._direct, streams, res, count=256, quiet=(self.wake_key,))
         for key_raw, entries in res or []:
             key = _s(key_raw)
             if not entries:

@@ -52,7 +52,7 @@ from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.connection import redis_client
-from broker.direct import DirectConnection, xread_command
+from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStatus, RequestStore, decode_deltas
@@ -203,7 +203,13 @@ class Streamer:
             key = self.keys.tokens(rid)
             streams[key] = t.cursor
             by_key[key] = t
-        res = self._write_and_read(streams)
+        res = read_rest(
+            self.direct,
+            streams,
+            self._write_and_read(streams),
+            count=READ_COUNT,
+            quiet=(self.keys.new_requests,),
+        )
         if self.clock() - self._last_heartbeat > self.settings.streamer_takeover_s / 2:
             # We were stalled (a pause, a slow round trip): another streamer may own
             # some of these requests now, and writing them too would repeat text.

@@ -3,14 +3,17 @@ it survives what the pool would have hidden (a killed connection, a lost script)
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
 
 from broker import direct
 from broker.connection import redis_client
-from broker.direct import DirectConnection, xread_command
+from broker.direct import DirectConnection, read_rest, xread_command
 from broker.server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -90,3 +93,66 @@ def test_a_lost_script_is_loaded_again(client: redis.Redis) -> None:
     assert via.evalsha(script, ["k"], ["a"]) == b"ak"
     client.script_flush()
     assert via.evalsha(script, ["k"], ["b"]) == b"bk"
+
+
+def blocked_read(
+    via: DirectConnection, streams: dict[str, str]
+) -> tuple[threading.Thread, list[Any]]:
+    """A blocking XREAD of ``streams`` on ``via``'s connection, sent now; the returned
+    thread (started) puts its reply into the returned list."""
+    via.send(xread_command(streams, count=10, block_ms=5000))
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(via.reply("XREAD")))
+    thread.start()
+    return thread, got
+
+
+def wait_blocked(client: redis.Redis) -> None:
+    deadline = time.monotonic() + 5
+    while int(client.info("clients")["blocked_clients"]) < 1:
+        assert time.monotonic() < deadline, "the read never blocked"
+        time.sleep(0.01)
+
+
+def xread_calls(client: redis.Redis) -> int:
+    stats: Any = client.info("commandstats")
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+def test_one_script_writing_many_streams_is_read_whole(client: redis.Redis) -> None:
+    """Redis wakes a reader blocked on many streams with the first one a script wrote
+    (an engine step's publish, a streamer's output write): read_rest reads the others
+    at once, so the step is handled in one cycle."""
+    keys = [f"s-{uuid.uuid4().hex}" for _ in range(4)]
+    streams = {k: "0-0" for k in keys}
+    via = DirectConnection(client)
+    reader, got = blocked_read(via, streams)
+    wait_blocked(client)
+    client.eval(
+        "for i, k in ipairs(KEYS) do redis.call('XADD', k, '*', 'e', i) end", len(keys), *keys
+    )
+    reader.join()
+    first = got[0]
+    assert [k.decode() for k, _ in first] == keys[:1]  # what Redis hands a blocked read
+    whole = read_rest(via, streams, first, count=10)
+    assert sorted(k.decode() for k, _ in whole) == sorted(keys)
+    assert {k.decode(): [f[b"e"] for _, f in e] for k, e in whole} == {
+        k: [str(i).encode()] for i, k in enumerate(keys, start=1)
+    }
+
+
+def test_no_extra_read_for_one_stream_or_a_quiet_one(client: redis.Redis) -> None:
+    """A reader of one stream (plus a quiet wake-up stream) pays no extra round trip
+    per entry; an empty reply (a timeout) none either."""
+    key, wake = f"s-{uuid.uuid4().hex}", f"w-{uuid.uuid4().hex}"
+    client.xadd(key, {"e": b"1"})
+    via = DirectConnection(client)
+    streams = {key: "0-0", wake: "0-0"}
+    reply = via.call(*xread_command(streams, count=10, block_ms=None))
+    before = xread_calls(client)
+    assert read_rest(via, streams, reply, count=10, quiet=(wake,)) is reply
+    assert read_rest(via, streams, [], count=10) == []
+    assert xread_calls(client) == before
+    # Without ``quiet`` the wake-up stream is read too (one call, nothing there).
+    assert read_rest(via, streams, reply, count=10) == reply
+    assert xread_calls(client) == before + 1
