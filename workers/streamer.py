@@ -79,7 +79,11 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_S = 0.5
 HEARTBEAT_S = 2.0
-READ_BLOCK_MS = 50
+# The loop's blocking read lasts until the watchdog is due (at most this long, at least
+# 1 ms: BLOCK 0 would wait for ever). A fixed short block woke an idle streamer 20 times
+# a second, and at an engine step rate close to it (llama.cpp at 8 streams here: a step
+# every ~47 ms against a 50 ms block) it timed out between steps, an empty cycle per step.
+READ_BLOCK_MAX_MS = int(WATCHDOG_S * 1000)
 CLAIM_BATCH = 64  # new requests claimed per round trip
 READ_COUNT = 512  # token entries per stream per read
 
@@ -253,7 +257,7 @@ class Streamer:
         fresh = self._commits[-1] if self._commits else None
         if fresh is None or len(self._commits) > 1 or fresh.tries or not fresh.outputs:
             self._flush()
-            read = xread_command(streams, count=READ_COUNT, block_ms=READ_BLOCK_MS)
+            read = xread_command(streams, count=READ_COUNT, block_ms=self._block_ms())
             return self.direct.call(*read)
         fresh.tries = 1
         res = self.outputs.write_then_read(
@@ -261,12 +265,17 @@ class Streamer:
             self.consumer,
             streams,
             count=READ_COUNT,
-            block_ms=READ_BLOCK_MS,
+            block_ms=self._block_ms(),
             on_written=lambda taken: self._mark_written(fresh, taken),
             via=self.direct,
         )
         self._flush()  # ends what the write ended (no write left to do)
         return res
+
+    def _block_ms(self) -> int:
+        """How long the next read may block: until the watchdog is due."""
+        due_s = self._last_watchdog + WATCHDOG_S - self.clock()
+        return max(1, min(int(due_s * 1000), READ_BLOCK_MAX_MS))
 
     def _commit(
         self,
