@@ -104,7 +104,11 @@ def create_celery(settings: Settings, model: str | None = None, *, results: bool
         # the prefetch of one per thread), so an idle worker gets them instead.
         worker_prefetch_multiplier=1,
         task_acks_late=True,
-        task_track_started=True,
+        # No STARTED result: storing it is two round trips (Celery reads the result
+        # before every write) on the task's thread before generation begins, on every
+        # request's way to its first token. Flower sees a task start from its
+        # ``task-started`` event; the result backend keeps the final result.
+        task_track_started=False,
         worker_send_task_events=True,
         task_send_sent_event=True,
         result_expires=settings.stream_ttl_s,

@@ -182,9 +182,13 @@ class RequestStore:
     def cancel(self, rid: str) -> None:
         """Ask whoever generates ``rid`` to stop (durable key + a wake-up)."""
         pipe = self.redis.pipeline(transaction=False)
+        self.queue_cancel(pipe, rid)
+        pipe.execute()
+
+    def queue_cancel(self, pipe: Pipeline, rid: str) -> None:
+        """``cancel(rid)``'s commands, added to ``pipe``."""
         pipe.set(self.keys.cancel(rid), "1", ex=self.stream_ttl_s)
         pipe.publish(self.keys.cancel_channel, rid)
-        pipe.execute()
 
     def is_cancelled(self, rid: str) -> bool:
         return bool(self.redis.exists(self.keys.cancel(rid)))
@@ -192,7 +196,14 @@ class RequestStore:
     # -- readers ------------------------------------------------------------------
     def load(self, rid: str) -> tuple[RequestRecord, RequestState, int] | None:
         """The record, its state and current attempt; None if it does not exist."""
-        raw = self.redis.hmget(self.keys.request(rid), "body", "state", "attempt")
+        return self.loaded(self.redis.hmget(self.keys.request(rid), "body", "state", "attempt"))
+
+    def queue_load(self, pipe: Pipeline, rid: str) -> None:
+        """``load(rid)``'s read, added to ``pipe``; ``loaded`` reads its reply."""
+        pipe.hmget(self.keys.request(rid), "body", "state", "attempt")
+
+    @staticmethod
+    def loaded(raw: Any) -> tuple[RequestRecord, RequestState, int] | None:
         if raw[0] is None:
             return None
         return RequestRecord.decode(raw[0]), RequestState(_s(raw[1])), int(raw[2] or 0)

@@ -164,7 +164,14 @@ class OutputStreams:
 
     def last_source(self, rid: str) -> tuple[str, bool] | None:
         """(token cursor of the last written entry, whether the stream has ended)."""
-        last: Any = self.redis.xrevrange(self.keys.output(rid), count=1)
+        return self.last_source_of(self.redis.xrevrange(self.keys.output(rid), count=1))
+
+    def queue_last_source(self, pipe: Pipeline, rid: str) -> None:
+        """``last_source(rid)``'s read, added to ``pipe``; ``last_source_of`` reads it."""
+        pipe.xrevrange(self.keys.output(rid), count=1)
+
+    @staticmethod
+    def last_source_of(last: Any) -> tuple[str, bool] | None:
         if not last:
             return None
         fields = last[0][1]
@@ -275,6 +282,10 @@ class RequestHandoff:
 
     def ack(self, entry_id: str) -> None:
         self.redis.xack(self.keys.new_requests, GROUP, entry_id)
+
+    def queue_ack(self, pipe: Pipeline, entry_id: str) -> None:
+        """``ack(entry_id)``, added to ``pipe``."""
+        pipe.xack(self.keys.new_requests, GROUP, entry_id)
 
 
 def _s(v: Any) -> str:
