@@ -278,6 +278,19 @@ class RequestStore:
         )
         return ClaimResult(_s(res))
 
+    def claim_and_load(
+        self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float
+    ) -> tuple[ClaimResult, RequestRecord | None]:
+        """``claim``, and the record when the claim succeeds, in the same round trip."""
+        res: Any = self._claim(
+            keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
+            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, "1"],
+        )
+        if not isinstance(res, list):
+            return ClaimResult(_s(res)), None
+        body = res[1]  # a Lua false (no body field) arrives as None
+        return ClaimResult(_s(res[0])), None if body is None else RequestRecord.decode(body)
+
     def publish(self, items: Sequence[PublishItem], lease_ttl_s: float) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
 

@@ -8,8 +8,9 @@ a second copy of the tokens.
 
 from __future__ import annotations
 
-# KEYS: req, lease, cancel          ARGV: attempt, lease_value, lease_ttl_ms, now
-# -> 'ok' | 'missing' | 'stale' | 'done' | 'held' | 'cancelled'
+# KEYS: req, lease, cancel          ARGV: attempt, lease_value, lease_ttl_ms, now[, load]
+# -> 'ok' | 'missing' | 'stale' | 'done' | 'held' | 'cancelled'; with load = '1', a claim
+#    that succeeds returns {'ok', body}: the worker's start is one round trip, not two
 CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
@@ -23,6 +24,7 @@ end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2])
 redis.call('HSETNX', KEYS[1], 'claimed', ARGV[4])
+if ARGV[5] == '1' then return {'ok', redis.call('HGET', KEYS[1], 'body')} end
 return 'ok'
 """
 

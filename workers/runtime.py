@@ -161,7 +161,7 @@ class WorkerRuntime:
     # -- the task body -----------------------------------------------------------------
     def generate(self, request_id: str, attempt: int) -> GenerateResult:
         """Run ``attempt`` of a request to its end here, unless someone else owns it."""
-        claim = self.store.claim(
+        claim, record = self.store.claim_and_load(
             request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
         )
         if claim is not ClaimResult.OK:
@@ -172,15 +172,13 @@ class WorkerRuntime:
                 outcome=TaskOutcome.SKIPPED,
                 claim=claim.value,
             )
-        loaded = self.store.load(request_id)
-        if loaded is None:  # expired (or lost with Redis's data) right after the claim
+        if record is None:  # a record without its body (cannot happen but by hand)
             return GenerateResult(
                 request_id=request_id,
                 attempt=attempt,
                 outcome=TaskOutcome.SKIPPED,
                 claim=ClaimResult.MISSING.value,
             )
-        record = loaded[0]
         handle = self.thread.submit(self.work_item(record, attempt))
         # The engine thread ends every job by its deadline; waking up now and then
         # guards against a stuck engine pinning this thread (and its slot) forever.

@@ -11,7 +11,7 @@ import redis
 
 from app.messages import SamplingParams, StopConditions
 from app.records import RequestRecord, RequestState
-from broker.requests import Admission, RequestStore
+from broker.requests import Admission, ClaimResult, RequestStore
 
 pytestmark = pytest.mark.integration
 
@@ -78,3 +78,20 @@ def test_an_owner_over_quota_writes_nothing(store: RequestStore) -> None:
     assert store.load(second.request_id) is None
     assert not handed_to_streamers(store, second.request_id)
     store.release(first.request_id)
+
+
+def test_a_claim_brings_the_record_with_it(store: RequestStore, redis_client: redis.Redis) -> None:
+    """A worker's start is one round trip: the claim that takes the lease returns the
+    record; a claim that fails returns none and takes nothing."""
+    rec = record()
+    assert admit(store, rec, limit=10) is Admission.ADMITTED
+    rid = rec.request_id
+    now = time.time()
+    assert store.claim_and_load(rid, 0, "w1", 5.0, now) == (ClaimResult.OK, rec)
+    assert redis_client.get(store.keys.lease(rid)) == b"w1:0"
+    assert store.claim_and_load(rid, 0, "w2", 5.0, now) == (ClaimResult.HELD, None)
+    assert store.claim_and_load(rid, 1, "w2", 5.0, now) == (ClaimResult.STALE, None)
+    assert redis_client.get(store.keys.lease(rid)) == b"w1:0"
+    missing = uuid.uuid4().hex
+    assert store.claim_and_load(missing, 0, "w1", 5.0, now) == (ClaimResult.MISSING, None)
+    assert not redis_client.exists(store.keys.lease(missing))
