@@ -102,6 +102,7 @@ def run(
                 )
             calls0 = command_stats(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+            client0 = time.process_time()
             t0 = time.time()
             for r in records:
                 store.submit(r, celery_app)
@@ -149,6 +150,7 @@ def run(
                                     cursors.pop(key, None)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+            client_cpu = time.process_time() - client0
             calls = command_stats(client)
         out: dict[str, object] = {
             "stage": stage,
@@ -162,6 +164,12 @@ def run(
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }
         out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
+        # This process reads the outputs (as a web process would) or polls the records:
+        # not part of the relay's cost above, but it shares the machine's cores, and
+        # ``cores_busy`` (every process here, per second of the run) shows a stage that
+        # is bound by the machine rather than by one of its processes.
+        out["client_cpu_us_per_token"] = round(client_cpu * 1e6 / delivered, 1)
+        out["cores_busy"] = round((sum(cpu.values()) + client_cpu) / elapsed, 2)
         # Redis commands per delivered token, by command (scripts count once per call):
         # the round trips each process makes, which a paced run turns into wake-ups.
         per_token = {
