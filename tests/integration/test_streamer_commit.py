@@ -5,6 +5,7 @@ lost before Redis ran it or after (Redis ran it, then died before answering)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,25 @@ def test_output_of_a_failed_write_is_written_once(
     assert got.usage is not None and not got.errors
     entries = redis_client.xrange(keys.output(rid))
     assert len(entries) == 1, "the cycle's entry was written once"
+
+
+def test_the_read_blocks_until_the_watchdog_is_due(
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer
+) -> None:
+    """No fixed short block: an idle streamer wakes when its watchdog is due (twice a
+    second), and never asks Redis to block for ever (BLOCK 0)."""
+    now = [100.0]
+    streamer = Streamer(
+        settings, redis_client, tokenizer, create_celery(settings), clock=lambda: now[0]
+    )
+    streamer._set_up_loop()  # the watchdog ran at 100.0
+    assert streamer._block_ms() == 500
+    now[0] = 100.3
+    assert 199 <= streamer._block_ms() <= 200
+    now[0] = 101.0  # overdue
+    assert streamer._block_ms() == 1
+    started = time.monotonic()
+    now[0] = 100.0
+    streamer._last_watchdog = 99.6  # due in 0.1 s: the idle cycle returns about then
+    streamer.iterate()
+    assert 0.05 < time.monotonic() - started < 0.45
