@@ -365,7 +365,33 @@ class PromptBuilder:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt text (special-token text in it becomes special ids)."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self._with_bos(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_with_part(self, text: str, part: str) -> tuple[list[int], list[int]]:
+        """``encode(text)``, and the ids of ``part`` (its last occurrence in ``text``).
+
+        The echo engine repeats the last user turn, which is in the rendered prompt:
+        when the prompt's tokens tile that turn exactly (a token starts where it starts
+        and one ends where it ends), those tokens are its ids and spell it back byte for
+        byte, with no second tokenization (half of a chat start's tokenizing). Otherwise
+        (a token across its edge) ``part`` is tokenized on its own."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        offsets = enc.offsets
+        start = text.rfind(part) if part else -1
+        end = start + len(part)
+        inside = [i for i, (a, b) in enumerate(offsets) if start <= a and b <= end]
+        if (
+            start >= 0
+            and inside
+            and offsets[inside[0]][0] == start
+            and offsets[inside[-1]][1] == end
+        ):
+            part_ids = enc.ids[inside[0] : inside[-1] + 1]
+        else:
+            part_ids = self.tokenizer.encode(part, add_special_tokens=False).ids
+        return self._with_bos(list(enc.ids)), part_ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         bos = self.card.bos_token_id
         if self.card.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)

@@ -196,13 +196,13 @@ class RecordBuilder:
         tools = [t.for_template() for t in req.tools or ()] if tools_enabled else None
         text = self.prompts.render_chat(messages, tools=tools)
         self.check_prompt_chars(text, "messages")
-        prompt = self.prompts.encode(text)
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
-        echo = (
-            [self.tokenizer.encode(last_user, add_special_tokens=False).ids]
-            if last_user and self.echo
-            else None
-        )
+        echo: list[list[int]] | None = None
+        if last_user and self.echo:
+            prompt, last_user_ids = self.prompts.encode_with_part(text, last_user)
+            echo = [last_user_ids]
+        else:
+            prompt = self.prompts.encode(text)
         return self._record(
             req,
             [prompt],

@@ -226,3 +226,38 @@ def test_bos_added_only_when_asked_and_missing(
 
 def test_prepared_dir_exists(smollm_card: ModelCard) -> None:
     assert isinstance(smollm_card.path, Path) and (smollm_card.path / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "What is 2+2?",
+        "1000 w0 w1 w2",
+        "héllo, wörld! 🙂 end.",
+        "  leading and trailing spaces  ",
+        "two\nlines\n",
+        "<|im_end|> inside",
+        "x",
+        "Paris",
+    ],
+)
+def test_the_last_user_turn_comes_from_the_prompts_own_tokens(
+    builder: PromptBuilder, smollm_tokenizer: Tokenizer, content: str
+) -> None:
+    """The echo engine's ids for the last user turn, taken from the prompt's own
+    tokenization (no second one) when its tokens tile the turn: the prompt ids are
+    ``encode``'s, and the turn's ids spell it back exactly (the same ids as a
+    tokenization of its own, where its edges are token edges)."""
+    chat = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "an earlier question"},
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": content},
+    ]
+    text = builder.render_chat(chat)
+    prompt, part = builder.encode_with_part(text, content)
+    assert prompt == builder.encode(text)
+    assert smollm_tokenizer.decode(part, skip_special_tokens=False) == content
+    alone = smollm_tokenizer.encode(content, add_special_tokens=False).ids
+    if not content.startswith(" "):  # a leading space belongs to the token after it
+        assert part == alone
