@@ -389,7 +389,7 @@ class PromptBuilder:
             part_ids = enc.ids[inside[0] : inside[-1] + 1]
         else:
             part_ids = self.tokenizer.encode(part, add_special_tokens=False).ids
-        return self._with_bos(list(enc.ids)), part_ids
+        return self._with_bos(enc.ids), part_ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         bos = self.card.bos_token_id

@@ -86,6 +86,10 @@ class RequestStatus:
     lease_alive: bool
 
 
+# What ``RequestStore.load`` reads of a record (``loaded`` parses them in this order).
+LOAD_FIELDS = ("body", "state", "attempt")
+
+
 def lease_value(worker_id: str, attempt: int) -> str:
     return f"{worker_id}:{attempt}"
 
@@ -196,11 +200,11 @@ class RequestStore:
     # -- readers ------------------------------------------------------------------
     def load(self, rid: str) -> tuple[RequestRecord, RequestState, int] | None:
         """The record, its state and current attempt; None if it does not exist."""
-        return self.loaded(self.redis.hmget(self.keys.request(rid), "body", "state", "attempt"))
+        return self.loaded(self.redis.hmget(self.keys.request(rid), *LOAD_FIELDS))
 
     def queue_load(self, pipe: Pipeline, rid: str) -> None:
         """``load(rid)``'s read, added to ``pipe``; ``loaded`` reads its reply."""
-        pipe.hmget(self.keys.request(rid), "body", "state", "attempt")
+        pipe.hmget(self.keys.request(rid), *LOAD_FIELDS)
 
     @staticmethod
     def loaded(raw: Any) -> tuple[RequestRecord, RequestState, int] | None:
@@ -272,24 +276,25 @@ class RequestStore:
 
         The first claim's time is kept (field ``claimed``): queue time = claimed - created.
         """
-        res = self._claim(
-            keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
-            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now],
-        )
-        return ClaimResult(_s(res))
+        return ClaimResult(_s(self._run_claim(rid, attempt, worker_id, lease_ttl_s, now, "0")))
 
     def claim_and_load(
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float
     ) -> tuple[ClaimResult, RequestRecord | None]:
         """``claim``, and the record when the claim succeeds, in the same round trip."""
-        res: Any = self._claim(
-            keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
-            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, "1"],
-        )
+        res = self._run_claim(rid, attempt, worker_id, lease_ttl_s, now, "1")
         if not isinstance(res, list):
             return ClaimResult(_s(res)), None
         body = res[1]  # a Lua false (no body field) arrives as None
         return ClaimResult(_s(res[0])), None if body is None else RequestRecord.decode(body)
+
+    def _run_claim(
+        self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float, load: str
+    ) -> Any:
+        return self._claim(
+            keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
+            args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, load],
+        )
 
     def publish(self, items: Sequence[PublishItem], lease_ttl_s: float) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
