@@ -104,6 +104,46 @@ def test_greedy_answer_mentions_paris(
     assert c.finishes == [EngineFinish.EOS] and c.tokens[-1] in eos
 
 
+def test_greedy_argmax_picks_what_the_greedy_chain_picks(
+    engine: LlamaCppEngine, builder: PromptBuilder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Plain greedy jobs skip llama_sampler_sample and argmax the logits row; the tokens
+    # must be those of the chain, batched, with the min_tokens mask and with logprobs.
+    from workers.engines import llamacpp
+
+    prompts = [PROMPT, *(builder.encode_chat(m) for m in OTHER_PROMPTS)]
+    stops = frozenset({2})
+
+    def jobs() -> list[EngineJob]:
+        made = [one(f"j{i}", p, 24) for i, p in enumerate(prompts)]
+        made.append(one("m", PROMPT, 12, eos_token_ids=stops, min_tokens=8))
+        made.append(one("l", PROMPT, 12, sampling=SamplingParams(temperature=0.0, logprobs=2)))
+        return made
+
+    engine.submit(one("probe", PROMPT, 1))
+    assert engine._jobs["probe"].greedy  # the fast path is the one under test
+    run_jobs(engine)
+    fast = run_jobs(engine, *jobs())
+    monkeypatch.setattr(llamacpp, "plain_greedy", lambda sp: False)
+    chained = run_jobs(engine, *jobs())
+    assert fast.choices.keys() == chained.choices.keys()
+    for key, c in fast.choices.items():
+        assert c.tokens == chained[key].tokens, key
+        assert c.finishes == chained[key].finishes, key
+
+
+def test_plain_greedy_only_without_transforms() -> None:
+    from workers.engines.llamacpp_sampling import plain_greedy
+
+    assert plain_greedy(SamplingParams(temperature=0.0))
+    assert plain_greedy(SamplingParams(temperature=0.0, logprobs=3, seed=7))
+    assert not plain_greedy(SamplingParams(temperature=0.7))
+    assert not plain_greedy(SamplingParams(temperature=0.0, logit_bias={5: 10.0}))
+    assert not plain_greedy(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert not plain_greedy(SamplingParams(temperature=0.0, frequency_penalty=0.5))
+    assert not plain_greedy(SamplingParams(temperature=0.0, presence_penalty=0.5))
+
+
 def test_min_tokens_masks_stop_ids(engine: LlamaCppEngine) -> None:
     greedy = run_jobs(engine, one("g", PROMPT, 1))["g", 0].tokens
     stops = frozenset({greedy[0], 2})
