@@ -90,6 +90,19 @@ MAX_STRIKES = 3
 Plan = list[PlannedLine[PreparedRequest] | RejectedLine]
 
 
+class _WakingEvent(threading.Event):
+    """The stop flag: setting it also sets ``wakes`` (what the loop sleeps on), so a
+    stop does not wait for the loop's sleep to run out."""
+
+    def __init__(self, wakes: threading.Event) -> None:
+        super().__init__()
+        self._wakes = wakes
+
+    def set(self) -> None:
+        super().set()
+        self._wakes.set()
+
+
 def line_request_id(batch_id: str, index: int) -> str:
     """Line ``index``'s request id: deterministic, so a takeover finds what was sent."""
     return f"{batch_id}-{index}"
@@ -160,7 +173,7 @@ class BatchDriver:
         self.registry = batcher_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.output_ready = threading.Event()  # set by the hub for any line's output
         self.driven: dict[str, DrivenBatch] = {}
-        self.stopping = threading.Event()
+        self.stopping: threading.Event = _WakingEvent(self.output_ready)
         self.started = clock()
         self._last_maintain = -MAINTAIN_S
         self._last_heartbeat = -HEARTBEAT_S
@@ -206,7 +219,10 @@ class BatchDriver:
             self.maintain()
         for b in list(self.driven.values()):
             self._guarded(b, self._submit)
-        self.read(block_s=READ_BLOCK_S)
+        # With no batch, nothing happens before the next ``maintain``: sleep until then
+        # (two wake-ups a second, not ten, on the cores the engine computes on).
+        idle = MAINTAIN_S - (time.monotonic() - self._last_maintain)
+        self.read(block_s=READ_BLOCK_S if self.driven else max(idle, 0.0))
 
     def _guarded(self, b: DrivenBatch, step: Callable[[DrivenBatch], None]) -> None:
         """Run one step for one batch; a lost lock or a bug drops only that batch."""
@@ -494,7 +510,7 @@ class BatchDriver:
                     run.fold.feed(ev)
                 if run.fold.done and b.id in self.driven:
                     self._guarded(b, lambda b, run=run: self._complete(b, run))  # type: ignore[misc]
-        if not progressed:
+        if not progressed and not self.stopping.is_set():  # a stop sets output_ready
             self.output_ready.wait(block_s)
 
     def _complete(self, b: DrivenBatch, run: LineRun) -> None:

@@ -10,6 +10,7 @@ fails after ``MAX_STRIKES`` attempts with a clear error instead.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -64,3 +65,33 @@ def test_a_batch_that_keeps_failing_ends_failed(
         "The batch stopped on an internal error; not every line was run."
     )
     assert "batch_buggy" not in batches.active()
+
+
+def test_an_idle_driver_sleeps_until_maintain_and_a_stop_wakes_it(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no batch the loop has nothing to do before the next maintain: it must not
+    # poll ten times a second on the engine's cores, and a stop must not wait it out.
+    from workers import batcher
+
+    monkeypatch.setattr(batcher, "MAINTAIN_S", 1.0)
+
+    class Counting(BatchDriver):
+        turns = 0
+
+        def iterate(self) -> None:
+            self.turns += 1
+            super().iterate()
+
+    driver = Counting(settings, Runner(settings, max_connections=4))
+    thread = threading.Thread(target=driver.run)
+    thread.start()
+    try:
+        time.sleep(2.5)
+        assert 1 <= driver.turns <= 5  # ~one a second (a 0.1 s poll: ~25)
+    finally:
+        started = time.monotonic()
+        driver.stopping.set()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 0.5  # not the rest of a one-second sleep
