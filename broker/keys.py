@@ -54,6 +54,11 @@ class Keys:
     def output(self, rid: str) -> str:
         return f"{self.prefix}out:{rid}"
 
+    def steps(self, worker_id: str) -> str:
+        """A worker's step stream: one entry per publish with every token entry it
+        appended (read by streamers instead of one token stream per request)."""
+        return f"{self.prefix}steps:{worker_id}"
+
     def followers(self, rid: str) -> str:
         """Counter of clients following the request's output right now (any process):
         a disconnected stream's generation is cancelled only if nobody resumed it."""

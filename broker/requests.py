@@ -296,29 +296,37 @@ class RequestStore:
             args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, load],
         )
 
-    def publish(self, items: Sequence[PublishItem], lease_ttl_s: float) -> list[PublishStatus]:
+    def publish(
+        self, items: Sequence[PublishItem], lease_ttl_s: float, worker_id: str | None = None
+    ) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
 
-        Also refreshes each request's lease and reports cancels and lost leases. The
-        engine thread uses ``publish_begin`` (on its own connection, the reply read
-        after its next step); this is the same call, whole.
+        Also refreshes each request's lease and reports cancels and lost leases. With
+        ``worker_id``, the token entries appended are also written, together, as one
+        entry of the worker's step stream (``Keys.steps``). The engine thread uses
+        ``publish_begin`` (on its own connection, the reply read after its next step);
+        this is the same call, whole.
         """
         if not items:
             return []
-        keys, args = self._publish_args(items, lease_ttl_s)
+        keys, args = self._publish_args(items, lease_ttl_s, worker_id)
         return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
 
     def publish_begin(
-        self, items: Sequence[PublishItem], lease_ttl_s: float, via: DirectConnection
+        self,
+        items: Sequence[PublishItem],
+        lease_ttl_s: float,
+        via: DirectConnection,
+        worker_id: str | None = None,
     ) -> PendingPublish:
         """``publish``, split in two: send it now, read its statuses later with the
         result's ``statuses()``, so the engine can run its next step meanwhile."""
-        keys, args = self._publish_args(items, lease_ttl_s)
+        keys, args = self._publish_args(items, lease_ttl_s, worker_id)
         via.send_evalsha(self._publish, keys, args)
         return PendingPublish(via, self._publish, keys, args)
 
     def _publish_args(
-        self, items: Sequence[PublishItem], lease_ttl_s: float
+        self, items: Sequence[PublishItem], lease_ttl_s: float, worker_id: str | None
     ) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         # The publish time travels with each entry so the relay's added latency can be
@@ -330,6 +338,9 @@ class RequestStore:
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
             flags = int(it.first) | (2 * int(it.done))
             args += [it.lease_value, it.attempt, it.payload, flags]
+        if worker_id is not None:
+            keys.append(k.steps(worker_id))
+            args.append(worker_id)
         return keys, args
 
     def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:

@@ -38,16 +38,29 @@ redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '')
 return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 """
 
-# KEYS: per request i (4 each): lease, tokens, req, cancel
+# KEYS: per request i (4 each): lease, tokens, req, cancel; then, optionally, the
+#       worker's step stream
 # ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
-#       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done)
+#       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done);
+#       then, with a step stream, the worker id
 # The token stream gets its TTL on an attempt's first publish and again on the last (an
 # EXPIRE on a stream not created yet does nothing: a first publish without tokens would
-# otherwise leave the stream without a TTL for ever).
+# otherwise leave the stream without a TTL for ever). Each token entry carries its
+# ordinal in its stream (n: XLEN after it) and, with a step stream, the worker (w).
+# The step stream gets one entry per call holding every token entry it appended, one
+# line each: token stream key, entry id, ordinal, payload (a streamer that reads it
+# reads one entry per step instead of one per request; docs/architecture.md).
 # -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested
 PUBLISH = """
 local out = {}
-local n = #KEYS / 4
+local n = math.floor(#KEYS / 4)
+local steps = nil
+local worker = nil
+if #KEYS > n * 4 then
+  steps = KEYS[#KEYS]
+  worker = ARGV[4 + n * 4]
+end
+local lines = {}
 for i = 0, n - 1 do
   local k = i * 4
   local lease, tok, req, cancel = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
@@ -57,7 +70,14 @@ for i = 0, n - 1 do
   else
     local flags = tonumber(ARGV[a + 3])
     if ARGV[a + 2] ~= '' then
-      redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2])
+      local seq = redis.call('XLEN', tok) + 1
+      if steps then
+        local id = redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2],
+          'n', seq, 'w', worker)
+        lines[#lines + 1] = tok .. '\\n' .. id .. '\\n' .. seq .. '\\n' .. ARGV[a + 2]
+      else
+        redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2], 'n', seq)
+      end
     end
     if flags ~= 0 then redis.call('EXPIRE', tok, ARGV[2]) end
     if flags >= 2 then
@@ -69,6 +89,11 @@ for i = 0, n - 1 do
       out[i + 1] = redis.call('EXISTS', cancel) * 2
     end
   end
+end
+if #lines > 0 then
+  redis.call('XADD', steps, 'MAXLEN', '~', 10000, '*', 't', ARGV[3],
+    'd', table.concat(lines, '\\n'))
+  redis.call('EXPIRE', steps, ARGV[2])
 end
 return out
 """

@@ -114,10 +114,12 @@ class EngineThread(threading.Thread):
         lease_ttl_s: float,
         clock: Callable[[], float] = time.time,
         idle_wait_s: float = 0.05,
+        worker_id: str | None = None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self.engine = engine
         self.store = store
+        self.worker_id = worker_id  # names the step stream each publish also writes
         self.lease_ttl_s = lease_ttl_s
         self.clock = clock
         self.idle_wait_s = idle_wait_s
@@ -361,7 +363,7 @@ class EngineThread(threading.Thread):
             return
         try:
             pending = self.store.publish_begin(
-                [p for _, p, _ in items], self.lease_ttl_s, via=self._direct
+                [p for _, p, _ in items], self.lease_ttl_s, self._direct, self.worker_id
             )
         except redis.RedisError as exc:
             self._publish_failed(items, now, exc)

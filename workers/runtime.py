@@ -59,7 +59,9 @@ class WorkerRuntime:
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
-        self.thread = EngineThread(engine, self.store, lease_ttl_s=settings.lease_ttl_s)
+        self.thread = EngineThread(
+            engine, self.store, lease_ttl_s=settings.lease_ttl_s, worker_id=self.worker_id
+        )
         self._stop = threading.Event()
         self._submissions = itertools.count()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)

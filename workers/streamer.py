@@ -71,8 +71,10 @@ from workers.streamer_state import (
     RequestFault,
     Tracked,
     as_str,
+    below_ms,
     cmp_ids,
     request_decoder,
+    split_step,
 )
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ HEARTBEAT_S = 2.0
 READ_BLOCK_MAX_MS = int(WATCHDOG_S * 1000)
 CLAIM_BATCH = 64  # new requests claimed per round trip
 READ_COUNT = 512  # token entries per stream per read
+# A request read through a worker's step stream that has had nothing for this long
+# reads its own token stream again (it may have moved to another worker).
+STEP_QUIET_S = 1.0
 
 
 class Streamer:
@@ -116,6 +121,7 @@ class Streamer:
         self.registry = streamer_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.tracked: dict[str, Tracked] = {}
         self._handoff_cursor = "0-0"
+        self._step_cursors: dict[str, str] = {}  # worker step stream -> read position
         self._last_watchdog = 0.0
         self._last_heartbeat = 0.0
         # Touch our hand-off entries well within the takeover time: at a period close to
@@ -202,10 +208,16 @@ class Streamer:
     def _read_and_decode(self) -> None:
         streams: dict[str, str] = {self.keys.new_requests: self._handoff_cursor}
         by_key: dict[str, Tracked] = {}
+        steps: dict[str, str] = {}
         for rid, t in self.tracked.items():
             key = self.keys.tokens(rid)
-            streams[key] = t.cursor
             by_key[key] = t
+            if t.step is None:
+                streams[key] = t.cursor
+            else:
+                steps[t.step] = self._step_cursors.get(t.step) or below_ms(t.cursor)
+        self._step_cursors = steps  # the step streams no request needs are dropped
+        streams.update(steps)
         res = read_rest(
             self.direct,
             streams,
@@ -217,25 +229,41 @@ class Streamer:
             # We were stalled (a pause, a slow round trip): another streamer may own
             # some of these requests now, and writing them too would repeat text.
             self._drop_taken_over()
-        outputs: list[OutputEntry] = []
-        ended: list[Tracked] = []
-        failed: list[Tracked] = []
-        cancels: list[str] = []
+        got: dict[str, list[Any]] = {}  # request id -> its new token entries, in order
+        ends: dict[str, tuple[str, int]] = {}  # request id -> (last id, ordinal) in got
+        read_steps: list[tuple[str, list[Any]]] = []
         for key_raw, entries in res or []:
             key = as_str(key_raw)
             if key == self.keys.new_requests:
                 self._handoff_cursor = as_str(entries[-1][0])
                 self._claim_due = True
                 continue
-            t = by_key.get(key)
-            if t is None or not entries or t.record.request_id not in self.tracked:
+            if key in steps:
+                read_steps.append((key, entries))
                 continue
+            t = by_key.get(key)
+            if t is None or not entries:
+                continue
+            rid = t.record.request_id
+            got[rid] = entries
+            last = entries[-1][1].get(b"n")
+            ends[rid] = (as_str(entries[-1][0]), int(last) if last else t.n + len(entries))
+        for key, entries in read_steps:  # after the requests' own streams (their gaps)
+            self._take_steps(key, entries, by_key, got, ends)
+        outputs: list[OutputEntry] = []
+        ended: list[Tracked] = []
+        failed: list[Tracked] = []
+        cancels: list[str] = []
+        for rid, entries in got.items():
+            tracked = self.tracked.get(rid)
+            if tracked is None:
+                continue
+            t = tracked
             try:
                 out = self._decode_entries(t, entries)
             except BACKBONE_ERRORS:
                 raise
             except Exception:
-                rid = t.record.request_id
                 logger.exception("request %s: failed while decoding; ending it", rid)
                 outputs.append(self._fail(t, REQUEST_FAULT, 500))
                 failed.append(t)
@@ -248,6 +276,42 @@ class Streamer:
         if outputs or ended or failed or cancels:
             # Written by the next read's round trip, or by whatever talks to Redis first.
             self._commits.append(Commit(outputs, ended, failed, cancels))
+
+    def _take_steps(
+        self,
+        key: str,
+        entries: list[Any],
+        by_key: dict[str, Tracked],
+        got: dict[str, list[Any]],
+        ends: dict[str, tuple[str, int]],
+    ) -> None:
+        """Entries of worker step stream ``key``: each holds the token entries one
+        publish appended. One is taken for a request we hold when it is the next entry
+        of its token stream (its ordinal says so); one we have is skipped; after a gap
+        (the request moved to another worker, or the step stream was trimmed past us)
+        the request reads its own token stream again."""
+        self._step_cursors[key] = as_str(entries[-1][0])
+        for eid, fields in entries:
+            try:
+                items = split_step(fields[b"d"])
+            except Exception:  # a bug upstream: the requests in it find their gap
+                logger.error("malformed step entry %s in %s", as_str(eid), key)
+                continue
+            published = fields.get(b"t")
+            for tok_key, tid, n, payload in items:
+                t = by_key.get(tok_key)
+                if t is None:
+                    continue
+                rid = t.record.request_id
+                cursor, last = ends.get(rid, (t.cursor, t.n))
+                if cmp_ids(tid, cursor) <= 0:
+                    continue  # read already (from its own stream, or an earlier step)
+                if n != last + 1:
+                    t.step = None
+                    continue
+                got.setdefault(rid, []).append((tid, {b"d": payload, b"t": published, b"n": n}))
+                ends[rid] = (tid, n)
+                t.step = key
 
     def _write_and_read(self, streams: dict[str, str]) -> Any:
         """The blocking read of ``streams``, carrying the last cycle's output write when
@@ -354,6 +418,12 @@ class Streamer:
                 raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
             events += self._apply(t, deltas)
             t.cursor = as_str(eid)
+            n = fields.get(b"n")
+            t.n = int(n) if n else t.n + 1
+        t.progress_at = self.clock()
+        worker = entries[-1][1].get(b"w")  # only on entries read from its own stream
+        if worker and t.step is None:
+            self._follow_step(t, self.keys.steps(as_str(worker)))
         if t.choices.all_done:
             events.append(self._usage_event(t))
         if not events:
@@ -368,6 +438,17 @@ class Streamer:
         )
         t.wrote_output = True
         return out
+
+    def _follow_step(self, t: Tracked, key: str) -> None:
+        """Read ``t``'s next entries from its worker's step stream ``key``. The step
+        entry of the publish that appended ``t.cursor`` has an id of that millisecond or
+        later, so the step stream is read from the millisecond before it at the latest
+        (entries read twice are skipped by their ordinals)."""
+        t.step = key
+        start = below_ms(t.cursor)
+        current = self._step_cursors.get(key)
+        if current is None or cmp_ids(start, current) < 0:
+            self._step_cursors[key] = start
 
     def _apply(self, t: Tracked, deltas: list[TokenDelta]) -> list[OutputEvent]:
         events: list[OutputEvent] = []
@@ -469,6 +550,7 @@ class Streamer:
                     break
                 self._apply(t, deltas)
                 t.cursor = eid
+                t.n += 1
             t.wrote_output = True
             logger.info("took over request %s at token cursor %s", rid, source)
         self.tracked[rid] = t
@@ -537,6 +619,10 @@ class Streamer:
             t = self.tracked.get(rid)
             if t is None:  # ended meanwhile
                 continue
+            if t.step is not None and now - t.progress_at > STEP_QUIET_S:
+                # A safety net: the request may have moved to a worker whose step
+                # stream we do not read (its own token stream says which).
+                t.step = None
             try:
                 ending = self._check(t, status, now, live)
             except BACKBONE_ERRORS:
@@ -599,6 +685,7 @@ class Streamer:
             self.store.cancel(rid)
             return self._fail(t, f"The request lost its worker {attempt} times; giving up.", 503)
         logger.warning("request %s lost its worker; resuming as attempt %d", rid, attempt)
+        t.step = None  # the next worker publishes to a step stream of its own
         t.last_sent = self.clock()
         send_generate(self.celery, rid, attempt, queue=t.record.queue, model=t.record.model)
         return None
@@ -610,6 +697,7 @@ class Streamer:
         for eid, _a, deltas in self.store.read_tokens(rid, t.cursor):
             events += self._apply(t, deltas)
             t.cursor = eid
+            t.n += 1
         if not t.choices.all_done:
             # e.g. cancelled before any worker started it: nothing was generated.
             events += t.choices.finish_all(EngineFinish.CANCELLED)

@@ -59,6 +59,11 @@ class Tracked:
     record: RequestRecord
     choices: RequestDecoder
     cursor: str = "0-0"  # token stream read position
+    n: int = 0  # ordinal of the entry at ``cursor`` in its token stream (0: none yet)
+    # The worker step stream its entries are read from, or None: its own token stream
+    # (at the start, after a gap, a resume, or a pause with no progress).
+    step: str | None = None
+    progress_at: float = 0.0  # when an entry of its stream was last consumed
     wrote_output: bool = False
     engine_finished: set[int] = field(default_factory=set)
     first_token_at: float | None = None
@@ -101,6 +106,24 @@ def cmp_ids(a: str, b: str) -> int:
     bm, _, bsq = b.partition("-")
     ka, kb = (int(am), int(asq or 0)), (int(bm), int(bsq or 0))
     return (ka > kb) - (ka < kb)
+
+
+def below_ms(entry_id: str) -> str:
+    """The greatest stream id before every id of ``entry_id``'s millisecond: a cursor
+    that reads all of another stream's entries from that millisecond on."""
+    ms = int(entry_id.partition("-")[0])
+    return f"{ms - 1}-18446744073709551615" if ms > 0 else "0-0"
+
+
+def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
+    """A step stream entry's ``d``: (token stream key, entry id, ordinal, payload) for
+    every token entry the publish appended (four lines each; payloads are JSON, which
+    never holds a raw newline)."""
+    parts = raw.split(b"\n")
+    return [
+        (parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]), parts[i + 3])
+        for i in range(0, len(parts) - 3, 4)
+    ]
 
 
 def as_str(v: Any) -> str:

@@ -1,0 +1,262 @@
+"""Worker step streams: one entry per publish with every token entry it appended.
+
+A streamer reads a request's first token entries from the request's own token stream;
+the entry names the worker (``w``), and from then on the streamer reads that worker's
+step stream (one entry per engine step for all its requests) instead. The token streams
+stay the record (takeover replay, resume, ``progress``). These tests drive the publish
+script and a streamer in-process against a real redis-server, and check the text is
+exact when a request moves to another worker, with or without the streamer knowing,
+and when a step entry is lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from tokenizers import Tokenizer
+
+from app.messages import EngineFinish, TokenDelta
+from app.model_card import load_model_card, load_tokenizer
+from app.records import RequestRecord
+from app.settings import Settings
+from broker.celery_app import create_celery
+from broker.keys import Keys
+from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
+from broker.streams import OutputStreams
+from tests.pipeline import EOS, TEXT, collect
+from tests.stack import make_record
+from workers import streamer as streamer_module
+from workers.streamer import STEP_QUIET_S, Streamer
+from workers.streamer_state import below_ms, split_step
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models_dir: Path) -> Tokenizer:
+    return load_tokenizer(load_model_card(models_dir / "SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture
+def store(settings: Settings, redis_client: redis.Redis) -> RequestStore:
+    return RequestStore(redis_client, Keys(settings.key_prefix), stream_ttl_s=600)
+
+
+def pieces(tokenizer: Tokenizer, parts: int = 6) -> list[list[TokenDelta]]:
+    """TEXT's ids as ``parts`` steps of one request (the last ends it with EOS)."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    size = -(-len(ids) // parts)
+    steps = [[TokenDelta(0, ids[i : i + size])] for i in range(0, len(ids), size)]
+    steps.append([TokenDelta(0, [EOS], finish=EngineFinish.EOS)])
+    return steps
+
+
+def publish(
+    store: RequestStore, rid: str, worker: str, attempt: int, deltas: list[TokenDelta], **kw: Any
+) -> None:
+    item = PublishItem(rid, lease_value(worker, attempt), attempt, encode_deltas(deltas), **kw)
+    assert store.publish([item], 30.0, worker_id=worker)[0] == 0
+
+
+class Reads:
+    """Records the streams each of the streamer's reads asks for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[set[str]] = []
+        real = streamer_module.read_rest
+
+        def spy(via: Any, streams: dict[str, str], reply: Any, **kw: Any) -> Any:
+            self.calls.append(set(streams))
+            return real(via, streams, reply, **kw)
+
+        monkeypatch.setattr(streamer_module, "read_rest", spy)
+
+
+def start(
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, now: list[float]
+) -> Streamer:
+    streamer = Streamer(
+        settings, redis_client, tokenizer, create_celery(settings), clock=lambda: now[0]
+    )
+    streamer._set_up_loop()
+    return streamer
+
+
+def run_until(streamer: Streamer, rid: str) -> None:
+    for _ in range(20):
+        streamer.iterate()
+        if rid not in streamer.tracked:
+            return
+    raise AssertionError("the request did not end")
+
+
+def text_of(redis_client: redis.Redis, keys: Keys, rid: str) -> str:
+    events = [ev for _eid, ev in OutputStreams(redis_client, keys).follow(rid, timeout_s=5)]
+    got = collect(iter(events))
+    assert got.usage is not None and not got.errors, got
+    return got.texts[0]
+
+
+def new_request(settings: Settings, store: RequestStore, worker: str) -> RequestRecord:
+    record = make_record(settings, [[1, 2, 3]], max_tokens=200)
+    store.create(record)
+    assert store.claim(record.request_id, 0, worker, 30.0, 0.0) is ClaimResult.OK
+    return record
+
+
+def test_publish_writes_one_step_entry_per_call(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    keys = Keys(settings.key_prefix)
+    a, b = (new_request(settings, store, "wA") for _ in range(2))
+    for step in range(2):
+        items = [
+            PublishItem(r.request_id, lease_value("wA", 0), 0, encode_deltas([d]), step == 0)
+            for r, d in ((a, TokenDelta(0, [10 + step])), (b, TokenDelta(0, [20 + step])))
+        ]
+        assert store.publish(items, 30.0, worker_id="wA") == [0, 0]
+    entries = redis_client.xrange(keys.steps("wA"))
+    assert len(entries) == 2
+    assert redis_client.ttl(keys.steps("wA")) > 0
+    for step, (_sid, fields) in enumerate(entries):
+        lines = split_step(fields[b"d"])
+        assert [line[0] for line in lines] == [keys.tokens(a.request_id), keys.tokens(b.request_id)]
+        for tok_key, tid, n, payload in lines:
+            ((_eid, tok_fields),) = redis_client.xrange(tok_key, tid, tid)
+            assert n == step + 1 == int(tok_fields[b"n"])
+            assert payload == tok_fields[b"d"] and tok_fields[b"w"] == b"wA"
+    # Without a worker id (an older caller): no step entry; ordinals go on all the same.
+    refresh = PublishItem(a.request_id, lease_value("wA", 0), 0, b"")
+    store.publish([refresh], 30.0, worker_id="wA")  # a lease refresh: no entry anywhere
+    item = PublishItem(a.request_id, lease_value("wA", 0), 0, encode_deltas([TokenDelta(0, [9])]))
+    store.publish([item], 30.0)
+    assert len(redis_client.xrange(keys.steps("wA"))) == 2
+    last = redis_client.xrevrange(keys.tokens(a.request_id), count=1)[0][1]
+    assert int(last[b"n"]) == 3 and b"w" not in last
+
+
+def test_a_request_is_read_from_its_workers_step_stream(
+    settings: Settings,
+    redis_client: redis.Redis,
+    store: RequestStore,
+    tokenizer: Tokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = Keys(settings.key_prefix)
+    record = new_request(settings, store, "wA")
+    rid = record.request_id
+    reads = Reads(monkeypatch)
+    streamer = start(settings, redis_client, tokenizer, [1.0])
+    steps = pieces(tokenizer)
+    publish(store, rid, "wA", 0, steps[0], first=True)
+    for _ in range(3):
+        streamer.iterate()
+    assert streamer.tracked[rid].step == keys.steps("wA")
+    reads.calls.clear()
+    for deltas in steps[1:-1]:
+        publish(store, rid, "wA", 0, deltas)
+        streamer.iterate()
+    publish(store, rid, "wA", 0, steps[-1], done=True)
+    run_until(streamer, rid)
+    assert text_of(redis_client, keys, rid) == TEXT
+    # From the first entry on, not one read of the request's own token stream.
+    assert reads.calls and all(keys.tokens(rid) not in c for c in reads.calls)
+    assert all(keys.steps("wA") in c for c in reads.calls)
+
+
+def test_a_resumed_request_follows_its_new_worker(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore, tokenizer: Tokenizer
+) -> None:
+    """The streamer resumes it (its lease is gone): it reads its own stream again, where
+    the new worker's first entry names the new step stream."""
+    keys = Keys(settings.key_prefix)
+    record = new_request(settings, store, "wA")
+    rid = record.request_id
+    now = [1.0]
+    streamer = start(settings, redis_client, tokenizer, now)
+    steps = pieces(tokenizer)
+    for deltas in steps[:3]:
+        publish(store, rid, "wA", 0, deltas, first=deltas is steps[0])
+        streamer.iterate()
+    assert streamer.tracked[rid].step == keys.steps("wA")
+    redis_client.delete(keys.lease(rid))  # worker A died
+    now[0] += 1.0  # the watchdog is due: it resumes the request as attempt 1
+    streamer.iterate()
+    assert streamer.tracked[rid].step is None
+    assert store.claim(rid, 1, "wB", 30.0, 0.0) is ClaimResult.OK
+    for deltas in steps[3:-1]:
+        publish(store, rid, "wB", 1, deltas)
+        streamer.iterate()
+    assert streamer.tracked[rid].step == keys.steps("wB")
+    publish(store, rid, "wB", 1, steps[-1], done=True)
+    run_until(streamer, rid)
+    assert text_of(redis_client, keys, rid) == TEXT
+
+
+def test_a_move_the_streamer_missed_is_found_once_the_step_stream_is_quiet(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore, tokenizer: Tokenizer
+) -> None:
+    """The same attempt claimed by another worker (a message redelivered after a clean
+    shutdown released the lease): nothing tells the streamer, whose step stream goes
+    quiet; after ``STEP_QUIET_S`` it reads the request's own stream again."""
+    keys = Keys(settings.key_prefix)
+    record = new_request(settings, store, "wA")
+    rid = record.request_id
+    now = [1.0]
+    streamer = start(settings, redis_client, tokenizer, now)
+    steps = pieces(tokenizer)
+    for deltas in steps[:2]:
+        publish(store, rid, "wA", 0, deltas, first=deltas is steps[0])
+        streamer.iterate()
+    assert streamer.tracked[rid].step == keys.steps("wA")
+    redis_client.delete(keys.lease(rid))
+    assert store.claim(rid, 0, "wB", 30.0, 0.0) is ClaimResult.OK
+    for deltas in steps[2:-1]:
+        publish(store, rid, "wB", 0, deltas)
+    streamer.iterate()
+    t = streamer.tracked[rid]
+    assert t.step == keys.steps("wA") and t.n == 2  # still waiting on worker A's stream
+    now[0] += STEP_QUIET_S + 0.6  # past the quiet time, and the watchdog is due
+    streamer.iterate()
+    streamer.iterate()
+    assert t.step == keys.steps("wB") and t.n == len(steps) - 1  # found, and caught up
+    publish(store, rid, "wB", 0, steps[-1], done=True)
+    run_until(streamer, rid)
+    assert text_of(redis_client, keys, rid) == TEXT
+
+
+def test_a_lost_step_entry_is_a_gap_read_from_the_token_stream(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore, tokenizer: Tokenizer
+) -> None:
+    keys = Keys(settings.key_prefix)
+    record = new_request(settings, store, "wA")
+    rid = record.request_id
+    streamer = start(settings, redis_client, tokenizer, [1.0])
+    steps = pieces(tokenizer)
+    publish(store, rid, "wA", 0, steps[0], first=True)
+    streamer.iterate()
+    streamer.iterate()
+    assert streamer.tracked[rid].step == keys.steps("wA")
+    publish(store, rid, "wA", 0, steps[1])
+    # That step entry is gone before the streamer reads it (trimmed, say).
+    ((sid, _),) = redis_client.xrevrange(keys.steps("wA"), count=1)
+    redis_client.xdel(keys.steps("wA"), sid)
+    for deltas in steps[2:-1]:
+        publish(store, rid, "wA", 0, deltas)
+        streamer.iterate()
+    publish(store, rid, "wA", 0, steps[-1], done=True)
+    run_until(streamer, rid)
+    assert text_of(redis_client, keys, rid) == TEXT
+
+
+def test_below_ms_and_split_step() -> None:
+    assert below_ms("1700000000123-7") == "1700000000122-18446744073709551615"
+    assert below_ms("0-5") == "0-0"
+    raw = b"tr:tok:a\n1-0\n1\n[[0,[5]]]\ntr:tok:b\n1-1\n4\n[]"
+    assert split_step(raw) == [
+        ("tr:tok:a", "1-0", 1, b"[[0,[5]]]"),
+        ("tr:tok:b", "1-1", 4, b"[]"),
+    ]
