@@ -74,6 +74,7 @@ class PublishItem:
     payload: bytes
     first: bool = False
     done: bool = False
+    refresh: bool = True  # extend the lease (False: it was extended recently)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +337,7 @@ class RequestStore:
         for it in items:
             rid = it.request_id
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
-            flags = int(it.first) | (2 * int(it.done))
+            flags = int(it.first) | (2 * int(it.done)) | (0 if it.refresh else 4)
             args += [it.lease_value, it.attempt, it.payload, flags]
         if worker_id is not None:
             keys.append(k.steps(worker_id))

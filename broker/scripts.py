@@ -41,7 +41,8 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 # KEYS: per request i (4 each): lease, tokens, req, cancel; then, optionally, the
 #       worker's step stream
 # ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
-#       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done);
+#       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done,
+#       4 keep the lease's TTL: the worker refreshes it only every fifth of a lease);
 #       then, with a step stream, the worker id
 # The token stream gets its TTL on an attempt's first publish and again on the last (an
 # EXPIRE on a stream not created yet does nothing: a first publish without tokens would
@@ -69,7 +70,8 @@ for i = 0, n - 1 do
   if redis.call('GET', lease) ~= ARGV[a] then
     out[i + 1] = 1
   else
-    local flags = tonumber(ARGV[a + 3])
+    local flags = tonumber(ARGV[a + 3]) % 4
+    local keep = tonumber(ARGV[a + 3]) >= 4
     if ARGV[a + 2] ~= '' then
       local seq = redis.call('XLEN', tok) + 1
       if steps then
@@ -86,7 +88,7 @@ for i = 0, n - 1 do
       redis.call('HSET', req, 'state', 'done', 'worker', '')
       out[i + 1] = 0
     else
-      redis.call('PEXPIRE', lease, ARGV[1])
+      if not keep then redis.call('PEXPIRE', lease, ARGV[1]) end
       out[i + 1] = redis.call('EXISTS', cancel) * 2
     end
   end

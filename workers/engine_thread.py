@@ -91,6 +91,7 @@ class _Active:
     tokens: dict[int, int] = field(default_factory=dict)
     finishes: dict[int, str] = field(default_factory=dict)
     last_publish: float = 0.0
+    last_refresh: float = 0.0  # when the last publish that extended the lease was sent
     outcome: TaskOutcome = TaskOutcome.DONE
 
 
@@ -342,6 +343,9 @@ class EngineThread(threading.Thread):
         if not self._publish_backoff.ready(now):
             return  # Redis was unreachable: keep the deltas until the next try
         refresh_after = self.lease_ttl_s / 3
+        # A lease is extended every fifth of it, not every step: at a thousand steps a
+        # second the PEXPIRE was a fifth of the publish script's commands.
+        extend_after = self.lease_ttl_s / 5
         items: list[tuple[_Active, PublishItem, list[TokenDelta]]] = []
         for rid, act in list(self._active.items()):
             done = not act.open_choices
@@ -356,6 +360,7 @@ class EngineThread(threading.Thread):
                 payload,
                 first=act.first,
                 done=not act.open_choices,
+                refresh=now - act.last_refresh >= extend_after,
             )
             items.append((act, pitem, act.unpublished))
             act.unpublished = []  # in flight now; put back if the publish fails
@@ -388,6 +393,8 @@ class EngineThread(threading.Thread):
             if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
                 act.first = False
             act.last_publish = flight.sent_at
+            if pitem.refresh:
+                act.last_refresh = flight.sent_at
             if status is PublishStatus.FENCED:
                 act.outcome = TaskOutcome.FENCED
                 self._cancel_jobs(act)

@@ -266,3 +266,41 @@ def test_a_first_publish_without_tokens_still_gives_the_stream_its_ttl(
         PublishStatus.OK
     ]
     assert 0 < store.redis.ttl(store.keys.tokens(rid)) <= store.stream_ttl_s
+
+
+def test_a_lease_is_extended_every_fifth_of_it_not_every_step(
+    store: RequestStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step publishes, but the PEXPIRE in it runs only when a fifth of the lease
+    has passed since the last one; a publish that keeps the TTL leaves it running down."""
+    item = start_request(store, f"ext-{uuid.uuid4().hex[:6]}", 3)
+    rid, lease = item.request_id, item.lease_value
+    payload = encode_deltas([TokenDelta(0, [100])])
+    store.redis.pexpire(store.keys.lease(rid), 3000)
+    keep = PublishItem(rid, lease, 0, payload, first=True, refresh=False)
+    assert store.publish([keep], 5.0) == [PublishStatus.OK]
+    assert store.redis.pttl(store.keys.lease(rid)) <= 3000
+    assert store.publish([PublishItem(rid, lease, 0, payload)], 5.0) == [PublishStatus.OK]
+    assert store.redis.pttl(store.keys.lease(rid)) > 4000
+
+    sent: list[PublishItem] = []
+    real = store.publish_begin
+
+    def spy(items: Any, *args: Any) -> Any:
+        sent.extend(items)
+        return real(items, *args)
+
+    monkeypatch.setattr(store, "publish_begin", spy)
+    thread = EngineThread(EchoEngine(tokens_per_second=200), store, lease_ttl_s=2.5)
+    thread.start()
+    try:
+        work = start_request(store, f"long-{uuid.uuid4().hex[:6]}", 240)  # ~1.2 s
+        handle = thread.submit(work)
+        assert handle.wait(15)
+        assert handle.result is not None and handle.result.outcome is TaskOutcome.DONE
+    finally:
+        thread.stop()
+        thread.join(5)
+    mine = [p for p in sent if p.request_id == work.request_id]
+    assert len(mine) > 100  # one publish a step
+    assert 2 <= sum(p.refresh for p in mine) <= 5  # one every 0.5 s (and the first)
