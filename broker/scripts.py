@@ -51,7 +51,8 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 # The step stream gets one entry per call holding every token entry it appended, one
 # line each: token stream key, entry id, ordinal, payload (a streamer that reads it
 # reads one entry per step instead of one per request; docs/architecture.md), trimmed to
-# about 1,000 entries: a streamer further behind finds a gap and reads token streams.
+# about 256 entries (a step of 200 requests is ~20 KB): a streamer further behind finds
+# a gap and reads token streams.
 # -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested
 PUBLISH = """
 local out = {}
@@ -94,7 +95,7 @@ for i = 0, n - 1 do
   end
 end
 if #lines > 0 then
-  redis.call('XADD', steps, 'MAXLEN', '~', 1000, '*', 't', ARGV[3],
+  redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 't', ARGV[3],
     'd', table.concat(lines, '\\n'))
   redis.call('EXPIRE', steps, ARGV[2])
 end
