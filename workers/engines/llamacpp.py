@@ -11,7 +11,10 @@ llama.cpp's batch API through the low-level bindings (``llama_cpp.llama_*``):
   running choice plus a bounded chunk of prompt tokens of the jobs being admitted, so a
   long prompt delays the others by one chunk per step, never by its whole prefill;
 * sampling is llama.cpp's own sampler chain, one per choice (logit bias, penalties,
-  temperature, top-k, top-p, min-p, then greedy or a seeded draw);
+  temperature, top-k, top-p, min-p, then greedy or a seeded draw), except that a choice
+  whose chain would be the greedy sampler alone takes the argmax of its logits row
+  (the same token; ``llama_sampler_sample`` builds a candidate array of the whole
+  vocabulary first, ~30x the cost);
 * logprobs are the log-softmax of the raw logits (before any sampling transform, as vLLM
   reports them), read straight from llama.cpp's logits buffer with numpy;
 * a constrained choice (``SamplingParams.constraint``) has its own llguidance grammar
