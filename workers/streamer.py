@@ -4,7 +4,9 @@ One loop per process (several processes may run):
 
 1. claim new requests from the hand-off consumer group (woken by a plain XREAD on the
    hand-off stream, so a new request waits for no timeout);
-2. read the token streams of every request it holds in ONE blocking XREAD;
+2. read what every request it holds got in ONE blocking XREAD: a request's own token
+   stream until its first entry names its worker, then that worker's step stream (one
+   entry per engine step for all its requests), back to its own stream after a gap;
 3. run each request's choice Decoders and append the resulting events to each
    request's output stream in ONE pipelined round trip (deltas coalesced per cycle,
    each entry carrying the token cursor it was decoded up to);
