@@ -107,6 +107,37 @@ def new_request(settings: Settings, store: RequestStore, worker: str) -> Request
     return record
 
 
+def following_a(
+    settings: Settings,
+    redis_client: redis.Redis,
+    store: RequestStore,
+    tokenizer: Tokenizer,
+    now: list[float],
+    published: int,
+) -> tuple[str, Streamer, list[list[TokenDelta]]]:
+    """A request worker wA has published ``published`` steps of, and a streamer that
+    reads it from wA's step stream by then: (request id, streamer, all the steps)."""
+    rid = new_request(settings, store, "wA").request_id
+    streamer = start(settings, redis_client, tokenizer, now)
+    steps = pieces(tokenizer)
+    for deltas in steps[:published]:
+        publish(store, rid, "wA", 0, deltas, first=deltas is steps[0])
+        streamer.iterate()
+    streamer.iterate()
+    assert streamer.tracked[rid].step == Keys(settings.key_prefix).steps("wA")
+    return rid, streamer, steps
+
+
+def ends_exact(
+    store: RequestStore, streamer: Streamer, rid: str, worker: str, attempt: int, last: Any
+) -> None:
+    """Publish the request's last step from ``worker``; the streamer must end it with
+    exactly the text."""
+    publish(store, rid, worker, attempt, last, done=True)
+    run_until(streamer, rid)
+    assert text_of(streamer.redis, streamer.keys, rid) == TEXT
+
+
 def test_publish_writes_one_step_entry_per_call(
     settings: Settings, redis_client: redis.Redis, store: RequestStore
 ) -> None:
@@ -146,22 +177,13 @@ def test_a_request_is_read_from_its_workers_step_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     keys = Keys(settings.key_prefix)
-    record = new_request(settings, store, "wA")
-    rid = record.request_id
     reads = Reads(monkeypatch)
-    streamer = start(settings, redis_client, tokenizer, [1.0])
-    steps = pieces(tokenizer)
-    publish(store, rid, "wA", 0, steps[0], first=True)
-    for _ in range(3):
-        streamer.iterate()
-    assert streamer.tracked[rid].step == keys.steps("wA")
+    rid, streamer, steps = following_a(settings, redis_client, store, tokenizer, [1.0], 1)
     reads.calls.clear()
     for deltas in steps[1:-1]:
         publish(store, rid, "wA", 0, deltas)
         streamer.iterate()
-    publish(store, rid, "wA", 0, steps[-1], done=True)
-    run_until(streamer, rid)
-    assert text_of(redis_client, keys, rid) == TEXT
+    ends_exact(store, streamer, rid, "wA", 0, steps[-1])
     # From the first entry on, not one read of the request's own token stream.
     assert reads.calls and all(keys.tokens(rid) not in c for c in reads.calls)
     assert all(keys.steps("wA") in c for c in reads.calls)
@@ -173,15 +195,8 @@ def test_a_resumed_request_follows_its_new_worker(
     """The streamer resumes it (its lease is gone): it reads its own stream again, where
     the new worker's first entry names the new step stream."""
     keys = Keys(settings.key_prefix)
-    record = new_request(settings, store, "wA")
-    rid = record.request_id
     now = [1.0]
-    streamer = start(settings, redis_client, tokenizer, now)
-    steps = pieces(tokenizer)
-    for deltas in steps[:3]:
-        publish(store, rid, "wA", 0, deltas, first=deltas is steps[0])
-        streamer.iterate()
-    assert streamer.tracked[rid].step == keys.steps("wA")
+    rid, streamer, steps = following_a(settings, redis_client, store, tokenizer, now, 3)
     redis_client.delete(keys.lease(rid))  # worker A died
     now[0] += 1.0  # the watchdog is due: it resumes the request as attempt 1
     streamer.iterate()
@@ -191,9 +206,7 @@ def test_a_resumed_request_follows_its_new_worker(
         publish(store, rid, "wB", 1, deltas)
         streamer.iterate()
     assert streamer.tracked[rid].step == keys.steps("wB")
-    publish(store, rid, "wB", 1, steps[-1], done=True)
-    run_until(streamer, rid)
-    assert text_of(redis_client, keys, rid) == TEXT
+    ends_exact(store, streamer, rid, "wB", 1, steps[-1])
 
 
 def test_a_move_the_streamer_missed_is_found_once_the_step_stream_is_quiet(
@@ -203,15 +216,8 @@ def test_a_move_the_streamer_missed_is_found_once_the_step_stream_is_quiet(
     shutdown released the lease): nothing tells the streamer, whose step stream goes
     quiet; after ``STEP_QUIET_S`` it reads the request's own stream again."""
     keys = Keys(settings.key_prefix)
-    record = new_request(settings, store, "wA")
-    rid = record.request_id
     now = [1.0]
-    streamer = start(settings, redis_client, tokenizer, now)
-    steps = pieces(tokenizer)
-    for deltas in steps[:2]:
-        publish(store, rid, "wA", 0, deltas, first=deltas is steps[0])
-        streamer.iterate()
-    assert streamer.tracked[rid].step == keys.steps("wA")
+    rid, streamer, steps = following_a(settings, redis_client, store, tokenizer, now, 2)
     redis_client.delete(keys.lease(rid))
     assert store.claim(rid, 0, "wB", 30.0, 0.0) is ClaimResult.OK
     for deltas in steps[2:-1]:
@@ -223,23 +229,14 @@ def test_a_move_the_streamer_missed_is_found_once_the_step_stream_is_quiet(
     streamer.iterate()
     streamer.iterate()
     assert t.step == keys.steps("wB") and t.n == len(steps) - 1  # found, and caught up
-    publish(store, rid, "wB", 0, steps[-1], done=True)
-    run_until(streamer, rid)
-    assert text_of(redis_client, keys, rid) == TEXT
+    ends_exact(store, streamer, rid, "wB", 0, steps[-1])
 
 
 def test_a_lost_step_entry_is_a_gap_read_from_the_token_stream(
     settings: Settings, redis_client: redis.Redis, store: RequestStore, tokenizer: Tokenizer
 ) -> None:
     keys = Keys(settings.key_prefix)
-    record = new_request(settings, store, "wA")
-    rid = record.request_id
-    streamer = start(settings, redis_client, tokenizer, [1.0])
-    steps = pieces(tokenizer)
-    publish(store, rid, "wA", 0, steps[0], first=True)
-    streamer.iterate()
-    streamer.iterate()
-    assert streamer.tracked[rid].step == keys.steps("wA")
+    rid, streamer, steps = following_a(settings, redis_client, store, tokenizer, [1.0], 1)
     publish(store, rid, "wA", 0, steps[1])
     # That step entry is gone before the streamer reads it (trimmed, say).
     ((sid, _),) = redis_client.xrevrange(keys.steps("wA"), count=1)
@@ -247,9 +244,7 @@ def test_a_lost_step_entry_is_a_gap_read_from_the_token_stream(
     for deltas in steps[2:-1]:
         publish(store, rid, "wA", 0, deltas)
         streamer.iterate()
-    publish(store, rid, "wA", 0, steps[-1], done=True)
-    run_until(streamer, rid)
-    assert text_of(redis_client, keys, rid) == TEXT
+    ends_exact(store, streamer, rid, "wA", 0, steps[-1])
 
 
 def test_below_ms_and_split_step() -> None:
