@@ -302,7 +302,8 @@ class RequestStore:
     ) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
 
-        Also refreshes each request's lease and reports cancels and lost leases. With
+        Also extends the leases of the items that ask (``refresh``) and reports cancels
+        and lost leases. With
         ``worker_id``, the token entries appended are also written, together, as one
         entry of the worker's step stream (``Keys.steps``). The engine thread uses
         ``publish_begin`` (on its own connection, the reply read after its next step);
