@@ -303,11 +303,10 @@ class RequestStore:
         """Append one engine step's deltas for many requests in ONE round trip.
 
         Also extends the leases of the items that ask (``refresh``) and reports cancels
-        and lost leases. With
-        ``worker_id``, the token entries appended are also written, together, as one
-        entry of the worker's step stream (``Keys.steps``). The engine thread uses
-        ``publish_begin`` (on its own connection, the reply read after its next step);
-        this is the same call, whole.
+        and lost leases. With ``worker_id``, the token entries appended are also written,
+        together, as one entry of the worker's step stream (``Keys.steps``). The engine
+        thread uses ``publish_begin`` (on its own connection, the reply read after its
+        next step); this is the same call, whole.
         """
         if not items:
             return []
