@@ -257,10 +257,9 @@ class Streamer:
         failed: list[Tracked] = []
         cancels: list[str] = []
         for rid, entries in got.items():
-            tracked = self.tracked.get(rid)
-            if tracked is None:
+            if rid not in self.tracked:  # dropped meanwhile (taken over)
                 continue
-            t = tracked
+            t = self.tracked[rid]
             try:
                 out = self._decode_entries(t, entries)
             except BACKBONE_ERRORS:
