@@ -79,16 +79,25 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def redis_server_args(
-    port: int, data_dir: Path, *, appendonly: bool = False, maxmemory: str | None = None
+    port: int,
+    data_dir: Path,
+    *,
+    appendonly: bool = False,
+    maxmemory: str | None = None,
+    appendfsync: str = "everysec",
 ) -> list[str]:
     """The command line of a private, loopback-only redis-server.
 
     ``noeviction``: Celery messages and request records must never be evicted silently;
     a full Redis should fail writes loudly instead (at ``maxmemory``, e.g. ``"4gb"``;
     None: no limit; clients then get 503 + Retry-After and deletes still work).
-    ``appendonly``: keep every write in ``data_dir`` (fsync once a second), so a restart
-    on the same directory loses nothing (``tokenrelay up``); without it the server keeps
-    nothing (tests). No RDB snapshots either way: they would only duplicate the
+    ``appendonly``: keep every write in ``data_dir``, so a restart on the same directory
+    finds the data again (``tokenrelay up``); without it the server keeps nothing (tests).
+    ``appendfsync="everysec"`` (fsync once a second, off the event loop) costs the relay
+    nothing, but a crash of redis-server can lose the last ~2 s of acknowledged writes:
+    while a background fsync is slow, Redis postpones its AOF writes for up to two
+    seconds and still answers. ``"always"`` loses nothing and puts an fsync in every
+    event-loop turn. No RDB snapshots either way: they would only duplicate the
     append-only file.
     """
     return [
@@ -102,7 +111,7 @@ def redis_server_args(
         "--appendonly",
         "yes" if appendonly else "no",
         "--appendfsync",
-        "everysec",
+        appendfsync,
         "--dir",
         str(data_dir),
         "--maxmemory-policy",
@@ -119,6 +128,9 @@ class RedisServer:
 
     ``kill()`` then ``start()`` again is a crash and restart on the same port and data
     directory (with ``appendonly=True`` the data survives it), as the fault tests need.
+    Its append-only file is fsynced on every write: with ``everysec`` a crash while the
+    disk is slow loses the last writes (see ``redis_server_args``), and a fault test
+    would then fail on what it set up, not on what it tests.
     """
 
     def __init__(
@@ -142,7 +154,11 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = redis_server_args(
-            self.port, self.data_dir, appendonly=self.appendonly, maxmemory=self.maxmemory
+            self.port,
+            self.data_dir,
+            appendonly=self.appendonly,
+            maxmemory=self.maxmemory,
+            appendfsync="always",
         )
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
