@@ -83,8 +83,11 @@ class DirectConnection:
     def send(self, *commands: Sequence[Any]) -> None:
         """Send ``commands`` in one write; read their replies in order with ``reply``."""
         conn = self._connection()
+        packed = conn.pack_commands(commands)
+        if len(packed) > 1:  # one write: one wake-up of Redis, not one per piece
+            packed = [b"".join(packed)]
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            conn.send_packed_command(packed)
         except BaseException:
             self.close()
             raise

@@ -78,7 +78,8 @@ for i = 0, n - 1 do
       if steps then
         local id = redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2],
           'n', seq, 'w', worker)
-        lines[#lines + 1] = tok .. '\\n' .. id .. '\\n' .. seq .. '\\n' .. ARGV[a + 2]
+        local m = #lines  -- four lines per entry, joined once at the end
+        lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = tok, id, seq, ARGV[a + 2]
       else
         redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2], 'n', seq)
       end
