@@ -305,7 +305,9 @@ def test_a_plan_cut_short_by_an_outage_is_planned_again(models_dir: Path) -> Non
     planned. The batch must not stay half-adopted (no lines known, so it would be
     finalized as if it had none); once Redis is back the same driver plans it again at
     once (its lock is still its own) and has every line to run."""
-    server = RedisServer(appendonly=True)
+    # fsync on every write: the kill comes a moment after the batch is created, and with
+    # everysec a slow disk can leave the batch out of the AOF (it then never comes back).
+    server = RedisServer(appendonly=True, appendfsync="always")
     server.start()
     try:
         settings = isolated_settings(server.url, models_dir)
