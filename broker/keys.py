@@ -59,6 +59,12 @@ class Keys:
         appended (read by streamers instead of one token stream per request)."""
         return f"{self.prefix}steps:{worker_id}"
 
+    def output_steps(self, streamer_id: str) -> str:
+        """A streamer's output step stream: one entry per output write with every output
+        entry it appended (read by web processes' hubs instead of one stream per
+        request)."""
+        return f"{self.prefix}osteps:{streamer_id}"
+
     def followers(self, rid: str) -> str:
         """Counter of clients following the request's output right now (any process):
         a disconnected stream's generation is cancelled only if nobody resumed it."""

@@ -103,7 +103,8 @@ end
 return out
 """
 
-# KEYS: the hand-off stream, then one output stream per entry
+# KEYS: the hand-off stream, then one output stream per entry, then, optionally, the
+#       streamer's output step stream
 # ARGV: group, consumer, ttl_s, then per entry (5 each): hand-off entry id ('' = not
 #       fenced), first (1/0), encoded events, source cursor, publish time ('' = none)
 # A streamer writes a request's output only while it still owns the request's hand-off
@@ -111,10 +112,19 @@ return out
 # not append stale text after the streamer that took the request over (XAUTOCLAIM moves
 # the entry's owner atomically). An entry pending for no one (Redis lost it) does not
 # fence: the request must still be able to end with its error.
+# With an output step stream, each output entry also carries its ordinal in its stream
+# (n: XLEN after it) and the streamer (w, the consumer), and the step stream gets one
+# entry per call holding every output entry written, one line each: output stream key,
+# entry id, ordinal, events (a web process's hub reads one entry per write instead of
+# one per request; docs/architecture.md), trimmed to about 256 entries.
 # -> the 1-based indexes of the entries not written (fenced)
 WRITE_OUTPUTS = """
 local fenced = {}
-for i = 2, #KEYS do
+local n = (#ARGV - 3) / 5
+local steps = nil
+if #KEYS > n + 1 then steps = KEYS[#KEYS] end
+local lines = {}
+for i = 2, n + 1 do
   local a = 4 + (i - 2) * 5
   local handoff_id = ARGV[a]
   local ours = true
@@ -123,15 +133,26 @@ for i = 2, #KEYS do
     if p[1] and p[1][2] ~= ARGV[2] then ours = false end
   end
   if ours then
-    if ARGV[a + 4] ~= '' then
-      redis.call('XADD', KEYS[i], '*', 'e', ARGV[a + 2], 's', ARGV[a + 3], 'p', ARGV[a + 4])
+    local fields = {'e', ARGV[a + 2], 's', ARGV[a + 3]}
+    if ARGV[a + 4] ~= '' then fields[5], fields[6] = 'p', ARGV[a + 4] end
+    if steps then
+      local seq = redis.call('XLEN', KEYS[i]) + 1
+      local k = #fields
+      fields[k + 1], fields[k + 2], fields[k + 3], fields[k + 4] = 'n', seq, 'w', ARGV[2]
+      local id = redis.call('XADD', KEYS[i], '*', unpack(fields))
+      local m = #lines  -- four lines per entry, joined once at the end
+      lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = KEYS[i], id, seq, ARGV[a + 2]
     else
-      redis.call('XADD', KEYS[i], '*', 'e', ARGV[a + 2], 's', ARGV[a + 3])
+      redis.call('XADD', KEYS[i], '*', unpack(fields))
     end
     if ARGV[a + 1] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
   else
     fenced[#fenced + 1] = i - 1
   end
+end
+if #lines > 0 then
+  redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 'd', table.concat(lines, '\\n'))
+  redis.call('EXPIRE', steps, ARGV[3])
 end
 return fenced
 """

@@ -45,6 +45,10 @@ MALFORMED_OUTPUT = OutputEvent(
 
 # How often the hub looks again at a paused subscription (full buffer) for room.
 PAUSED_POLL_MS = 100
+# A stream the hub follows through a streamer's output step stream and that got nothing
+# from it for this long is read on its own again (one XREAD key more) until an entry
+# comes: its request may have moved to another streamer, or just be slow.
+STEP_QUIET_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +152,7 @@ class OutputStreams:
         self, entries: Sequence[OutputEntry], owner: str
     ) -> tuple[list[str], list[Any]]:
         keys = [self.keys.new_requests, *(self.keys.output(e.request_id) for e in entries)]
+        keys.append(self.keys.output_steps(owner))
         args: list[Any] = [GROUP, owner, self.ttl_s]
         for e in entries:
             args += [e.handoff_id, "1" if e.first else "0", encode_events(e.events)]
@@ -292,6 +297,25 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def below_ms(entry_id: str) -> str:
+    """The greatest stream id before every id of ``entry_id``'s millisecond: a cursor
+    that reads all of another stream's entries from that millisecond on."""
+    ms = int(entry_id.partition("-")[0])
+    return f"{ms - 1}-18446744073709551615" if ms > 0 else "0-0"
+
+
+def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
+    """A step stream entry's ``d``: (stream key, entry id, ordinal, payload) for every
+    entry the call appended: a worker's publish (token streams, ``Keys.steps``) or a
+    streamer's output write (output streams, ``Keys.output_steps``). Four lines each;
+    payloads are JSON, which never holds a raw newline."""
+    parts = raw.split(b"\n")
+    return [
+        (parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]), parts[i + 3])
+        for i in range(0, len(parts) - 3, 4)
+    ]
+
+
 def _id_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a comparable pair (ids compare numerically, not as text)."""
     ms, _, seq = entry_id.partition("-")
@@ -396,6 +420,18 @@ class Subscription:
         return limit is not None and self.buffered >= limit
 
 
+@dataclass(slots=True, eq=False)
+class _Follow:
+    """An output stream the hub follows through a streamer's output step stream:
+    its lone reader, the ordinal of the entry at the reader's cursor, and when the last
+    entry came (``steps`` None: read the stream on its own for now)."""
+
+    sub: Subscription
+    n: int
+    steps: str | None
+    at: float
+
+
 class OutputHub:
     """One reader thread per process for every output stream its clients follow.
 
@@ -428,6 +464,12 @@ class OutputHub:
         self.wake_key = keys.hub_wake(uuid.uuid4().hex)
         self._direct = DirectConnection(client)  # the reader thread's own connection
         self._wake_cursor = "0-0"
+        # Output streams followed through their streamer's output step stream, and where
+        # each step stream is read from (the reading thread's own state).
+        self._follow: dict[str, _Follow] = {}
+        self._step_cursors: dict[str, str] = {}
+        self._bad_steps: set[str] = set()  # not streams (overwritten): never followed
+        self.stepped = 0  # entries handed over from step streams (tests, diagnostics)
         # Usually one subscriber per stream; two while a client resumes on this process
         # before its old connection noticed it was gone.
         self._subs: dict[str, list[Subscription]] = {}
@@ -502,6 +544,8 @@ class OutputHub:
                 if not self._subs:  # nothing to follow: exit; subscribe starts a new one
                     self._thread = None
                     self._down_since = None
+                    self._follow.clear()
+                    self._step_cursors.clear()
                     return
             try:
                 self._drop_stalled()
@@ -533,6 +577,7 @@ class OutputHub:
                 for key, subs in self._subs.items()
             }
         streams[self.wake_key] = self._wake_cursor
+        streams.update(self._step_cursors)
         try:
             pipe = self.redis.pipeline(transaction=False)
             for key, cursor in streams.items():
@@ -551,6 +596,18 @@ class OutputHub:
                 self.redis.delete(self.wake_key)
             except redis.RedisError:
                 return
+            if not bad:
+                return
+        for key in [key for key in bad if key in self._step_cursors]:
+            # A streamer's step stream overwritten by something else: its streams are
+            # read on their own from now on.
+            logger.error("output hub: step stream %s is not a stream; not following it", key)
+            bad.remove(key)
+            self._bad_steps.add(key)
+            del self._step_cursors[key]
+            for f in self._follow.values():
+                if f.steps == key:
+                    f.steps = None
             if not bad:
                 return
         if not bad:  # nothing to blame on one stream: do not spin on it
@@ -606,20 +663,43 @@ class OutputHub:
 
     def _read_once(self) -> None:
         limit = self.buffer_bytes
+        now = time.monotonic()
         with self._lock:
             # A subscription whose buffer is full is paused: its entries wait in Redis.
             streams: dict[Any, Any] = {}
+            via_steps: dict[str, Subscription] = {}  # followed through a step stream
             paused = False
             for key, subs in self._subs.items():
                 open_subs = [sub for sub in subs if not sub.full(limit)]
                 paused = paused or len(open_subs) < len(subs)
-                if open_subs:
+                if not open_subs:
+                    continue
+                f = self._follow.get(key)
+                if (
+                    f is not None
+                    and f.steps is not None
+                    and len(subs) == 1
+                    and subs[0] is f.sub
+                    and now - f.at < STEP_QUIET_S
+                ):
+                    via_steps[key] = f.sub
+                else:
                     streams[key] = min((sub.cursor for sub in open_subs), key=_id_order)
+            for key in [key for key in self._follow if key not in self._subs]:
+                del self._follow[key]
+        steps = {
+            f.steps: self._step_cursors.get(f.steps) or below_ms(f.sub.cursor)
+            for key, f in self._follow.items()
+            if key in via_steps and f.steps is not None
+        }
+        self._step_cursors = dict(steps)  # the step streams no stream needs are dropped
         streams[self.wake_key] = self._wake_cursor
+        streams.update(steps)
         # Paused readers free room by taking, which does not wake the hub: look again soon.
         block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
         res: Any = self._direct.call(*xread_command(streams, count=256, block_ms=block))
-        res = read_rest(self._direct, streams, res, count=256, quiet=(self.wake_key,))
+        res = read_rest(self._direct, streams, res, count=256, quiet=(self.wake_key, *steps))
+        read_steps: list[tuple[str, list[Any]]] = []
         for key_raw, entries in res or []:
             key = _s(key_raw)
             if not entries:
@@ -627,13 +707,18 @@ class OutputHub:
             if key == self.wake_key:
                 self._wake_cursor = _s(entries[-1][0])
                 continue
+            if key in steps:
+                read_steps.append((key, entries))
+                continue
             with self._lock:
                 subs = list(self._subs.get(key, ()))  # none: unsubscribed meanwhile
             # A subscription made during this read, from a cursor below the one the read
             # began at, waits for the next read (from its own cursor): handed these
             # entries, it would skip the ones between its cursor and the read's.
             began = _id_order(streams[key])
+            alone = len(subs) == 1
             subs = [sub for sub in subs if _id_order(sub.cursor) >= began]
+            last: Any = None  # the fields of the last entry handed to a lone reader
             for eid_raw, fields in entries:
                 eid = _s(eid_raw)
                 raw = fields[b"e"]
@@ -648,6 +733,75 @@ class OutputHub:
                     if _id_order(eid) > _id_order(sub.cursor) and not sub.full(limit):
                         sub.cursor = eid
                         sub.put(eid, events, len(raw))
+                        last = fields
+            if alone and len(subs) == 1 and last is not None:
+                self._track(key, subs[0], last, now)
+            else:
+                self._follow.pop(key, None)
             for sub in subs:
                 if sub.notify is not None:
                     sub.notify.set()
+        for key, entries in read_steps:  # after the streams read on their own (gaps)
+            self._take_steps(key, entries, via_steps, now)
+
+    def _track(self, key: str, sub: Subscription, fields: Any, now: float) -> None:
+        """After ``sub``, alone on ``key``, was handed an entry read from the stream
+        itself: follow the stream through the step stream of the streamer that wrote
+        the entry (its ``w``), from the entry's ordinal (``n``) on. The step stream is
+        read from the millisecond before the entry at the latest (its step entry was
+        appended after it, in the same call); lines read twice are skipped by id."""
+        n, writer = fields.get(b"n"), fields.get(b"w")
+        steps = self.keys.output_steps(_s(writer)) if n and writer else None
+        if steps is None or steps in self._bad_steps:
+            self._follow.pop(key, None)
+            return
+        self._follow[key] = _Follow(sub, int(n), steps, now)
+        start = below_ms(sub.cursor)
+        current = self._step_cursors.get(steps)
+        if current is None or _id_order(start) < _id_order(current):
+            self._step_cursors[steps] = start
+
+    def _take_steps(
+        self, key: str, entries: list[Any], via_steps: dict[str, Subscription], now: float
+    ) -> None:
+        """Entries of output step stream ``key``: each holds the output entries one
+        streamer write appended. A line is handed to the lone reader of its stream when it
+        is the stream's next entry (its ordinal says so); one it has is skipped; after a
+        gap (the reader's buffer filled, a second reader came, the step stream was
+        trimmed past us) the stream is read on its own again."""
+        limit = self.buffer_bytes
+        self._step_cursors[key] = _s(entries[-1][0])
+        handed: list[Subscription] = []
+        for eid_raw, fields in entries:
+            try:
+                items = split_step(fields[b"d"])
+            except Exception:  # a bug upstream: the streams in it find their gap
+                logger.error("output hub: malformed step entry %s in %s", _s(eid_raw), key)
+                continue
+            for okey, oid, n, payload in items:
+                sub = via_steps.get(okey)
+                f = self._follow.get(okey)
+                if sub is None or f is None or f.steps != key or f.sub is not sub:
+                    continue
+                if _id_order(oid) <= _id_order(sub.cursor):
+                    continue  # handed already (read on its own, or an earlier line)
+                with self._lock:
+                    subs = self._subs.get(okey, [])
+                    alone = len(subs) == 1 and subs[0] is sub
+                if not alone or sub.full(limit) or n != f.n + 1:
+                    f.steps = None
+                    del via_steps[okey]
+                    continue
+                try:
+                    events = decode_events(payload)
+                except Exception:  # a malformed entry ends that request, nothing else
+                    logger.exception("output hub: malformed entry %s of %s", oid, okey)
+                    events = [MALFORMED_OUTPUT]
+                sub.cursor = oid
+                sub.put(oid, events, len(payload))
+                f.n, f.at = n, now
+                self.stepped += 1
+                handed.append(sub)
+        for sub in dict.fromkeys(handed):
+            if sub.notify is not None:
+                sub.notify.set()

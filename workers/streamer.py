@@ -58,7 +58,14 @@ from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStatus, RequestStore, decode_deltas
-from broker.streams import OutputEntry, OutputStreams, RequestHandoff, encode_events
+from broker.streams import (
+    OutputEntry,
+    OutputStreams,
+    RequestHandoff,
+    below_ms,
+    encode_events,
+    split_step,
+)
 from workers.backoff import Backoff
 from workers.service_main import run_service
 from workers.streamer_state import (
@@ -73,10 +80,8 @@ from workers.streamer_state import (
     RequestFault,
     Tracked,
     as_str,
-    below_ms,
     cmp_ids,
     request_decoder,
-    split_step,
 )
 
 logger = logging.getLogger(__name__)

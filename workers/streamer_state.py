@@ -108,23 +108,5 @@ def cmp_ids(a: str, b: str) -> int:
     return (ka > kb) - (ka < kb)
 
 
-def below_ms(entry_id: str) -> str:
-    """The greatest stream id before every id of ``entry_id``'s millisecond: a cursor
-    that reads all of another stream's entries from that millisecond on."""
-    ms = int(entry_id.partition("-")[0])
-    return f"{ms - 1}-18446744073709551615" if ms > 0 else "0-0"
-
-
-def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
-    """A step stream entry's ``d``: (token stream key, entry id, ordinal, payload) for
-    every token entry the publish appended (four lines each; payloads are JSON, which
-    never holds a raw newline)."""
-    parts = raw.split(b"\n")
-    return [
-        (parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]), parts[i + 3])
-        for i in range(0, len(parts) - 3, 4)
-    ]
-
-
 def as_str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)

@@ -25,12 +25,11 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
-from broker.streams import OutputStreams
+from broker.streams import OutputStreams, below_ms, split_step
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers import streamer as streamer_module
 from workers.streamer import STEP_QUIET_S, Streamer
-from workers.streamer_state import below_ms, split_step
 
 pytestmark = pytest.mark.integration
 
