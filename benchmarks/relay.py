@@ -5,8 +5,10 @@
 - ``--stage worker`` (issue #3): one worker publishes; the client only waits for the
   requests to finish. Reports token ids published per second and worker CPU µs/token.
 - ``--stage relay`` (issue #4): worker + streamer + redis; the client reads every
-  request's output stream (one XREAD over all of them). Reports delivered tokens/s, CPU
-  µs per delivered token for each process (from /proc: stable under noise), and the
+  request's output through an ``OutputHub``, as a web process does (``--reader client``:
+  one XREAD over all the streams through redis-py, as it did before). Reports delivered
+  tokens/s, CPU µs per delivered token for each process (from /proc: stable under
+  noise), and the
   latency the relay adds over the engine: for every output entry, the time the client
   received it minus the time the worker published the last token in it (carried on the
   entries, to the microsecond), so TTFT/ITL "added" exclude the engine's own step.
@@ -17,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import ExitStack
@@ -37,7 +41,7 @@ from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import RequestStore
 from broker.server import RedisServer
-from broker.streams import decode_events, is_terminal
+from broker.streams import OutputHub, Subscription, decode_events, is_terminal
 from tests.stack import isolated_settings, streamer_process, worker_process
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -70,6 +74,7 @@ def run(
     models_dir: Path,
     rate: float = 0.0,
     streamers: int = 1,
+    reader: str = "hub",
 ) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         settings = isolated_settings(
@@ -80,6 +85,7 @@ def run(
         store = RequestStore(client, keys)
         celery_app = create_celery(settings)
         prompt = [1000 + (i % 30000) for i in range(n_tokens)]  # no EOS inside
+        ready = threading.Event()
         with worker_process(settings, Path(logs)) as worker, ExitStack() as running:
             pids = {"worker": worker.pid, "redis": server.proc.pid}  # type: ignore[union-attr]
             for i in range(streamers if stage == "relay" else 0):
@@ -100,6 +106,11 @@ def run(
                         deadline=now + 600,
                     )
                 )
+            if stage == "relay" and reader == "hub":
+                # Subscribed before the requests exist, as a web process is before its
+                # first event: the hub's XREAD waits on streams that have no entry yet.
+                hub = OutputHub(client, keys, block_ms=1000)
+                subs = {r.request_id: hub.subscribe(r.request_id, notify=ready) for r in records}
             calls0 = command_stats(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             client0 = time.process_time()
@@ -121,41 +132,21 @@ def run(
                 delivered = sum(
                     len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
                 )
+            elif reader == "hub":
+                delivered, received = read_through_hub(hub, subs, t0, ttft)
             else:
-                cursors = {keys.output(r.request_id): "0-0" for r in records}
-                seen_first: set[str] = set()
-                while cursors:
-                    res = client.xread(cursors, count=1024, block=1000)
-                    recv = time.time()
-                    for key_raw, entries in res or []:
-                        key = key_raw.decode()
-                        for eid, fields in entries:
-                            cursors[key] = eid
-                            # The worker's publish time (µs), else the entry id (ms).
-                            src_ms = (
-                                float(fields[b"p"])
-                                if b"p" in fields
-                                else int(fields[b"s"].split(b"-")[0]) / 1000
-                            )
-                            for ev in decode_events(fields[b"e"]):
-                                if ev.kind is OutputKind.DELTA:
-                                    if key not in seen_first:
-                                        seen_first.add(key)
-                                        ttft_added.append(recv - src_ms)
-                                        ttft.append(recv - t0)
-                                    lat.append(recv - src_ms)
-                                if ev.kind is OutputKind.USAGE and ev.usage:
-                                    delivered += ev.usage["completion_tokens"]
-                                if is_terminal(ev):
-                                    cursors.pop(key, None)
+                delivered = read_with_client(client, keys, records, t0, lat, ttft_added, ttft)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
             client_cpu = time.process_time() - client0
             calls = command_stats(client)
+            if stage == "relay" and reader == "hub":  # after the counts: reads of its own
+                hub_latencies(client, keys, received, lat, ttft_added)
         out: dict[str, object] = {
             "stage": stage,
             "streamers": streamers if stage == "relay" else 0,
             "engine_rate_per_request": rate or "unlimited",
+            "reader": reader if stage == "relay" else None,
             "requests": n_requests,
             "tokens_per_request": n_tokens,
             "delivered_tokens": delivered,
@@ -197,6 +188,107 @@ def run(
         return out
 
 
+def output_latency(fields: dict[bytes, bytes], recv: float) -> float:
+    """``recv`` minus the worker's publish time carried by an output entry (µs
+    precision), else its entry id's millisecond."""
+    if b"p" in fields:
+        return recv - float(fields[b"p"])
+    return recv - int(fields[b"s"].split(b"-")[0]) / 1000
+
+
+def read_with_client(
+    client: redis.Redis,
+    keys: Keys,
+    records: list[RequestRecord],
+    t0: float,
+    lat: list[float],
+    ttft_added: list[float],
+    ttft: list[float],
+) -> int:
+    """Every output, with one blocking XREAD over all the streams; the tokens delivered."""
+    cursors = {keys.output(r.request_id): "0-0" for r in records}
+    seen_first: set[str] = set()
+    delivered = 0
+    while cursors:
+        res = client.xread(cursors, count=1024, block=1000)
+        recv = time.time()
+        for key_raw, entries in res or []:
+            key = key_raw.decode()
+            for eid, fields in entries:
+                cursors[key] = eid
+                for ev in decode_events(fields[b"e"]):
+                    if ev.kind is OutputKind.DELTA:
+                        if key not in seen_first:
+                            seen_first.add(key)
+                            ttft_added.append(output_latency(fields, recv))
+                            ttft.append(recv - t0)
+                        lat.append(output_latency(fields, recv))
+                    if ev.kind is OutputKind.USAGE and ev.usage:
+                        delivered += ev.usage["completion_tokens"]
+                    if is_terminal(ev):
+                        cursors.pop(key, None)
+    return delivered
+
+
+def read_through_hub(
+    hub: OutputHub, subs: dict[str, Subscription], t0: float, ttft: list[float]
+) -> tuple[int, list[tuple[str, str, float, bool]]]:
+    """Every output, taken from the hub's subscriptions as a web process's requests take
+    them: the tokens delivered, and (request, entry id, time received, first) for each
+    entry with text (``hub_latencies`` turns them into added latencies)."""
+    ready = subs[next(iter(subs))].notify
+    assert ready is not None
+    received: list[tuple[str, str, float, bool]] = []
+    open_ = set(subs)
+    seen_first: set[str] = set()
+    delivered = 0
+    while open_:
+        ready.wait(1.0)
+        ready.clear()
+        for rid in list(open_):
+            while True:
+                try:
+                    eid, events = subs[rid].take(None)
+                except queue.Empty:
+                    break
+                recv = time.time()
+                if any(ev.kind is OutputKind.DELTA for ev in events):
+                    first = rid not in seen_first
+                    if first:
+                        seen_first.add(rid)
+                        ttft.append(recv - t0)
+                    received.append((rid, eid, recv, first))
+                for ev in events:
+                    if ev.kind is OutputKind.USAGE and ev.usage:
+                        delivered += ev.usage["completion_tokens"]
+                    if is_terminal(ev):
+                        open_.discard(rid)
+    hub.stopping.set()
+    for sub in subs.values():
+        hub.unsubscribe(sub)
+    return delivered, received
+
+
+def hub_latencies(
+    client: redis.Redis,
+    keys: Keys,
+    received: list[tuple[str, str, float, bool]],
+    lat: list[float],
+    ttft_added: list[float],
+) -> None:
+    """The added latency of each entry ``read_through_hub`` received, from the publish
+    times on the streams (the hub hands over events, not the entries' other fields)."""
+    fields_of: dict[tuple[str, str], dict[bytes, bytes]] = {}
+    for rid in {r[0] for r in received}:
+        for eid, fields in client.xrange(keys.output(rid)):
+            fields_of[(rid, eid.decode())] = fields
+    for rid, eid, recv, first in received:
+        added = output_latency(fields_of[(rid, eid)], recv)
+        lat.append(added)
+        if first:
+            ttft_added.append(added)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -216,13 +308,29 @@ def main() -> int:
         help="streamer processes in the relay stage; a comma-separated list (1,2,4) runs "
         "the relay stage once for each",
     )
+    parser.add_argument(
+        "--reader",
+        choices=["hub", "client"],
+        default="hub",
+        help="how the client reads the outputs: through an OutputHub, as a web process does "
+        "(default), or with one XREAD over every output stream through redis-py's client "
+        "(how this benchmark read before: two calls per step, see broker/direct.py)",
+    )
     args = parser.parse_args()
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
     prepare_bundled_model(models_dir)
     stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
     for stage in stages:
         for n in [int(x) for x in args.streamers.split(",")] if stage == "relay" else [1]:
-            result = run(stage, args.requests, args.tokens, models_dir, args.rate, streamers=n)
+            result = run(
+                stage,
+                args.requests,
+                args.tokens,
+                models_dir,
+                args.rate,
+                streamers=n,
+                reader=args.reader,
+            )
             print(json.dumps(result, indent=2))
     return 0
 
