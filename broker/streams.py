@@ -316,6 +316,21 @@ def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
     ]
 
 
+def step_entries(
+    key: str, entries: list[Any]
+) -> Iterator[tuple[dict[bytes, Any], list[tuple[str, str, int, bytes]]]]:
+    """The fields and lines (``split_step``) of each entry read from step stream ``key``.
+    A malformed entry is logged and skipped: a bug upstream, and the streams in it find
+    their gap."""
+    for eid, fields in entries:
+        try:
+            items = split_step(fields[b"d"])
+        except Exception:
+            logger.error("malformed step entry %s in %s", _s(eid), key)
+            continue
+        yield fields, items
+
+
 def _id_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a comparable pair (ids compare numerically, not as text)."""
     ms, _, seq = entry_id.partition("-")
@@ -772,12 +787,7 @@ class OutputHub:
         limit = self.buffer_bytes
         self._step_cursors[key] = _s(entries[-1][0])
         handed: list[Subscription] = []
-        for eid_raw, fields in entries:
-            try:
-                items = split_step(fields[b"d"])
-            except Exception:  # a bug upstream: the streams in it find their gap
-                logger.error("output hub: malformed step entry %s in %s", _s(eid_raw), key)
-                continue
+        for _fields, items in step_entries(key, entries):
             for okey, oid, n, payload in items:
                 sub = via_steps.get(okey)
                 f = self._follow.get(okey)

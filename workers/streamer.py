@@ -64,7 +64,7 @@ from broker.streams import (
     RequestHandoff,
     below_ms,
     encode_events,
-    split_step,
+    step_entries,
 )
 from workers.backoff import Backoff
 from workers.service_main import run_service
@@ -297,12 +297,7 @@ class Streamer:
         (the request moved to another worker, or the step stream was trimmed past us)
         the request reads its own token stream again."""
         self._step_cursors[key] = as_str(entries[-1][0])
-        for eid, fields in entries:
-            try:
-                items = split_step(fields[b"d"])
-            except Exception:  # a bug upstream: the requests in it find their gap
-                logger.error("malformed step entry %s in %s", as_str(eid), key)
-                continue
+        for fields, items in step_entries(key, entries):
             published = fields.get(b"t")
             for tok_key, tid, n, payload in items:
                 t = by_key.get(tok_key)

@@ -60,6 +60,16 @@ def take_texts(sub: Subscription, n: int) -> list[str]:
     return out
 
 
+def streaming(hub: OutputHub, client: redis.Redis, keys: Keys) -> tuple[Writer, Subscription]:
+    """Request r1 followed by the hub, with its first two entries ("0 ", "1 ") taken."""
+    writer = Writer(client, keys, "streamer-a")
+    sub = hub.subscribe("r1")
+    writer.write(("r1", "0 "))
+    writer.write(("r1", "1 "))
+    assert take_texts(sub, 2) == ["0 ", "1 "]
+    return writer, sub
+
+
 def test_outputs_come_through_the_step_stream_once_the_first_names_its_streamer(
     hub: OutputHub, redis_client: redis.Redis, keys: Keys
 ) -> None:
@@ -79,11 +89,7 @@ def test_outputs_come_through_the_step_stream_once_the_first_names_its_streamer(
 def test_an_entry_missing_from_the_step_stream_is_read_from_its_own_stream(
     hub: OutputHub, redis_client: redis.Redis, keys: Keys
 ) -> None:
-    writer = Writer(redis_client, keys, "streamer-a")
-    sub = hub.subscribe("r1")
-    writer.write(("r1", "0 "))
-    writer.write(("r1", "1 "))
-    assert take_texts(sub, 2) == ["0 ", "1 "]
+    writer, sub = streaming(hub, redis_client, keys)
     # Appended by something else (no step line): the next line's ordinal jumps.
     unowned = OutputStreams(redis_client, keys)
     unowned.write([OutputEntry("r1", [OutputEvent(OutputKind.DELTA, 0, "2 ")], "x")])
@@ -137,11 +143,7 @@ def test_a_request_another_streamer_writes_is_read_on_its_own_after_a_quiet_seco
 def test_a_step_stream_key_that_is_not_a_stream_is_left_and_nothing_is_lost(
     hub: OutputHub, redis_client: redis.Redis, keys: Keys
 ) -> None:
-    writer = Writer(redis_client, keys, "streamer-a")
-    sub = hub.subscribe("r1")
-    writer.write(("r1", "0 "))
-    writer.write(("r1", "1 "))
-    assert take_texts(sub, 2) == ["0 ", "1 "]
+    _writer, sub = streaming(hub, redis_client, keys)
     # Overwritten by something else: the hub's read of it fails until it stops
     # following it; the script's step entry fails too, so write around it.
     redis_client.delete(keys.output_steps("streamer-a"))
