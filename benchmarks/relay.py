@@ -8,10 +8,10 @@
   request's output through an ``OutputHub``, as a web process does (``--reader client``:
   one XREAD over all the streams through redis-py, as it did before). Reports delivered
   tokens/s, CPU µs per delivered token for each process (from /proc: stable under
-  noise), and the
-  latency the relay adds over the engine: for every output entry, the time the client
-  received it minus the time the worker published the last token in it (carried on the
-  entries, to the microsecond), so TTFT/ITL "added" exclude the engine's own step.
+  noise), and the latency the relay adds over the engine: for every output entry, the
+  time the client received it minus the time the worker published the last token in it
+  (carried on the entries, to the microsecond), so TTFT/ITL "added" exclude the engine's
+  own step.
 """
 
 from __future__ import annotations
