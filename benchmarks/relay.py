@@ -133,7 +133,7 @@ def run(
                     len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
                 )
             elif reader == "hub":
-                delivered, received = read_through_hub(hub, subs, t0, ttft)
+                delivered, received = read_through_hub(hub, subs, ready, t0, ttft)
             else:
                 delivered = read_with_client(client, keys, records, t0, lat, ttft_added, ttft)
             elapsed = time.time() - t0
@@ -231,13 +231,16 @@ def read_with_client(
 
 
 def read_through_hub(
-    hub: OutputHub, subs: dict[str, Subscription], t0: float, ttft: list[float]
+    hub: OutputHub,
+    subs: dict[str, Subscription],
+    ready: threading.Event,
+    t0: float,
+    ttft: list[float],
 ) -> tuple[int, list[tuple[str, str, float, bool]]]:
     """Every output, taken from the hub's subscriptions as a web process's requests take
     them: the tokens delivered, and (request, entry id, time received, first) for each
-    entry with text (``hub_latencies`` turns them into added latencies)."""
-    ready = subs[next(iter(subs))].notify
-    assert ready is not None
+    entry with text (``hub_latencies`` turns them into added latencies). ``ready`` is
+    the event every subscription sets when the hub hands it an entry."""
     received: list[tuple[str, str, float, bool]] = []
     open_ = set(subs)
     seen_first: set[str] = set()

@@ -786,6 +786,12 @@ class OutputHub:
         trimmed past us) the stream is read on its own again."""
         limit = self.buffer_bytes
         self._step_cursors[key] = _s(entries[-1][0])
+        with self._lock:  # the streams whose reader is still their only one
+            alone = {
+                okey
+                for okey, sub in via_steps.items()
+                if (subs := self._subs.get(okey)) and len(subs) == 1 and subs[0] is sub
+            }
         handed: list[Subscription] = []
         for _fields, items in step_entries(key, entries):
             for okey, oid, n, payload in items:
@@ -795,10 +801,7 @@ class OutputHub:
                     continue
                 if _id_order(oid) <= _id_order(sub.cursor):
                     continue  # handed already (read on its own, or an earlier line)
-                with self._lock:
-                    subs = self._subs.get(okey, [])
-                    alone = len(subs) == 1 and subs[0] is sub
-                if not alone or sub.full(limit) or n != f.n + 1:
+                if okey not in alone or sub.full(limit) or n != f.n + 1:
                     f.steps = None
                     del via_steps[okey]
                     continue

@@ -262,9 +262,9 @@ class Streamer:
         failed: list[Tracked] = []
         cancels: list[str] = []
         for rid, entries in got.items():
-            if rid not in self.tracked:  # dropped meanwhile (taken over)
+            t = self.tracked.get(rid)
+            if t is None:  # dropped meanwhile (taken over)
                 continue
-            t = self.tracked[rid]
             try:
                 out = self._decode_entries(t, entries)
             except BACKBONE_ERRORS:
