@@ -298,7 +298,11 @@ class RequestStore:
         )
 
     def publish(
-        self, items: Sequence[PublishItem], lease_ttl_s: float, worker_id: str | None = None
+        self,
+        items: Sequence[PublishItem],
+        lease_ttl_s: float,
+        worker_id: str | None = None,
+        stamp: str | None = None,
     ) -> list[PublishStatus]:
         """Append one engine step's deltas for many requests in ONE round trip.
 
@@ -306,11 +310,13 @@ class RequestStore:
         and lost leases. With ``worker_id``, the token entries appended are also written,
         together, as one entry of the worker's step stream (``Keys.steps``). The engine
         thread uses ``publish_begin`` (on its own connection, the reply read after its
-        next step); this is the same call, whole.
+        next step); this is the same call, whole. ``stamp`` (``publish_stamp()``, by
+        default a new one) is the call's publish time, written in each entry it appends:
+        ``landed`` tells from it whether a call whose reply was lost ran.
         """
         if not items:
             return []
-        keys, args = self._publish_args(items, lease_ttl_s, worker_id)
+        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp)
         return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
 
     def publish_begin(
@@ -319,20 +325,26 @@ class RequestStore:
         lease_ttl_s: float,
         via: DirectConnection,
         worker_id: str | None = None,
+        stamp: str | None = None,
     ) -> PendingPublish:
         """``publish``, split in two: send it now, read its statuses later with the
         result's ``statuses()``, so the engine can run its next step meanwhile."""
-        keys, args = self._publish_args(items, lease_ttl_s, worker_id)
+        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp)
         via.send_evalsha(self._publish, keys, args)
         return PendingPublish(via, self._publish, keys, args)
 
     def _publish_args(
-        self, items: Sequence[PublishItem], lease_ttl_s: float, worker_id: str | None
+        self,
+        items: Sequence[PublishItem],
+        lease_ttl_s: float,
+        worker_id: str | None,
+        stamp: str | None,
     ) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         # The publish time travels with each entry so the relay's added latency can be
-        # measured to the microsecond (entry ids only carry milliseconds).
-        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, repr(time.time())]
+        # measured to the microsecond (entry ids only carry milliseconds); it also names
+        # the call, for ``landed``.
+        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, stamp or publish_stamp()]
         k = self.keys
         for it in items:
             rid = it.request_id
@@ -343,6 +355,30 @@ class RequestStore:
             keys.append(k.steps(worker_id))
             args.append(worker_id)
         return keys, args
+
+    def landed(self, calls: Sequence[tuple[str, int, str]]) -> list[bool]:
+        """For each ``(request_id, attempt, stamp)`` of a publish whose reply was lost
+        (the connection broke, Redis restarted): whether it ran, i.e. whether the last
+        entry of the request's token stream is the one it appended. One round trip.
+
+        A publish is not idempotent: retrying one that ran appends its tokens twice. Its
+        sender publishes nothing more for those requests until it knows, so an entry the
+        call appended is still the last one of its attempt; an entry of a newer attempt
+        means the lease is lost and the retry is fenced anyway. A call that ran but that
+        Redis lost with its AOF tail counts as not landed, which is what it is now.
+        """
+        if not calls:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for rid, _attempt, _stamp in calls:
+            pipe.xrevrange(self.keys.tokens(rid), count=1)
+        out: list[bool] = []
+        for (_rid, attempt, stamp), last in zip(calls, pipe.execute(), strict=True):
+            fields = last[0][1] if last else {}
+            out.append(
+                fields.get(b"a") == str(attempt).encode() and fields.get(b"t") == stamp.encode()
+            )
+        return out
 
     def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:
         """Extend the leases ``(request_id, lease_value)`` still held with those values;
@@ -376,6 +412,11 @@ class PendingPublish:
         """Read the reply (waits for it if Redis has not answered yet)."""
         res = self.via.evalsha_reply(self.script, self.keys, self.args)
         return [PublishStatus(int(x)) for x in res]
+
+
+def publish_stamp() -> str:
+    """A publish call's time (unix seconds, full precision), as its entries carry it."""
+    return repr(time.time())
 
 
 def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:

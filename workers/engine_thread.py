@@ -44,6 +44,7 @@ from broker.requests import (
     PublishStatus,
     RequestStore,
     encode_deltas,
+    publish_stamp,
 )
 from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
@@ -93,6 +94,20 @@ class _Active:
     last_publish: float = 0.0
     last_refresh: float = 0.0  # when the last publish that extended the lease was sent
     outcome: TaskOutcome = TaskOutcome.DONE
+    # A publish of this request's tokens whose reply never came: it may have run. Until
+    # Redis says whether (``RequestStore.landed``), nothing more is published for it.
+    unsure: _Unsure | None = None
+
+
+@dataclass(slots=True)
+class _Unsure:
+    """A failed publish's part for one request: its call's stamp, what it carried and
+    how many of the deltas now at the head of ``unpublished`` were in it."""
+
+    stamp: str
+    item: PublishItem
+    deltas: int
+    sent_at: float
 
 
 @dataclass(slots=True)
@@ -102,6 +117,7 @@ class _InFlight:
     pending: PendingPublish
     items: list[tuple[_Active, PublishItem, list[TokenDelta]]]
     sent_at: float
+    stamp: str
 
 
 class EngineThread(threading.Thread):
@@ -342,6 +358,8 @@ class EngineThread(threading.Thread):
         now = self.clock()
         if not self._publish_backoff.ready(now):
             return  # Redis was unreachable: keep the deltas until the next try
+        if not self._settle_unsure(now):
+            return
         refresh_after = self.lease_ttl_s / 3
         # A lease is extended every fifth of it, not every step: at a thousand steps a
         # second the PEXPIRE was a fifth of the publish script's commands.
@@ -366,14 +384,15 @@ class EngineThread(threading.Thread):
             act.unpublished = []  # in flight now; put back if the publish fails
         if not items:
             return
+        stamp = publish_stamp()
         try:
             pending = self.store.publish_begin(
-                [p for _, p, _ in items], self.lease_ttl_s, self._direct, self.worker_id
+                [p for _, p, _ in items], self.lease_ttl_s, self._direct, self.worker_id, stamp
             )
         except redis.RedisError as exc:
-            self._publish_failed(items, now, exc)
+            self._publish_failed(items, now, stamp, exc)
             return
-        self._in_flight = _InFlight(pending, items, now)
+        self._in_flight = _InFlight(pending, items, now, stamp)
 
     def _finish_publish(self) -> None:
         """Read the reply of the publish in flight, if any, and act on it."""
@@ -383,38 +402,78 @@ class EngineThread(threading.Thread):
         try:
             statuses = flight.pending.statuses()
         except redis.RedisError as exc:
-            self._publish_failed(flight.items, flight.sent_at, exc)
+            self._publish_failed(flight.items, flight.sent_at, flight.stamp, exc)
             return
         if self._publish_backoff.recovered():
             logger.info("publishing to redis again")
         for (act, pitem, _deltas), status in zip(flight.items, statuses, strict=True):
-            if self._active.get(pitem.request_id) is not act:
-                continue  # superseded meanwhile by a newer attempt here: released already
-            if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
-                act.first = False
-            act.last_publish = flight.sent_at
-            if pitem.refresh:
-                act.last_refresh = flight.sent_at
-            if status is PublishStatus.FENCED:
-                act.outcome = TaskOutcome.FENCED
-                self._cancel_jobs(act)
-                self._release(act)
-            elif pitem.done:
-                if act.cancel_sent and not act.deadline_hit and act.outcome is TaskOutcome.DONE:
-                    act.outcome = TaskOutcome.CANCELLED
-                self._release(act)
-            elif status is PublishStatus.CANCEL:
-                self._cancel_jobs(act)
+            self._settle(act, pitem, status, flight.sent_at)
+
+    def _settle(
+        self, act: _Active, pitem: PublishItem, status: PublishStatus, sent_at: float
+    ) -> None:
+        """Act on what one request's part of a publish sent at ``sent_at`` came to."""
+        if self._active.get(pitem.request_id) is not act:
+            return  # superseded meanwhile by a newer attempt here: released already
+        if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
+            act.first = False
+        act.last_publish = sent_at
+        if pitem.refresh:
+            act.last_refresh = sent_at
+        if status is PublishStatus.FENCED:
+            act.outcome = TaskOutcome.FENCED
+            self._cancel_jobs(act)
+            self._release(act)
+        elif pitem.done:
+            if act.cancel_sent and not act.deadline_hit and act.outcome is TaskOutcome.DONE:
+                act.outcome = TaskOutcome.CANCELLED
+            self._release(act)
+        elif status is PublishStatus.CANCEL:
+            self._cancel_jobs(act)
 
     def _publish_failed(
-        self, items: list[tuple[_Active, PublishItem, list[TokenDelta]]], now: float, exc: Exception
+        self,
+        items: list[tuple[_Active, PublishItem, list[TokenDelta]]],
+        now: float,
+        stamp: str,
+        exc: Exception,
     ) -> None:
         """Keep the deltas (ahead of any recorded since) and retry after a growing pause,
-        with one warning per outage."""
-        for act, _pitem, deltas in items:
+        with one warning per outage. The call may have run all the same (its reply was
+        lost, or Redis ran it and then lost the connection): each request's part that
+        carried tokens is unsure until ``_settle_unsure`` asks."""
+        for act, pitem, deltas in items:
             act.unpublished = deltas + act.unpublished
+            if pitem.payload:
+                act.unsure = _Unsure(stamp, pitem, len(deltas), now)
         if self._publish_backoff.failed(now):
             logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
+
+    def _settle_unsure(self, now: float) -> bool:
+        """Before publishing again after a failure, find out which of the failed call's
+        parts ran: those are settled as published and their deltas dropped (a retry
+        would append the same tokens twice: a reader sees them twice), the rest go out
+        again. False while Redis cannot say: publish nothing yet."""
+        unsure = [act for act in self._active.values() if act.unsure is not None]
+        if not unsure:
+            return True
+        calls = []
+        for act in unsure:
+            assert act.unsure is not None
+            calls.append((act.handle.item.request_id, act.handle.item.attempt, act.unsure.stamp))
+        try:
+            landed = self.store.landed(calls)
+        except redis.RedisError as exc:
+            if self._publish_backoff.failed(now):
+                logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
+            return False
+        for act, ran in zip(unsure, landed, strict=True):
+            was, act.unsure = act.unsure, None
+            assert was is not None
+            if ran:
+                del act.unpublished[: was.deltas]
+                self._settle(act, was.item, PublishStatus.OK, was.sent_at)
+        return True
 
     def _payload(self, act: _Active) -> bytes:
         """The request's unpublished deltas, encoded; a request whose deltas cannot be

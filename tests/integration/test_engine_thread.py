@@ -304,3 +304,68 @@ def test_a_lease_is_extended_every_fifth_of_it_not_every_step(
     mine = [p for p in sent if p.request_id == work.request_id]
     assert len(mine) > 100  # one publish a step
     assert 2 <= sum(p.refresh for p in mine) <= 5  # one every 0.5 s (and the first)
+
+
+@pytest.mark.parametrize(
+    ("where", "which"),
+    [
+        ("reply", "middle"),  # the script ran; the connection broke before its reply
+        ("reply", "last"),  # the same for the publish that ends the request
+        ("send", "middle"),  # the send raised, yet Redis had the whole call and ran it
+        ("unsent", "middle"),  # the call never reached Redis: everything goes out again
+    ],
+)
+def test_a_publish_whose_reply_was_lost_is_not_appended_twice(
+    store: RequestStore, monkeypatch: pytest.MonkeyPatch, where: str, which: str
+) -> None:
+    """A publish is not idempotent: retrying one that ran appends its tokens twice, and
+    a client reads them twice (seen in a full run with AOF ``always``, where a kill
+    between Redis's write and its reply loses only the reply). The worker asks Redis
+    which parts of the failed call ran before it publishes again: the token stream is
+    exact, and the request ends DONE (not fenced by its own landed final publish)."""
+    rid = f"lost-reply-{where}-{which}-{uuid.uuid4().hex[:6]}"
+    real = store.publish_begin
+    calls: list[int] = []
+
+    def flaky(items: Any, *args: Any) -> Any:
+        mine = [p for p in items if p.request_id == rid]
+        calls.append(1)
+        hit = mine and (mine[0].done if which == "last" else len(calls) == 5)
+        if not hit or getattr(flaky, "fired", False):
+            return real(items, *args)
+        flaky.fired = True  # type: ignore[attr-defined]
+        if where == "unsent":
+            raise redis.ConnectionError("simulated: connection refused")
+        pending = real(items, *args)
+        if where == "send":
+            pending.statuses()  # it ran; the sender only saw an error
+            raise redis.ConnectionError("simulated: broken pipe after the send")
+        return _LostReply(pending)
+
+    monkeypatch.setattr(store, "publish_begin", flaky)
+    thread = EngineThread(EchoEngine(tokens_per_second=200), store, lease_ttl_s=10.0)
+    thread.start()
+    try:
+        handle = thread.submit(start_request(store, rid, 30))
+        assert handle.wait(15)
+        assert handle.result is not None and handle.result.outcome is TaskOutcome.DONE
+    finally:
+        thread.stop()
+        thread.join(5)
+    assert getattr(flaky, "fired", False)
+    progress = store.progress(rid, 1)[0]
+    assert progress.token_ids == [*range(100, 130), 2]
+    assert progress.finish is EngineFinish.EOS
+    ordinals = [int(f[b"n"]) for _eid, f in store.redis.xrange(store.keys.tokens(rid))]
+    assert ordinals == list(range(1, len(ordinals) + 1))
+
+
+class _LostReply:
+    """A publish that ran whose reply is read and then reported lost."""
+
+    def __init__(self, pending: Any) -> None:
+        self.pending = pending
+
+    def statuses(self) -> list[PublishStatus]:
+        self.pending.statuses()
+        raise redis.ConnectionError("simulated: connection lost before the reply")
