@@ -23,6 +23,7 @@ from broker import scripts
 from broker.celery_app import send_generate
 from broker.direct import DirectConnection
 from broker.keys import Keys
+from broker.streams import last_entries
 
 
 class ClaimResult(str, Enum):
@@ -367,18 +368,11 @@ class RequestStore:
         means the lease is lost and the retry is fenced anyway. A call that ran but that
         Redis lost with its AOF tail counts as not landed, which is what it is now.
         """
-        if not calls:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for rid, _attempt, _stamp in calls:
-            pipe.xrevrange(self.keys.tokens(rid), count=1)
-        out: list[bool] = []
-        for (_rid, attempt, stamp), last in zip(calls, pipe.execute(), strict=True):
-            fields = last[0][1] if last else {}
-            out.append(
-                fields.get(b"a") == str(attempt).encode() and fields.get(b"t") == stamp.encode()
-            )
-        return out
+        lasts = last_entries(self.redis, [self.keys.tokens(rid) for rid, _a, _s in calls])
+        return [
+            last.get(b"a") == str(attempt).encode() and last.get(b"t") == stamp.encode()
+            for (_rid, attempt, stamp), last in zip(calls, lasts, strict=True)
+        ]
 
     def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:
         """Extend the leases ``(request_id, lease_value)`` still held with those values;

@@ -297,6 +297,16 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def last_entries(client: redis.Redis, keys: Sequence[str]) -> list[dict[bytes, bytes]]:
+    """The fields of each stream's last entry ({} for an empty or missing stream), in
+    one round trip: how a writer whose reply was lost finds out whether its append ran
+    (the streamer's output writes, the engine thread's publishes)."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.xrevrange(key, count=1)
+    return [last[0][1] if last else {} for last in pipe.execute()]
+
+
 def below_ms(entry_id: str) -> str:
     """The greatest stream id before every id of ``entry_id``'s millisecond: a cursor
     that reads all of another stream's entries from that millisecond on."""

@@ -64,6 +64,7 @@ from broker.streams import (
     RequestHandoff,
     below_ms,
     encode_events,
+    last_entries,
     step_entries,
 )
 from workers.backoff import Backoff
@@ -399,15 +400,14 @@ class Streamer:
     def _unwritten(self, entries: Sequence[OutputEntry]) -> list[OutputEntry]:
         """On a retry: the entries the failed round trip did not write after all (Redis
         may have run it and died before answering)."""
-        out = []
-        for e in entries:
-            last: Any = self.redis.xrevrange(self.keys.output(e.request_id), count=1)
-            if last:
-                fields = last[0][1]
-                if as_str(fields[b"s"]) == e.source and fields[b"e"] == encode_events(e.events):
-                    continue
-            out.append(e)
-        return out
+        lasts = last_entries(self.redis, [self.keys.output(e.request_id) for e in entries])
+        return [
+            e
+            for e, last in zip(entries, lasts, strict=True)
+            if not (
+                last.get(b"s") == e.source.encode() and last.get(b"e") == encode_events(e.events)
+            )
+        ]
 
     def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
         """One request's new token entries -> its output entry for this cycle."""
