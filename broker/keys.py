@@ -12,6 +12,7 @@
 {p}batcher:{id}     string batch driver registration JSON, TTL = heartbeat timeout
 {p}batchers         zset   batch driver ids scored by last heartbeat
 {p}new              stream new requests handed to streamers (consumer group)
+{p}new:epoch        string a random value, new at every takeover of hand-off entries
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
 {p}inflight:weights hash   request id -> "<choices> <owner>": what each admitted request
                            counts against the limit and whose per-key quota it uses
@@ -100,6 +101,13 @@ class Keys:
     @property
     def new_requests(self) -> str:
         return f"{self.prefix}new"
+
+    @property
+    def handoff_epoch(self) -> str:
+        """Changed (to a new random value) by every takeover of hand-off entries: a
+        streamer that saw it unchanged since it last checked which entries are its own
+        writes without checking each entry's owner again (``OutputStreams``)."""
+        return f"{self.prefix}new:epoch"
 
     def file(self, fid: str) -> str:
         return f"{self.prefix}file:{fid}"

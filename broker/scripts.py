@@ -103,15 +103,20 @@ end
 return out
 """
 
-# KEYS: the hand-off stream, then one output stream per entry, then, optionally, the
-#       streamer's output step stream
-# ARGV: group, consumer, ttl_s, then per entry (5 each): hand-off entry id ('' = not
-#       fenced), first (1/0), encoded events, source cursor, publish time ('' = none)
+# KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry, then,
+#       optionally, the streamer's output step stream
+# ARGV: group, consumer, ttl_s, epoch ('' = unknown; else 'e:' and the epoch the streamer
+#       last checked its entries under), then per entry (5 each): hand-off entry id ('' =
+#       not fenced), first (1/0), encoded events, source cursor, publish time ('' = none)
 # A streamer writes a request's output only while it still owns the request's hand-off
 # entry: one that stalled (a pause, SIGSTOP) after it decoded and before this write must
 # not append stale text after the streamer that took the request over (XAUTOCLAIM moves
 # the entry's owner atomically). An entry pending for no one (Redis lost it) does not
-# fence: the request must still be able to end with its error.
+# fence: the request must still be able to end with its error. Checking each entry's
+# owner (XPENDING) was two fifths of this script's cost, so it is done only when the
+# hand-off epoch is not the one the streamer knows: every takeover (TAKE_OVER) sets a
+# new one first, and a streamer learns the epoch together with its entries' owners
+# (``RequestHandoff.owners``), so an unchanged epoch means no entry changed hands since.
 # With an output step stream, each output entry also carries its ordinal in its stream
 # (n: XLEN after it) and the streamer (w, the consumer), and the step stream gets one
 # entry per call holding every output entry written, one line each: output stream key,
@@ -120,15 +125,16 @@ return out
 # -> the 1-based indexes of the entries not written (fenced)
 WRITE_OUTPUTS = """
 local fenced = {}
-local n = (#ARGV - 3) / 5
+local n = (#ARGV - 4) / 5
 local steps = nil
-if #KEYS > n + 1 then steps = KEYS[#KEYS] end
+if #KEYS > n + 2 then steps = KEYS[#KEYS] end
+local check = ARGV[4] ~= 'e:' .. (redis.call('GET', KEYS[2]) or '')
 local lines = {}
-for i = 2, n + 1 do
-  local a = 4 + (i - 2) * 5
+for i = 3, n + 2 do
+  local a = 5 + (i - 3) * 5
   local handoff_id = ARGV[a]
   local ours = true
-  if handoff_id ~= '' then
+  if check and handoff_id ~= '' then
     local p = redis.call('XPENDING', KEYS[1], ARGV[1], handoff_id, handoff_id, 1)
     if p[1] and p[1][2] ~= ARGV[2] then ours = false end
   end
@@ -147,7 +153,7 @@ for i = 2, n + 1 do
     end
     if ARGV[a + 1] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
   else
-    fenced[#fenced + 1] = i - 1
+    fenced[#fenced + 1] = i - 2
   end
 end
 if #lines > 0 then
@@ -155,6 +161,35 @@ if #lines > 0 then
   redis.call('EXPIRE', steps, ARGV[3])
 end
 return fenced
+"""
+
+# KEYS: the hand-off stream, the hand-off epoch
+# ARGV: group, consumer, min_idle_ms, count, a new epoch (random)
+# XAUTOCLAIM of the entries idle longer than min_idle_ms (their streamer stopped touching
+# them), and, when it claimed any, the new epoch: writers that trusted the old one check
+# their entries' owners again (WRITE_OUTPUTS). One call, so no write can slip between.
+# -> XAUTOCLAIM's reply
+TAKE_OVER = """
+local res = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', ARGV[4])
+if #res[2] > 0 then redis.call('SET', KEYS[2], ARGV[5]) end
+return res
+"""
+
+# KEYS: the hand-off stream; ARGV: group, consumer, then entry ids
+# Resets the idle time of the consumer's entries that are still its own (XCLAIM with a
+# min-idle of 0 takes an entry from whoever holds it: one taken over by another streamer
+# since the caller last looked must stay taken, and no takeover may bypass the epoch).
+# -> how many were touched
+TOUCH = """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
 """
 
 # KEYS: leases; ARGV: lease_ttl_ms, then the lease value expected for each key

@@ -85,6 +85,9 @@ class OutputStreams:
         self.keys = keys
         self.ttl_s = ttl_s
         self._write_fenced = client.register_script(scripts.WRITE_OUTPUTS)
+        # The hand-off epoch under which the owner last found which of its hand-off
+        # entries are its own (``RequestHandoff.owners``); None: check every entry.
+        self.fence_epoch: str | None = None
 
     def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
         """Append many requests' events in one round trip.
@@ -151,9 +154,11 @@ class OutputStreams:
     def _fenced_args(
         self, entries: Sequence[OutputEntry], owner: str
     ) -> tuple[list[str], list[Any]]:
-        keys = [self.keys.new_requests, *(self.keys.output(e.request_id) for e in entries)]
+        keys = [self.keys.new_requests, self.keys.handoff_epoch]
+        keys += [self.keys.output(e.request_id) for e in entries]
         keys.append(self.keys.output_steps(owner))
-        args: list[Any] = [GROUP, owner, self.ttl_s]
+        epoch = "" if self.fence_epoch is None else f"e:{self.fence_epoch}"
+        args: list[Any] = [GROUP, owner, self.ttl_s, epoch]
         for e in entries:
             args += [e.handoff_id, "1" if e.first else "0", encode_events(e.events)]
             args += [e.source, e.published if e.published is not None else ""]
@@ -228,6 +233,8 @@ class RequestHandoff:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.redis = client
         self.keys = keys
+        self._take_over = client.register_script(scripts.TAKE_OVER)
+        self._touch = client.register_script(scripts.TOUCH)
 
     def ensure_group(self) -> None:
         try:
@@ -251,36 +258,39 @@ class RequestHandoff:
         return _s(info[0][0]) if info else "0-0"
 
     def touch(self, consumer: str, entry_ids: Sequence[str]) -> None:
-        """Reset the idle time of entries we still work on (we are alive)."""
+        """Reset the idle time of entries we still work on (we are alive); an entry
+        another streamer took over meanwhile stays its."""
         if entry_ids:
-            self.redis.xclaim(
-                self.keys.new_requests, GROUP, consumer, 0, list(entry_ids), justid=True
-            )
+            self._touch(keys=[self.keys.new_requests], args=[GROUP, consumer, *entry_ids])
 
-    def owners(self, entry_ids: Sequence[str]) -> dict[str, str | None]:
+    def owners(self, entry_ids: Sequence[str]) -> tuple[dict[str, str | None], str]:
         """The consumer each entry is pending for (None: pending for no one, e.g. the
-        group was recreated after Redis lost its data). A streamer whose entry another
-        streamer now holds must stop decoding that request (``touch`` would claim it
-        back, and two streamers would write one output stream)."""
-        if not entry_ids:
-            return {}
+        group was recreated after Redis lost its data), and the hand-off epoch read
+        just before them: while the epoch stays that, no entry changed hands
+        (``OutputStreams.fence_epoch``). A streamer whose entry another streamer now
+        holds must stop decoding that request (two would write one output stream)."""
         pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.keys.handoff_epoch)
         for eid in entry_ids:
             pipe.xpending_range(self.keys.new_requests, GROUP, min=eid, max=eid, count=1)
+        epoch, *pendings = pipe.execute()
         out: dict[str, str | None] = {}
-        for eid, pending in zip(entry_ids, pipe.execute(), strict=True):
+        for eid, pending in zip(entry_ids, pendings, strict=True):
             out[eid] = _s(pending[0]["consumer"]) if pending else None
-        return out
+        return out, "" if epoch is None else _s(epoch)
 
     def take_over(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[tuple[str, str]]:
-        """Claim entries a dead streamer left pending for longer than ``min_idle_ms``."""
-        res: Any = self.redis.xautoclaim(
-            self.keys.new_requests, GROUP, consumer, min_idle_ms, start_id="0-0", count=count
+        """Claim entries a dead streamer left pending for longer than ``min_idle_ms``
+        (and, if any, set a new hand-off epoch in the same call)."""
+        res: Any = self._take_over(
+            keys=[self.keys.new_requests, self.keys.handoff_epoch],
+            args=[GROUP, consumer, min_idle_ms, count, uuid.uuid4().hex],
         )
         out = []
         for eid, fields in res[1]:
             if fields:  # entries trimmed away come back without fields
-                out.append((_s(eid), _s(fields[b"r"])))
+                values = dict(zip(fields[::2], fields[1::2], strict=True))
+                out.append((_s(eid), _s(values[b"r"])))
             else:
                 self.redis.xack(self.keys.new_requests, GROUP, eid)
         return out

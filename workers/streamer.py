@@ -374,9 +374,7 @@ class Streamer:
         c.written = True
         if taken:
             self._forget_taken_over(taken)
-            c.ended = [t for t in c.ended if t.record.request_id not in taken]
-            c.failed = [t for t in c.failed if t.record.request_id not in taken]
-            c.cancels = [rid for rid in c.cancels if rid not in taken]
+            c.drop(taken)
 
     def _settle(self, c: Commit) -> None:
         """After ``c``'s outputs are written: cancel what it cancels, end the requests
@@ -604,12 +602,20 @@ class Streamer:
     def _drop_taken_over(self) -> None:
         """Stop decoding requests another streamer took over (we were silent too long,
         e.g. stalled): two streamers writing one output stream would repeat text."""
-        owners = self.handoff.owners([t.entry_id for t in self.tracked.values()])
+        owners, epoch = self.handoff.owners([t.entry_id for t in self.tracked.values()])
+        dropped = set()
         for rid, t in list(self.tracked.items()):
             owner = owners.get(t.entry_id)
             if owner is not None and owner != self.consumer:
                 logger.warning("request %s was taken over by streamer %s; dropping it", rid, owner)
                 del self.tracked[rid]
+                dropped.add(rid)
+        for c in self._commits:  # decoded, not written yet: no longer ours to write
+            if not c.written:
+                c.drop(dropped)
+        # Every entry we keep is ours under this epoch: our writes need not check each
+        # one's owner again while it lasts (a takeover changes it first).
+        self.outputs.fence_epoch = epoch
 
     def _check_requests(self, now: float) -> None:
         """Every tracked request's state, read in one round trip, then acted on."""

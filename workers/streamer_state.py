@@ -87,6 +87,15 @@ class Commit:
     written: bool = False
     tries: int = 0
 
+    def drop(self, rids: set[str]) -> None:
+        """Leave out requests another streamer took over: their text is its to write,
+        and their hand-off entries its to acknowledge."""
+        if rids:
+            self.outputs = [e for e in self.outputs if e.request_id not in rids]
+            self.ended = [t for t in self.ended if t.record.request_id not in rids]
+            self.failed = [t for t in self.failed if t.record.request_id not in rids]
+            self.cancels = [rid for rid in self.cancels if rid not in rids]
+
 
 class LiveModels:
     """The models live workers serve, read from the registry at most once per watchdog."""
