@@ -153,6 +153,8 @@ class TokenDelta:
 
     @classmethod
     def decode(cls, raw: dict[str, Any]) -> TokenDelta:
+        if len(raw) == 2:  # the common case, decoded for every token: ids only
+            return cls(int(raw["c"]), list(raw["t"]))
         lps = raw.get("l")
         fin = raw.get("f")
         return cls(
@@ -173,6 +175,9 @@ class OutputKind(str, Enum):
     FINAL = "final"
     USAGE = "usage"
     ERROR = "error"
+
+
+_OUTPUT_KINDS = {k.value: k for k in OutputKind}
 
 
 @dataclass(slots=True)
@@ -273,11 +278,15 @@ class OutputEvent:
 
     @classmethod
     def decode(cls, raw: dict[str, Any]) -> OutputEvent:
+        # Every web process decodes every event it relays: the plain text delta (kind,
+        # choice, text) takes a short path, and kinds are looked up, not constructed.
+        if len(raw) == 3 and "t" in raw and "c" in raw:
+            return cls(_OUTPUT_KINDS[raw["k"]], raw["c"], raw["t"])
         lps = raw.get("l")
         fin = raw.get("f")
         calls = raw.get("tc")
         return cls(
-            kind=OutputKind(raw["k"]),
+            kind=_OUTPUT_KINDS[raw["k"]],
             choice=raw.get("c"),
             text=raw.get("t", ""),
             logprobs=[LogprobEntry.decode(x) for x in lps] if lps is not None else None,

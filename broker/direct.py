@@ -23,6 +23,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import redis
+from hiredis import pack_command as _pack_command
 
 # A connection unused this long is checked before it is used again: Redis (its
 # ``timeout``) or something on the way may have closed it meanwhile.
@@ -71,6 +72,17 @@ def _as_bytes(key: Any) -> bytes:
     return key if isinstance(key, bytes) else str(key).encode()
 
 
+def _pack(conn: Any, commands: Sequence[Sequence[Any]]) -> bytes:
+    """``commands`` in RESP, as one buffer. hiredis packs a publish of 64 requests (about
+    600 arguments) in half the time redis-py's packer takes (it checks each argument's
+    type in Python first), and that time is on every token's path, in the worker and
+    in the streamer. Arguments hiredis does not take go through redis-py's packer."""
+    try:
+        return b"".join([_pack_command(tuple(c)) for c in commands])
+    except TypeError:
+        return b"".join(conn.pack_commands(commands))
+
+
 class DirectConnection:
     """One connection outside the pool, for a single thread's hot loop."""
 
@@ -83,9 +95,7 @@ class DirectConnection:
     def send(self, *commands: Sequence[Any]) -> None:
         """Send ``commands`` in one write; read their replies in order with ``reply``."""
         conn = self._connection()
-        packed = conn.pack_commands(commands)
-        if len(packed) > 1:  # one write: one wake-up of Redis, not one per piece
-            packed = [b"".join(packed)]
+        packed = [_pack(conn, commands)]  # one write: one wake-up of Redis, not one per piece
         try:
             conn.send_packed_command(packed)
         except BaseException:

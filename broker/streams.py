@@ -778,6 +778,11 @@ class OutputHub:
                     sub.notify.set()
         for key, entries in read_steps:  # after the streams read on their own (gaps)
             self._take_steps(key, entries, via_steps, now)
+        if res:
+            # Let the readers just handed entries run now (sleep(0) releases the GIL)
+            # rather than after this thread has built its next read and blocked in it:
+            # a reader of a step's 64 streams got them ~0.14 ms sooner (relay paced run).
+            time.sleep(0)
 
     def _track(self, key: str, sub: Subscription, fields: Any, now: float) -> None:
         """After ``sub``, alone on ``key``, was handed an entry read from the stream
