@@ -130,9 +130,7 @@ class RedisServer:
     directory (with ``appendonly=True`` the data survives it), as the fault tests need.
     ``appendfsync`` as in ``redis_server_args``: ``"always"`` for a test whose kill must
     keep everything written before it (with ``everysec`` a kill while the disk is slow
-    loses the last writes); ``everysec``, the default, where a kill lands while workers
-    publish (with ``always`` the fsync between the AOF write and the reply widens the
-    window in which a publish Redis ran is retried and written twice).
+    loses the last writes); ``everysec``, the default, as deployments run it.
     """
 
     def __init__(
