@@ -29,14 +29,21 @@ def texts(outputs: OutputStreams, rid: str) -> list[str]:
     return [ev.text for _id, fields in rows for ev in decode_events(fields[b"e"])]
 
 
-def test_only_the_owner_of_the_handoff_entry_writes(redis_client: redis.Redis) -> None:
+def two_requests(
+    redis_client: redis.Redis, consumer: str
+) -> tuple[Keys, RequestHandoff, OutputStreams, str, str]:
+    """Requests "a" and "b" handed off to ``consumer``, under a prefix of their own."""
     keys = Keys(f"fence{uuid.uuid4().hex[:6]}:")
     handoff = RequestHandoff(redis_client, keys)
     handoff.ensure_group()
-    outputs = OutputStreams(redis_client, keys, ttl_s=60)
     redis_client.xadd(keys.new_requests, {"r": "a"})
     redis_client.xadd(keys.new_requests, {"r": "b"})
-    (a_id, _), (b_id, _) = handoff.claim_new("s1")
+    (a_id, _), (b_id, _) = handoff.claim_new(consumer)
+    return keys, handoff, OutputStreams(redis_client, keys, ttl_s=60), a_id, b_id
+
+
+def test_only_the_owner_of_the_handoff_entry_writes(redis_client: redis.Redis) -> None:
+    keys, _handoff, outputs, a_id, b_id = two_requests(redis_client, "s1")
 
     # Both are s1's: both written.
     assert outputs.write([entry("a", a_id, "a1"), entry("b", b_id, "b1")], owner="s1") == set()
@@ -62,13 +69,7 @@ def test_a_takeover_changes_the_epoch_a_writer_trusts(redis_client: redis.Redis)
     sets a new epoch in the same call as its XAUTOCLAIM, so a writer that trusted the
     old one checks every entry again and its stale write is fenced; touching our entries
     never takes one back from the streamer that took it over."""
-    keys = Keys(f"epoch{uuid.uuid4().hex[:6]}:")
-    handoff = RequestHandoff(redis_client, keys)
-    handoff.ensure_group()
-    outputs = OutputStreams(redis_client, keys, ttl_s=60)
-    redis_client.xadd(keys.new_requests, {"r": "a"})
-    redis_client.xadd(keys.new_requests, {"r": "b"})
-    (a_id, _), (b_id, _) = handoff.claim_new("s1")
+    keys, handoff, outputs, a_id, b_id = two_requests(redis_client, "s1")
 
     owners, epoch = handoff.owners([a_id, b_id])
     assert owners == {a_id: "s1", b_id: "s1"} and epoch == ""
