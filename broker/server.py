@@ -7,16 +7,43 @@ the PID we started, never by name.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 import redis
+
+
+def dies_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks, in the child before exec, for SIGTERM when the spawning
+    thread dies; None where that cannot be had. A test run that is killed (a CI timeout,
+    Ctrl-C twice) otherwise leaves its children running (redis-servers, workers,
+    streamers, web servers) on the cores of the next run.
+
+    Linux only, and only from the main thread: the signal comes when the spawning
+    *thread* exits, and a helper thread may end long before its child should. libc is
+    looked up here, in the parent: the child runs only the ``prctl`` call."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def die_with_parent() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return die_with_parent
 
 
 def redis_executable() -> str:
@@ -162,7 +189,9 @@ class RedisServer:
             maxmemory=self.maxmemory,
             appendfsync=self.appendfsync,
         )
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=dies_with_parent()
+        )
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         try:

@@ -12,7 +12,7 @@ from types import TracebackType
 
 import redis
 
-from broker.server import free_port, redis_executable, redis_server_args
+from broker.server import dies_with_parent, free_port, redis_executable, redis_server_args
 from tests.stack import wait_for
 
 MASTER_NAME = "trmaster"
@@ -26,7 +26,9 @@ class Node:
         self.port = port
         self.log = log
         self._fh = log.open("wb")
-        self.proc = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            args, stdout=self._fh, stderr=subprocess.STDOUT, preexec_fn=dies_with_parent()
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None

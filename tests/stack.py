@@ -4,7 +4,6 @@ and stopped by the PID we started."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import batcher_registry, streamer_registry, worker_registry
+from broker.server import dies_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,19 +79,6 @@ def make_record(
     )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the test process dies. A pytest run
-    that is killed (a CI timeout, Ctrl-C twice) otherwise leaves its workers, streamers
-    and web servers running, retrying a Redis that is gone, on the cores of the next run.
-    Linux only; the signal comes when the *thread* that spawned the child exits, and
-    every spawn here runs on the test's main thread."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class Proc:
     """A child process with its output in a log file (shown when a test fails)."""
 
@@ -105,7 +92,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             cwd=REPO,
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=dies_with_parent(),  # every spawn here runs on the main thread
         )
 
     @property
