@@ -20,7 +20,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
-from broker.streams import OutputEntry, OutputStreams
+from broker.streams import OutputEntry, OutputStreams, RequestHandoff
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers.streamer import Streamer
@@ -134,3 +134,48 @@ def test_the_read_blocks_until_the_watchdog_is_due(
     streamer._last_watchdog = 99.6  # due in 0.1 s: the idle cycle returns about then
     streamer.iterate()
     assert 0.05 < time.monotonic() - started < 0.45
+
+
+@pytest.mark.parametrize("noticed", [False, True], ids=["write-first", "heartbeat-first"])
+def test_a_cycle_decoded_before_a_takeover_is_not_written(
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, noticed: bool
+) -> None:
+    """A streamer decodes a cycle, stalls before its write (SIGSTOP, a pause), and
+    another streamer takes the request over meanwhile: the write that goes out when it
+    wakes must not land. The streamer writes without checking each entry's owner while
+    the hand-off epoch is the one it last checked under. Either the write goes first:
+    the takeover changed the epoch, so it checks, and is fenced; or a heartbeat first
+    finds the request taken under the new epoch: the decoded cycle is dropped with it,
+    since its write would no longer be checked."""
+    keys = Keys(settings.key_prefix)
+    store = RequestStore(redis_client, keys, stream_ttl_s=600)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    record = make_record(settings, [ids], max_tokens=200)
+    rid = record.request_id
+    store.create(record)
+    assert store.claim(rid, 0, "w", 30.0, 0.0) is ClaimResult.OK
+    lease = lease_value("w", 0)
+    store.publish(
+        [PublishItem(rid, lease, 0, encode_deltas([TokenDelta(0, ids[:10])]), True)], 30.0
+    )
+    # A clock that stands still: no watchdog, no stall check after the set-up.
+    streamer = Streamer(
+        settings, redis_client, tokenizer, create_celery(settings), clock=lambda: 1.0
+    )
+    streamer._set_up_loop()
+    for _ in range(5):
+        streamer.iterate()
+        if any(c.outputs and not c.written for c in streamer._commits):
+            break
+    assert rid in streamer.tracked, "adopted and decoded: its first output waits to be written"
+    streamer._drop_taken_over()  # what each heartbeat does: learn the epoch
+    assert streamer.outputs.fence_epoch is not None
+
+    taken = RequestHandoff(redis_client, keys).take_over("s-other", min_idle_ms=0)
+    assert [r for _eid, r in taken] == [rid]
+    if noticed:
+        streamer._drop_taken_over()
+    streamer.iterate()  # the stale write goes out with the next read
+
+    assert redis_client.xlen(keys.output(rid)) == 0, "the stalled streamer's write landed"
+    assert rid not in streamer.tracked
