@@ -63,26 +63,34 @@ def tokenizer(models_dir: Path) -> Tokenizer:
     return load_tokenizer(load_model_card(models_dir / "SmolLM2-135M-Instruct"))
 
 
-@pytest.mark.parametrize("way", ["alone", "carried"])
-@pytest.mark.parametrize("ran", [False, True], ids=["lost-before-running", "lost-after"])
-def test_output_of_a_failed_write_is_written_once(
-    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, ran: bool, way: str
-) -> None:
-    keys = Keys(settings.key_prefix)
-    store = RequestStore(redis_client, keys, stream_ttl_s=600)
+def published_request(
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, *, whole: bool
+) -> str:
+    """A request for TEXT, claimed by worker "w", with its first 10 tokens published
+    (``whole``: all of them, then EOS); its id."""
+    store = RequestStore(redis_client, Keys(settings.key_prefix), stream_ttl_s=600)
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     record = make_record(settings, [ids], max_tokens=200)
     rid = record.request_id
     store.create(record)
     assert store.claim(rid, 0, "w", 30.0, 0.0) is ClaimResult.OK
     lease = lease_value("w", 0)
-    steps = [
-        ([TokenDelta(0, ids[:10])], True, False),
-        ([TokenDelta(0, ids[10:])], False, False),
-        ([TokenDelta(0, [EOS], finish=EngineFinish.EOS)], False, True),
-    ]
+    steps = [([TokenDelta(0, ids[:10])], True, False)]
+    if whole:
+        steps.append(([TokenDelta(0, ids[10:])], False, False))
+        steps.append(([TokenDelta(0, [EOS], finish=EngineFinish.EOS)], False, True))
     for deltas, first, done in steps:
         store.publish([PublishItem(rid, lease, 0, encode_deltas(deltas), first, done)], 30.0)
+    return rid
+
+
+@pytest.mark.parametrize("way", ["alone", "carried"])
+@pytest.mark.parametrize("ran", [False, True], ids=["lost-before-running", "lost-after"])
+def test_output_of_a_failed_write_is_written_once(
+    settings: Settings, redis_client: redis.Redis, tokenizer: Tokenizer, ran: bool, way: str
+) -> None:
+    keys = Keys(settings.key_prefix)
+    rid = published_request(settings, redis_client, tokenizer, whole=True)
 
     if way == "alone":
         # The first cycle's watchdog flushes the output on its own before it runs.
@@ -148,16 +156,7 @@ def test_a_cycle_decoded_before_a_takeover_is_not_written(
     finds the request taken under the new epoch: the decoded cycle is dropped with it,
     since its write would no longer be checked."""
     keys = Keys(settings.key_prefix)
-    store = RequestStore(redis_client, keys, stream_ttl_s=600)
-    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-    record = make_record(settings, [ids], max_tokens=200)
-    rid = record.request_id
-    store.create(record)
-    assert store.claim(rid, 0, "w", 30.0, 0.0) is ClaimResult.OK
-    lease = lease_value("w", 0)
-    store.publish(
-        [PublishItem(rid, lease, 0, encode_deltas([TokenDelta(0, ids[:10])]), True)], 30.0
-    )
+    rid = published_request(settings, redis_client, tokenizer, whole=False)
     # A clock that stands still: no watchdog, no stall check after the set-up.
     streamer = Streamer(
         settings, redis_client, tokenizer, create_celery(settings), clock=lambda: 1.0
