@@ -103,8 +103,8 @@ end
 return out
 """
 
-# KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry, then,
-#       optionally, the streamer's output step stream
+# KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry, then
+#       the streamer's output step stream
 # ARGV: group, consumer, ttl_s, epoch ('' = unknown; else 'e:' and the epoch the streamer
 #       last checked its entries under), then per entry (5 each): hand-off entry id ('' =
 #       not fenced), first (1/0), encoded events, source cursor, publish time ('' = none)
@@ -117,8 +117,8 @@ return out
 # hand-off epoch is not the one the streamer knows: every takeover (TAKE_OVER) sets a
 # new one first, and a streamer learns the epoch together with its entries' owners
 # (``RequestHandoff.owners``), so an unchanged epoch means no entry changed hands since.
-# With an output step stream, each output entry also carries its ordinal in its stream
-# (n: XLEN after it) and the streamer (w, the consumer), and the step stream gets one
+# Each output entry also carries its ordinal in its stream (n: XLEN after it) and the
+# streamer (w, the consumer), and the step stream gets one
 # entry per call holding every output entry written, one line each: output stream key,
 # entry id, ordinal, events (a web process's hub reads one entry per write instead of
 # one per request; docs/architecture.md), trimmed to about 256 entries.
@@ -126,8 +126,7 @@ return out
 WRITE_OUTPUTS = """
 local fenced = {}
 local n = (#ARGV - 4) / 5
-local steps = nil
-if #KEYS > n + 2 then steps = KEYS[#KEYS] end
+local steps = KEYS[n + 3]
 local check = ARGV[4] ~= 'e:' .. (redis.call('GET', KEYS[2]) or '')
 local lines = {}
 for i = 3, n + 2 do
@@ -139,18 +138,12 @@ for i = 3, n + 2 do
     if p[1] and p[1][2] ~= ARGV[2] then ours = false end
   end
   if ours then
-    local fields = {'e', ARGV[a + 2], 's', ARGV[a + 3]}
-    if ARGV[a + 4] ~= '' then fields[5], fields[6] = 'p', ARGV[a + 4] end
-    if steps then
-      local seq = redis.call('XLEN', KEYS[i]) + 1
-      local k = #fields
-      fields[k + 1], fields[k + 2], fields[k + 3], fields[k + 4] = 'n', seq, 'w', ARGV[2]
-      local id = redis.call('XADD', KEYS[i], '*', unpack(fields))
-      local m = #lines  -- four lines per entry, joined once at the end
-      lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = KEYS[i], id, seq, ARGV[a + 2]
-    else
-      redis.call('XADD', KEYS[i], '*', unpack(fields))
-    end
+    local seq = redis.call('XLEN', KEYS[i]) + 1
+    local fields = {'e', ARGV[a + 2], 's', ARGV[a + 3], 'n', seq, 'w', ARGV[2]}
+    if ARGV[a + 4] ~= '' then fields[9], fields[10] = 'p', ARGV[a + 4] end
+    local id = redis.call('XADD', KEYS[i], '*', unpack(fields))
+    local m = #lines  -- four lines per entry, joined once at the end
+    lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = KEYS[i], id, seq, ARGV[a + 2]
     if ARGV[a + 1] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
   else
     fenced[#fenced + 1] = i - 2

@@ -351,6 +351,16 @@ def step_entries(
         yield fields, items
 
 
+def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:
+    """An output entry's events, as the hub hands them over: a malformed entry ends
+    that request (``MALFORMED_OUTPUT``), nothing else."""
+    try:
+        return decode_events(raw)
+    except Exception:
+        logger.exception("output hub: malformed entry %s of %s", eid, key)
+        return [MALFORMED_OUTPUT]
+
+
 def _id_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a comparable pair (ids compare numerically, not as text)."""
     ms, _, seq = entry_id.partition("-")
@@ -757,11 +767,7 @@ class OutputHub:
             for eid_raw, fields in entries:
                 eid = _s(eid_raw)
                 raw = fields[b"e"]
-                try:
-                    events = decode_events(raw)
-                except Exception:  # a malformed entry ends that request, nothing else
-                    logger.exception("output hub: malformed entry %s of %s", eid, key)
-                    events = [MALFORMED_OUTPUT]
+                events = _hub_events(raw, eid, key)
                 for sub in subs:
                     # A full buffer takes no more: its cursor stays, and the entries
                     # after it are read again once its reader has caught up.
@@ -830,11 +836,7 @@ class OutputHub:
                     f.steps = None
                     del via_steps[okey]
                     continue
-                try:
-                    events = decode_events(payload)
-                except Exception:  # a malformed entry ends that request, nothing else
-                    logger.exception("output hub: malformed entry %s of %s", oid, okey)
-                    events = [MALFORMED_OUTPUT]
+                events = _hub_events(payload, oid, okey)
                 sub.cursor = oid
                 sub.put(oid, events, len(payload))
                 f.n, f.at = n, now
