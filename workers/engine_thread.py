@@ -156,6 +156,7 @@ class EngineThread(threading.Thread):
         # This thread publishes once per step: on a connection of its own (broker/direct.py).
         self._direct = DirectConnection(store.redis)
         self._in_flight: _InFlight | None = None  # sent, reply not read yet
+        self._unsure = False  # some request has a failed publish that may have run
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -446,6 +447,7 @@ class EngineThread(threading.Thread):
             act.unpublished = deltas + act.unpublished
             if pitem.payload:
                 act.unsure = _Unsure(stamp, pitem, len(deltas), now)
+                self._unsure = True
         if self._publish_backoff.failed(now):
             logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
 
@@ -454,8 +456,11 @@ class EngineThread(threading.Thread):
         parts ran: those are settled as published and their deltas dropped (a retry
         would append the same tokens twice: a reader sees them twice), the rest go out
         again. False while Redis cannot say: publish nothing yet."""
+        if not self._unsure:  # the common case: no scan of the requests per step
+            return True
         unsure = [act for act in self._active.values() if act.unsure is not None]
-        if not unsure:
+        if not unsure:  # released meanwhile
+            self._unsure = False
             return True
         calls = []
         for act in unsure:
@@ -473,6 +478,7 @@ class EngineThread(threading.Thread):
             if ran:
                 del act.unpublished[: was.deltas]
                 self._settle(act, was.item, PublishStatus.OK, was.sent_at)
+        self._unsure = False
         return True
 
     def _payload(self, act: _Active) -> bytes:
