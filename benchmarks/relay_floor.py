@@ -36,6 +36,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,19 @@ STEPS_ONLY_WRITE = _without_stream_writes(
 )
 
 
+def paced_steps(steps: int, rate: float) -> Iterator[tuple[int, bytes]]:
+    """Each step's number and one token's payload, at ``rate`` steps a second (on a
+    schedule: a late step does not push the ones after it back)."""
+    period = 1.0 / rate
+    t_next = time.monotonic()
+    for step in range(steps):
+        t_next += period
+        delay = t_next - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        yield step, encode_deltas([TokenDelta(choice=0, token_ids=[1000 + step])])
+
+
 def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: Any) -> None:
     client = redis.Redis.from_url(url)
     keys = Keys(PREFIX)
@@ -101,14 +115,7 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
         _publish_hops(via, keys.steps(WORKER), [keys.tokens(r) for r in rids], steps, rate)
         return
     pending = None
-    period = 1.0 / rate
-    t_next = time.monotonic()
-    for step in range(steps):
-        t_next += period
-        delay = t_next - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        payload = encode_deltas([TokenDelta(choice=0, token_ids=[1000 + step])])
+    for step, payload in paced_steps(steps, rate):
         items = [
             PublishItem(rid, f"{WORKER}:0", 0, payload, first=step == 0, refresh=step % 50 == 0)
             for rid in rids
@@ -125,14 +132,7 @@ def _publish_hops(
     via: DirectConnection, key: str, streams: list[str], steps: int, rate: float
 ) -> None:
     """The publisher of ``--variant hops``: one XADD of a step entry, paced."""
-    period = 1.0 / rate
-    t_next = time.monotonic()
-    for step in range(steps):
-        t_next += period
-        delay = t_next - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        payload = encode_deltas([TokenDelta(choice=0, token_ids=[1000 + step])])
+    for step, payload in paced_steps(steps, rate):
         lines = b"\n".join(b"%s\n0-1\n%d\n%s" % (s.encode(), step + 1, payload) for s in streams)
         via.call("XADD", key, "MAXLEN", "~", 256, "*", "t", publish_stamp(), "d", lines)
 
