@@ -208,14 +208,33 @@ def test_chat_logprobs_streamed_and_folded(
 def test_keep_alive_comments_while_waiting(
     client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput
 ) -> None:
+    """The output is written once the stream has sent a keep-alive, not at a fixed time:
+    on a loaded machine the request's start alone can outlast a fixed delay (the output
+    then arrives before any keep-alive is due). If none ever comes, a fallback writes
+    the output after 10 s so the stream ends and the test fails instead of hanging."""
     rid = ids.peek()
-    timer = threading.Timer(0.7, scripted.write, (rid, delta(0, "late"), final(0), usage()))
-    timer.start()
+    lock = threading.Lock()
+    written: list[bool] = []
+
+    def write_once() -> None:
+        with lock:
+            if not written:
+                written.append(True)
+                scripted.write(rid, delta(0, "late"), final(0), usage())
+
+    fallback = threading.Timer(10.0, write_once)
+    fallback.start()
     resp = client.post(CHAT, json=chat(stream=True))
-    body = resp.get_data(as_text=True)
+    pieces: list[str] = []
+    for piece in resp.response:
+        pieces.append(piece.decode() if isinstance(piece, bytes) else piece)
+        if ": keep-alive\n\n" in pieces[-1]:
+            write_once()
     resp.close()
-    timer.join()
+    fallback.cancel()
+    body = "".join(pieces)
     assert ": keep-alive\n\n" in body
+    assert body.index(": keep-alive\n\n") < body.index("late")
     assert (
         "".join(c["choices"][0]["delta"].get("content", "") for c in sse_payloads(body)) == "late"
     )
