@@ -69,7 +69,8 @@ STREAMER = "s1"
 def _without_stream_writes(script: str, loop_xadd: str, ordinal: str) -> str:
     """``script`` with its per-request XLEN and XADD replaced by a made-up entry id: every
     other command (fence, cancel, TTLs, the step stream's one XADD) stays."""
-    assert loop_xadd in script and ordinal in script, "the production script changed"
+    if loop_xadd not in script or ordinal not in script:
+        raise ValueError("the production script changed: update this projection")
     return script.replace(ordinal, "local seq = 1").replace(loop_xadd, "local id = '0-1'")
 
 
@@ -156,9 +157,9 @@ def relay_role(url: str, n: int, steps: int, variant: str) -> None:
             for eid, fields in step_entries:
                 streams[keys.steps(WORKER)] = eid
                 published = fields[b"t"]
+                text = published.decode()  # the reader's clock reference
                 for tok_key, tok_id, _n, _payload in split_step(fields[b"d"]):
                     rid = tok_key.removeprefix(keys.tokens(""))
-                    text = published.decode()  # the reader's clock reference
                     event = OutputEvent(OutputKind.DELTA, choice=0, text=text)
                     entries.append(OutputEntry(rid, [event], tok_id, rid not in first, published))
                     first.add(rid)
