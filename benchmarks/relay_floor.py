@@ -10,7 +10,8 @@ must do, with the production code that builds, packs and sends each call.
 
 - **publisher** (the worker's engine thread): one ``RequestStore.publish_begin`` per
   step for every request, on its direct connection, its reply read after the next
-  step, as the engine thread does; no engine.
+  step, each request's chunks numbered and checkpointed by a ``ChunkLog``, as the
+  engine thread does; no engine.
 - **relay** (the streamer): a blocking XREAD of the worker's step stream, and for every
   token line one output entry written with ``OutputStreams.write_then_read`` (the
   fenced output write and the next read in one send); its events are made once per
@@ -20,13 +21,14 @@ must do, with the production code that builds, packs and sends each call.
   time (carried in the event's text, since a step line has no other field).
 
 ``--variant design`` runs the production scripts. ``--variant steps-only`` runs the
-same calls against scripts that keep every check (lease, cancel, fence) and the step
-streams but append nothing to the per-request token and output streams: what one
-entry per step instead of one per request (the next step docs/benchmarks.md names)
-would leave. It projects that change; it is not a way to run tokenrelay. ``--variant
-hops`` keeps only the hops: each process appends one plain step entry (the same lines,
-no script, no per-request key) and the next one wakes on it: the latency of three
-processes handing a step's lines on through Redis, with nothing else done.
+same calls against an output write that keeps every check (the fence) and the output
+step stream but appends nothing to the per-request output streams: what checkpointing
+the output streams as the token streams are (broker/chunks.py) would leave. It
+projects that change; it is not a way to run tokenrelay. (Until the token streams
+were checkpointed, it projected that too.) ``--variant hops`` keeps only the hops:
+each process appends one plain step entry (the same lines, no script, no per-request
+key) and the next one wakes on it: the latency of three processes handing a step's
+lines on through Redis, with nothing else done.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from relay import cpu_seconds, percentile
 
 from app.messages import OutputEvent, OutputKind, TokenDelta
 from broker import scripts
+from broker.chunks import ChunkLog
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
 from broker.requests import PublishItem, RequestStore, encode_deltas, publish_stamp
@@ -74,12 +77,6 @@ def _without_stream_writes(script: str, loop_xadd: str, ordinal: str) -> str:
     return script.replace(ordinal, "local seq = 1").replace(loop_xadd, "local id = '0-1'")
 
 
-STEPS_ONLY_PUBLISH = _without_stream_writes(
-    scripts.PUBLISH,
-    "local id = redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2],\n"
-    "          'n', seq, 'w', worker)",
-    "local seq = redis.call('XLEN', tok) + 1",
-)
 STEPS_ONLY_WRITE = _without_stream_writes(
     scripts.WRITE_OUTPUTS,
     "local id = redis.call('XADD', KEYS[i], '*', unpack(fields))",
@@ -104,8 +101,6 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
     client = redis.Redis.from_url(url)
     keys = Keys(PREFIX)
     store = RequestStore(client, keys)
-    if variant == "steps-only":
-        store._publish = client.register_script(STEPS_ONLY_PUBLISH)
     client.script_load(store._publish.script)  # as a worker's start does
     via = DirectConnection(client)
     rids = [f"r{i}" for i in range(n)]
@@ -116,14 +111,29 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
         _publish_hops(via, keys.steps(WORKER), [keys.tokens(r) for r in rids], steps, rate)
         return
     pending = None
+    logs = {rid: ChunkLog() for rid in rids}
     for step, payload in paced_steps(steps, rate):
-        items = [
-            PublishItem(rid, f"{WORKER}:0", 0, payload, first=step == 0, refresh=step % 50 == 0)
-            for rid in rids
-        ]
+        items = []
+        for rid in rids:
+            n, mark, prior = logs[rid].stage(payload, step, force=step in (0, steps - 1))
+            items.append(
+                PublishItem(
+                    rid,
+                    f"{WORKER}:0",
+                    0,
+                    payload,
+                    first=step == 0,
+                    refresh=step % 50 == 0,
+                    ordinal=n,
+                    checkpoint=mark,
+                    prior=prior,
+                )
+            )
         sent = store.publish_begin(items, 600, via, worker_id=WORKER, stamp=publish_stamp())
         if pending is not None:
             pending.statuses()
+        for log in logs.values():  # as the engine thread settles each, once it knows
+            log.settle(ran=True)
         pending = sent
     if pending is not None:
         pending.statuses()
@@ -158,10 +168,10 @@ def relay_role(url: str, n: int, steps: int, variant: str) -> None:
                 streams[keys.steps(WORKER)] = eid
                 published = fields[b"t"]
                 text = published.decode()  # the reader's clock reference
-                for tok_key, tok_id, _n, _payload in split_step(fields[b"d"]):
+                for tok_key, _attempt, n, _payload in split_step(fields[b"d"]):
                     rid = tok_key.removeprefix(keys.tokens(""))
                     event = OutputEvent(OutputKind.DELTA, choice=0, text=text)
-                    entries.append(OutputEntry(rid, [event], tok_id, rid not in first, published))
+                    entries.append(OutputEntry(rid, [event], str(n), rid not in first, published))
                     first.add(rid)
         lines_left -= len(entries)
         if variant == "hops":

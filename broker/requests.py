@@ -21,9 +21,12 @@ from app.messages import EngineFinish, TokenDelta
 from app.records import RequestRecord, RequestState
 from broker import scripts
 from broker.celery_app import send_generate
+from broker.chunks import CHECKPOINT_STEPS, Chunk, encode_prior, expand
 from broker.direct import DirectConnection
 from broker.keys import Keys
-from broker.streams import last_entries
+from broker.streams import last_entries, split_step
+
+READ_LOG_TRIES = 5
 
 
 class ClaimResult(str, Enum):
@@ -61,6 +64,28 @@ class ChoiceProgress:
 
 
 @dataclass(slots=True)
+class TokenLog:
+    """What ``RequestStore.read_log`` read: the chunks, the ordinal of the token
+    stream's last entry, and the chunks after it (from its worker's step stream)."""
+
+    chunks: list[Chunk]
+    recorded: int = 0
+    tail: list[Chunk] = field(default_factory=list)
+    steps: str | None = None  # the step stream the tail is read from, if any
+    sid: str = "0-0"  # ... from after this entry (the last checkpoint's)
+
+    def progress(self, num_choices: int) -> list[ChoiceProgress]:
+        out = [ChoiceProgress() for _ in range(num_choices)]
+        for c in self.chunks:
+            for d in decode_deltas(c.payload):
+                p = out[d.choice]
+                p.token_ids.extend(d.token_ids)
+                if d.finish is not None:
+                    p.finish = d.finish
+        return out
+
+
+@dataclass(slots=True)
 class PublishItem:
     """One request's contribution to one engine step's publish round trip.
 
@@ -76,6 +101,11 @@ class PublishItem:
     first: bool = False
     done: bool = False
     refresh: bool = True  # extend the lease (False: it was extended recently)
+    # The chunk's ordinal (``broker.chunks``); 0: the next after the token stream's last
+    # entry, written there whatever (a publisher that keeps no ``ChunkLog``).
+    ordinal: int = 0
+    checkpoint: bool = False  # write it (and ``prior``) to the request's token stream
+    prior: bytes = b""  # ``encode_prior``: the chunks since the last checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +136,7 @@ class RequestStore:
         self._claim = client.register_script(scripts.CLAIM)
         self._resume = client.register_script(scripts.RESUME)
         self._publish = client.register_script(scripts.PUBLISH)
+        self._seal = client.register_script(scripts.SEAL)
         self._refresh_leases = client.register_script(scripts.REFRESH_LEASES)
         self._admit = client.register_script(scripts.ADMIT)
 
@@ -259,16 +290,81 @@ class RequestStore:
         )
         return [(_s(eid), int(f[b"a"]), decode_deltas(f[b"d"])) for eid, f in entries]
 
+    def read_chunks(self, rid: str, after: int = 0) -> list[Chunk]:
+        """The request's chunks after ordinal ``after``, in order (``broker.chunks``)."""
+        return self.read_log(rid, after).chunks
+
+    def read_log(self, rid: str, after: int = 0) -> TokenLog:
+        """The request's token stream, then the tail of its last checkpoint's step
+        stream: two round trips. If the step stream moved past the checkpoint's entry
+        in between, the token stream has a newer checkpoint (or there was no tail): it
+        is read again."""
+        key = self.keys.tokens(rid)
+        entries: Any = self.redis.xrange(key)
+        for _ in range(READ_LOG_TRIES):
+            log = TokenLog(list(expand(entries, after)))
+            last = entries[-1][1] if entries else {}
+            log.recorded = int(last.get(b"n", 0))
+            worker, sid = last.get(b"w"), last.get(b"s")
+            if not worker or not sid:
+                return log
+            log.steps, log.sid = self.keys.steps(_s(worker)), _s(sid)
+            tail = self._tail(key, log.steps, log.sid, log.recorded)
+            if tail is not None:
+                log.tail = tail
+                log.chunks += [c for c in tail if c.n > after]
+                return log
+            again: Any = self.redis.xrange(key)
+            if again == entries:  # the checkpoint's step entry is gone: no tail
+                return log
+            entries = again
+        raise RuntimeError(f"request {rid}: its token stream kept changing while read")
+
+    def _tail(self, key: str, steps: str, sid: str, recorded: int) -> list[Chunk] | None:
+        """The chunks of token stream ``key`` after ordinal ``recorded`` in the step
+        entries after ``sid`` (its checkpoint's); None when ``sid`` is trimmed away."""
+        entries: Any = self.redis.xrange(steps, min=sid, count=CHECKPOINT_STEPS + 1)
+        if not entries or _s(entries[0][0]) != sid:
+            return None
+        tail: list[Chunk] = []
+        for _eid, fields in entries[1:]:
+            for tok, attempt, n, payload in split_step(fields[b"d"]):
+                if tok == key and n == recorded + len(tail) + 1:
+                    tail.append(Chunk(n, int(attempt), payload, fields.get(b"t")))
+        return tail
+
     def progress(self, rid: str, num_choices: int) -> list[ChoiceProgress]:
         """Per choice: the token ids published so far and whether it finished."""
-        out = [ChoiceProgress() for _ in range(num_choices)]
-        for _eid, _attempt, deltas in self.read_tokens(rid):
-            for d in deltas:
-                p = out[d.choice]
-                p.token_ids.extend(d.token_ids)
-                if d.finish is not None:
-                    p.finish = d.finish
-        return out
+        return self.read_log(rid).progress(num_choices)
+
+    def resume_point(
+        self, rid: str, num_choices: int, lease: str
+    ) -> tuple[list[ChoiceProgress], int]:
+        """For a resumed attempt holding ``lease``: its ``progress`` and the ordinal of
+        the last chunk, after sealing its predecessor's tail (``scripts.SEAL``)."""
+        for _ in range(READ_LOG_TRIES):
+            log = self.read_log(rid)
+            if not log.tail:
+                break
+            (*prior, last) = log.tail
+            res = self._seal(
+                keys=[self.keys.lease(rid), self.keys.tokens(rid)],
+                args=[
+                    lease,
+                    last.attempt,
+                    publish_stamp(),
+                    log.recorded,
+                    last.n,
+                    last.payload,
+                    encode_prior([(c.n, c.payload) for c in prior]),
+                ],
+            )
+            if int(res) >= 0:  # sealed, or fenced: its first publish will say so
+                break
+        else:
+            raise RuntimeError(f"request {rid}: its token stream kept changing while sealed")
+        last_n = log.chunks[-1].n if log.chunks else 0
+        return log.progress(num_choices), last_n
 
     # -- workers ------------------------------------------------------------------
     def claim(
@@ -282,13 +378,16 @@ class RequestStore:
 
     def claim_and_load(
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float
-    ) -> tuple[ClaimResult, RequestRecord | None]:
-        """``claim``, and the record when the claim succeeds, in the same round trip."""
+    ) -> tuple[ClaimResult, RequestRecord | None, bool]:
+        """``claim``, and the record when the claim succeeds, in the same round trip;
+        also whether the request was claimed before (by any attempt: the new one goes
+        on from what was published, ``resume_point``)."""
         res = self._run_claim(rid, attempt, worker_id, lease_ttl_s, now, "1")
         if not isinstance(res, list):
-            return ClaimResult(_s(res)), None
+            return ClaimResult(_s(res)), None, False
         body = res[1]  # a Lua false (no body field) arrives as None
-        return ClaimResult(_s(res[0])), None if body is None else RequestRecord.decode(body)
+        record = None if body is None else RequestRecord.decode(body)
+        return ClaimResult(_s(res[0])), record, bool(res[2])
 
     def _run_claim(
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float, load: str
@@ -350,24 +449,30 @@ class RequestStore:
         for it in items:
             rid = it.request_id
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
-            flags = int(it.first) | (2 * int(it.done)) | (0 if it.refresh else 4)
-            args += [it.lease_value, it.attempt, it.payload, flags]
+            flags = int(it.first) | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
+            args += [it.lease_value, it.attempt, it.payload, flags, it.ordinal, it.prior]
         if worker_id is not None:
             keys.append(k.steps(worker_id))
             args.append(worker_id)
         return keys, args
 
-    def landed(self, calls: Sequence[tuple[str, int, str]]) -> list[bool]:
+    def landed(
+        self, calls: Sequence[tuple[str, int, str]], worker_id: str | None = None
+    ) -> list[bool]:
         """For each ``(request_id, attempt, stamp)`` of a publish whose reply was lost
-        (the connection broke, Redis restarted): whether it ran, i.e. whether the last
-        entry of the request's token stream is the one it appended. One round trip.
+        (the connection broke, Redis restarted): whether it ran. One round trip.
 
         A publish is not idempotent: retrying one that ran appends its tokens twice. Its
-        sender publishes nothing more for those requests until it knows, so an entry the
-        call appended is still the last one of its attempt; an entry of a newer attempt
-        means the lease is lost and the retry is fenced anyway. A call that ran but that
-        Redis lost with its AOF tail counts as not landed, which is what it is now.
-        """
+        sender publishes nothing more until it knows. So, with ``worker_id`` (the call
+        wrote that worker's step stream), the call ran if the step stream's last entry
+        is the one it appended (a part fenced there is fenced again when retried);
+        without, if the last entry of the request's token stream is. A call that ran
+        but that Redis lost with its AOF tail counts as not landed, which is what it is
+        now."""
+        if worker_id is not None:
+            (last,) = last_entries(self.redis, [self.keys.steps(worker_id)])
+            ran = all(last.get(b"t") == stamp.encode() for _rid, _a, stamp in calls)
+            return [ran] * len(calls)
         lasts = last_entries(self.redis, [self.keys.tokens(rid) for rid, _a, _s in calls])
         return [
             last.get(b"a") == str(attempt).encode() and last.get(b"t") == stamp.encode()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 # KEYS: req, lease, cancel          ARGV: attempt, lease_value, lease_ttl_ms, now[, load]
 # -> 'ok' | 'missing' | 'stale' | 'done' | 'held' | 'cancelled'; with load = '1', a claim
-#    that succeeds returns {'ok', body}: the worker's start is one round trip, not two
+#    that succeeds returns {'ok', body, again}: the worker's start is one round trip, not
+#    two; again = 1 when some attempt was claimed before (it may have published chunks)
 CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
@@ -23,8 +24,8 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2])
-redis.call('HSETNX', KEYS[1], 'claimed', ARGV[4])
-if ARGV[5] == '1' then return {'ok', redis.call('HGET', KEYS[1], 'body')} end
+local again = 1 - redis.call('HSETNX', KEYS[1], 'claimed', ARGV[4])
+if ARGV[5] == '1' then return {'ok', redis.call('HGET', KEYS[1], 'body'), again} end
 return 'ok'
 """
 
@@ -40,19 +41,27 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 
 # KEYS: per request i (4 each): lease, tokens, req, cancel; then, optionally, the
 #       worker's step stream
-# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
+# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (6 each):
 #       lease_value, attempt, payload ('' = lease refresh only), flags (1 first, 2 done,
-#       4 keep the lease's TTL: the worker refreshes it only every fifth of a lease);
-#       then, with a step stream, the worker id
+#       4 keep the lease's TTL: the worker refreshes it only every fifth of a lease;
+#       8 checkpoint), ordinal (0 = the next after the token stream's last entry), prior
+#       chunks; then, with a step stream, the worker id
+# Each payload is a chunk of the request's tokens with its ordinal (n, 1-based, counted
+# over every attempt). Without a step stream every chunk is an entry of the request's
+# token stream. With one, the step stream gets one entry per call holding every chunk
+# it published, one line each: token stream key, attempt, ordinal, payload (a streamer
+# reads one entry per step instead of one per request; docs/architecture.md), trimmed
+# to about 256 entries; and a chunk goes into the request's own token stream only at a
+# checkpoint (flag 8, or no ordinal given), which the worker asks for on an attempt's
+# first chunk, its last, and at least once every ``broker.chunks.CHECKPOINT_STEPS``
+# publishes: that entry holds the chunks since the last checkpoint (``prior``, see
+# broker/chunks.py), the worker (w) and its step entry (s). So the token stream plus
+# the step entries after its last entry's s hold every chunk, and a request costs one
+# entry of its own per checkpoint instead of one per step (the floor benchmark measured
+# the per-request XLEN and XADD as two fifths of the relay's Redis time).
 # The token stream gets its TTL on an attempt's first publish and again on the last (an
 # EXPIRE on a stream not created yet does nothing: a first publish without tokens would
-# otherwise leave the stream without a TTL for ever). Each token entry carries its
-# ordinal in its stream (n: XLEN after it) and, with a step stream, the worker (w).
-# The step stream gets one entry per call holding every token entry it appended, one
-# line each: token stream key, entry id, ordinal, payload (a streamer that reads it
-# reads one entry per step instead of one per request; docs/architecture.md), trimmed to
-# about 256 entries (a step of 200 requests is ~20 KB): a streamer further behind finds
-# a gap and reads token streams.
+# otherwise leave the stream without a TTL for ever).
 # -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested
 PUBLISH = """
 local out = {}
@@ -61,30 +70,36 @@ local steps = nil
 local worker = nil
 if #KEYS > n * 4 then
   steps = KEYS[#KEYS]
-  worker = ARGV[4 + n * 4]
+  worker = ARGV[4 + n * 6]
 end
 local lines = {}
+local marks = {}  -- the checkpoints, written once the step entry's id is known
 for i = 0, n - 1 do
   local k = i * 4
   local lease, tok, req, cancel = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local a = 4 + k
+  local a = 4 + i * 6
   if redis.call('GET', lease) ~= ARGV[a] then
     out[i + 1] = 1
   else
-    local flags = tonumber(ARGV[a + 3]) % 4
-    local keep = tonumber(ARGV[a + 3]) >= 4
-    if ARGV[a + 2] ~= '' then
-      local seq = redis.call('XLEN', tok) + 1
+    local f = tonumber(ARGV[a + 3])
+    local flags = f % 4
+    local keep = f % 8 >= 4
+    local payload = ARGV[a + 2]
+    if payload ~= '' then
+      local seq = tonumber(ARGV[a + 4])
+      local mark = seq == 0 or f >= 8 or not steps
+      if seq == 0 then seq = redis.call('XLEN', tok) + 1 end
       if steps then
-        local id = redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2],
-          'n', seq, 'w', worker)
-        local m = #lines  -- four lines per entry, joined once at the end
-        lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = tok, id, seq, ARGV[a + 2]
+        local m = #lines  -- four lines per chunk, joined once at the end
+        lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = tok, ARGV[a + 1], seq, payload
+        if mark then marks[#marks + 1] = {tok, ARGV[a + 1], payload, seq, ARGV[a + 5], flags} end
       else
-        redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', ARGV[a + 2], 'n', seq)
+        redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', payload, 'n', seq)
+        if flags ~= 0 then redis.call('EXPIRE', tok, ARGV[2]) end
       end
+    elseif flags ~= 0 then
+      redis.call('EXPIRE', tok, ARGV[2])
     end
-    if flags ~= 0 then redis.call('EXPIRE', tok, ARGV[2]) end
     if flags >= 2 then
       redis.call('DEL', lease)
       redis.call('HSET', req, 'state', 'done', 'worker', '')
@@ -96,11 +111,42 @@ for i = 0, n - 1 do
   end
 end
 if #lines > 0 then
-  redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 't', ARGV[3],
+  local sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 't', ARGV[3],
     'd', table.concat(lines, '\\n'))
   redis.call('EXPIRE', steps, ARGV[2])
+  for _, m in ipairs(marks) do
+    local fields = {'a', m[2], 't', ARGV[3], 'd', m[3], 'n', m[4], 'w', worker, 's', sid}
+    if m[5] ~= '' then fields[13], fields[14] = 'p', m[5] end
+    redis.call('XADD', m[1], '*', unpack(fields))
+    if m[6] ~= 0 then redis.call('EXPIRE', m[1], ARGV[2]) end
+  end
 end
 return out
+"""
+
+# KEYS: lease, tokens       ARGV: lease_value, attempt, now, ordinal of the token stream's
+#                                 last entry as read (0 = empty), then the chunks to seal:
+#                                 last ordinal, last payload, prior chunks
+# A resumed attempt seals the chunks its predecessor published after its last checkpoint
+# (they are only in that worker's step stream, which goes on being trimmed) into the
+# token stream, under its own lease, before it publishes anything: the record is whole
+# at every attempt's start. The entry names no worker: there is no tail after it.
+# -> 1 sealed, 0 fenced (the lease is not ours), -1 the token stream changed since read
+SEAL = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local have = 0
+if last[1] then
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == 'n' then have = tonumber(f[i + 1]) end
+  end
+end
+if have ~= tonumber(ARGV[4]) then return -1 end
+local fields = {'a', ARGV[2], 't', ARGV[3], 'd', ARGV[6], 'n', ARGV[5]}
+if ARGV[7] ~= '' then fields[9], fields[10] = 'p', ARGV[7] end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+return 1
 """
 
 # KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry, then

@@ -37,6 +37,7 @@ import redis
 
 from app.messages import EngineFinish, TokenDelta
 from broker.celery_app import GenerateResult, TaskOutcome
+from broker.chunks import ChunkLog
 from broker.direct import DirectConnection
 from broker.requests import (
     PendingPublish,
@@ -66,6 +67,7 @@ class WorkItem:
     lease_value: str
     jobs: list[EngineJob]
     deadline: float  # unix time
+    ordinal: int = 0  # the request's last chunk before this attempt (broker/chunks.py)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _Active:
     open_choices: set[int]
     started: float
     unpublished: list[TokenDelta] = field(default_factory=list)
+    log: ChunkLog = field(default_factory=ChunkLog)  # chunks since the last checkpoint
     first: bool = True
     cancel_sent: bool = False
     deadline_hit: bool = False
@@ -157,6 +160,7 @@ class EngineThread(threading.Thread):
         self._direct = DirectConnection(store.redis)
         self._in_flight: _InFlight | None = None  # sent, reply not read yet
         self._unsure = False  # some request has a failed publish that may have run
+        self._publishes = 0  # publish calls sent (``ChunkLog``'s clock)
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -270,7 +274,12 @@ class EngineThread(threading.Thread):
             self._cancel_jobs(older)
             self._release(older)
         choices = {c.index for job in item.jobs for c in job.choices}
-        act = _Active(handle=handle, open_choices=set(choices), started=self.clock())
+        act = _Active(
+            handle=handle,
+            open_choices=set(choices),
+            started=self.clock(),
+            log=ChunkLog(ordinal=item.ordinal),
+        )
         self._active[item.request_id] = act
         for job in item.jobs:
             spent = [c for c in job.choices if c.max_new_tokens <= 0]
@@ -366,25 +375,43 @@ class EngineThread(threading.Thread):
         # second the PEXPIRE was a fifth of the publish script's commands.
         extend_after = self.lease_ttl_s / 5
         items: list[tuple[_Active, PublishItem, list[TokenDelta]]] = []
+        index = self._publishes
         for rid, act in list(self._active.items()):
             done = not act.open_choices
-            if not act.unpublished and not done and now - act.last_publish < refresh_after:
+            if (
+                not act.unpublished
+                and not done
+                and now - act.last_publish < refresh_after
+                and not act.log.due(index)
+            ):
                 continue
             item = act.handle.item
             payload = self._payload(act)  # may fail the request: ``done`` is read after
+            done = not act.open_choices
+            if payload:
+                ordinal, mark, prior = act.log.stage(payload, index, force=act.first or done)
+            elif act.log.due(index):  # its chunks since the last checkpoint: one now
+                ordinal, payload, prior = act.log.restage(index)
+                mark = True
+            else:
+                ordinal, mark, prior = 0, False, b""
             pitem = PublishItem(
                 rid,
                 item.lease_value,
                 item.attempt,
                 payload,
                 first=act.first,
-                done=not act.open_choices,
+                done=done,
                 refresh=now - act.last_refresh >= extend_after,
+                ordinal=ordinal,
+                checkpoint=mark,
+                prior=prior,
             )
             items.append((act, pitem, act.unpublished))
             act.unpublished = []  # in flight now; put back if the publish fails
         if not items:
             return
+        self._publishes += 1
         stamp = publish_stamp()
         try:
             pending = self.store.publish_begin(
@@ -416,6 +443,7 @@ class EngineThread(threading.Thread):
         """Act on what one request's part of a publish sent at ``sent_at`` came to."""
         if self._active.get(pitem.request_id) is not act:
             return  # superseded meanwhile by a newer attempt here: released already
+        act.log.settle(ran=True)
         if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
             act.first = False
         act.last_publish = sent_at
@@ -467,7 +495,7 @@ class EngineThread(threading.Thread):
             assert act.unsure is not None
             calls.append((act.handle.item.request_id, act.handle.item.attempt, act.unsure.stamp))
         try:
-            landed = self.store.landed(calls)
+            landed = self.store.landed(calls, self.worker_id)
         except redis.RedisError as exc:
             if self._publish_backoff.failed(now):
                 logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
@@ -478,6 +506,8 @@ class EngineThread(threading.Thread):
             if ran:
                 del act.unpublished[: was.deltas]
                 self._settle(act, was.item, PublishStatus.OK, was.sent_at)
+            else:
+                act.log.settle(ran=False)  # its chunk goes out again, numbered the same
         self._unsure = False
         return True
 

@@ -163,7 +163,7 @@ class WorkerRuntime:
     # -- the task body -----------------------------------------------------------------
     def generate(self, request_id: str, attempt: int) -> GenerateResult:
         """Run ``attempt`` of a request to its end here, unless someone else owns it."""
-        claim, record = self.store.claim_and_load(
+        claim, record, again = self.store.claim_and_load(
             request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
         )
         if claim is not ClaimResult.OK:
@@ -181,7 +181,7 @@ class WorkerRuntime:
                 outcome=TaskOutcome.SKIPPED,
                 claim=ClaimResult.MISSING.value,
             )
-        handle = self.thread.submit(self.work_item(record, attempt))
+        handle = self.thread.submit(self.work_item(record, attempt, resumed=attempt > 0 or again))
         # The engine thread ends every job by its deadline; waking up now and then
         # guards against a stuck engine pinning this thread (and its slot) forever.
         while not handle.wait(timeout=max(1.0, record.give_up_at - time.time())):
@@ -196,11 +196,15 @@ class WorkerRuntime:
         assert handle.result is not None  # set before ``done``
         return handle.result
 
-    def work_item(self, record: RequestRecord, attempt: int) -> WorkItem:
-        """The engine jobs for ``attempt``: on a resume, only unfinished choices, each
-        continuing from the tokens it already published."""
+    def work_item(self, record: RequestRecord, attempt: int, resumed: bool = True) -> WorkItem:
+        """The engine jobs for ``attempt``: when ``resumed`` (claimed before, by this
+        attempt or another: its tokens may be published already), only unfinished
+        choices, each continuing from the tokens it already published."""
         n_choices = record.num_choices
-        progress = self.store.progress(record.request_id, n_choices) if attempt > 0 else None
+        lease = lease_value(self.worker_id, attempt)
+        progress, ordinal = (
+            self.store.resume_point(record.request_id, n_choices, lease) if resumed else (None, 0)
+        )
         stop = record.stop
         eos = frozenset() if stop.ignore_eos else frozenset(self.card.eos_token_ids)
         jobs: list[EngineJob] = []
@@ -231,7 +235,8 @@ class WorkerRuntime:
         return WorkItem(
             request_id=record.request_id,
             attempt=attempt,
-            lease_value=lease_value(self.worker_id, attempt),
+            lease_value=lease,
             jobs=jobs,
             deadline=record.deadline,
+            ordinal=ordinal,
         )

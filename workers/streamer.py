@@ -53,6 +53,7 @@ from app.model_card import load_model_card, load_tokenizer
 from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
+from broker.chunks import entry_chunks
 from broker.connection import redis_client
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
@@ -220,9 +221,9 @@ class Streamer:
         for rid, t in self.tracked.items():
             key = self.keys.tokens(rid)
             by_key[key] = t
-            if t.step is None:
+            if t.step is None or t.watch:
                 streams[key] = t.cursor
-            else:
+            if t.step is not None:
                 steps[t.step] = self._step_cursors.get(t.step) or below_ms(t.cursor)
         self._step_cursors = steps  # the step streams no request needs are dropped
         streams.update(steps)
@@ -237,8 +238,9 @@ class Streamer:
             # We were stalled (a pause, a slow round trip): another streamer may own
             # some of these requests now, and writing them too would repeat text.
             self._drop_taken_over()
-        got: dict[str, list[Any]] = {}  # request id -> its new token entries, in order
-        ends: dict[str, tuple[str, int]] = {}  # request id -> (last id, ordinal) in got
+        # request id -> its new token entries and step lines (id None), in order
+        got: dict[str, list[Any]] = {}
+        ends: dict[str, int] = {}  # request id -> the last chunk's ordinal in got
         read_steps: list[tuple[str, list[Any]]] = []
         for key_raw, entries in res or []:
             key = as_str(key_raw)
@@ -254,8 +256,7 @@ class Streamer:
                 continue
             rid = t.record.request_id
             got[rid] = entries
-            last = entries[-1][1].get(b"n")
-            ends[rid] = (as_str(entries[-1][0]), int(last) if last else t.n + len(entries))
+            ends[rid] = max(t.n, _ordinal(entries[-1][1]))
         for key, entries in read_steps:  # after the requests' own streams (their gaps)
             self._take_steps(key, entries, by_key, got, ends)
         outputs: list[OutputEntry] = []
@@ -290,29 +291,29 @@ class Streamer:
         entries: list[Any],
         by_key: dict[str, Tracked],
         got: dict[str, list[Any]],
-        ends: dict[str, tuple[str, int]],
+        ends: dict[str, int],
     ) -> None:
-        """Entries of worker step stream ``key``: each holds the token entries one
-        publish appended. One is taken for a request we hold when it is the next entry
-        of its token stream (its ordinal says so); one we have is skipped; after a gap
-        (the request moved to another worker, or the step stream was trimmed past us)
-        the request reads its own token stream again."""
+        """Entries of worker step stream ``key``: each holds the chunks one publish
+        wrote, a line each. One is taken for a request we hold when it is the request's
+        next chunk (its ordinal says so); one we have is skipped; after a gap (the step
+        stream was trimmed past us) the request reads its own token stream as well,
+        where a checkpoint holds what it missed (broker/chunks.py)."""
         self._step_cursors[key] = as_str(entries[-1][0])
         for fields, items in step_entries(key, entries):
             published = fields.get(b"t")
-            for tok_key, tid, n, payload in items:
+            for tok_key, _attempt, n, payload in items:
                 t = by_key.get(tok_key)
                 if t is None:
                     continue
                 rid = t.record.request_id
-                cursor, last = ends.get(rid, (t.cursor, t.n))
-                if cmp_ids(tid, cursor) <= 0:
+                last = ends.get(rid, t.n)
+                if n <= last:
                     continue  # read already (from its own stream, or an earlier step)
                 if n != last + 1:
-                    t.step = None
+                    t.watch = True
                     continue
-                got.setdefault(rid, []).append((tid, {b"d": payload, b"t": published, b"n": n}))
-                ends[rid] = (tid, n)
+                got.setdefault(rid, []).append((None, {b"d": payload, b"t": published, b"n": n}))
+                ends[rid] = n
                 t.step = key
 
     def _write_and_read(self, streams: dict[str, str]) -> Any:
@@ -408,21 +409,36 @@ class Streamer:
         ]
 
     def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
-        """One request's new token entries -> its output entry for this cycle."""
+        """One request's new token entries and step lines (id None) -> its output entry
+        for this cycle. Chunks it has are skipped by their ordinals."""
         events: list[OutputEvent] = []
+        follow: dict[bytes, Any] | None = None  # the last token entry naming its worker
         for eid, fields in entries:
             try:
-                deltas = decode_deltas(fields[b"d"])
+                chunks = (
+                    [(int(fields[b"n"]), fields[b"d"])] if eid is None else entry_chunks(fields)
+                )
             except Exception as exc:
                 raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
-            events += self._apply(t, deltas)
-            t.cursor = as_str(eid)
-            n = fields.get(b"n")
-            t.n = int(n) if n else t.n + 1
+            for n, payload in chunks:
+                if n <= t.n:
+                    continue
+                if n != t.n + 1:  # a token stream is whole from its start: a bug
+                    raise RequestFault(f"token chunks {t.n + 1}..{n - 1} are missing")
+                try:
+                    deltas = decode_deltas(payload)
+                except Exception as exc:
+                    raise RequestFault(f"malformed token chunk {n}") from exc
+                events += self._apply(t, deltas)
+                t.n = n
+            if eid is not None:
+                t.cursor = as_str(eid)
+                if fields.get(b"w"):
+                    follow = fields
         t.progress_at = self.clock()
-        worker = entries[-1][1].get(b"w")  # only on entries read from its own stream
-        if worker and t.step is None:
-            self._follow_step(t, self.keys.steps(as_str(worker)))
+        if follow is not None:  # read what follows from its worker's step stream
+            start = as_str(follow.get(b"s") or below_ms(t.cursor))
+            self._follow_step(t, self.keys.steps(as_str(follow[b"w"])), start)
         if t.choices.all_done:
             events.append(self._usage_event(t))
         if not events:
@@ -430,7 +446,7 @@ class Streamer:
         out = OutputEntry(
             t.record.request_id,
             events,
-            t.cursor,
+            str(t.n),
             first=not t.wrote_output,
             published=entries[-1][1].get(b"t"),
             handoff_id=t.entry_id,
@@ -438,13 +454,12 @@ class Streamer:
         t.wrote_output = True
         return out
 
-    def _follow_step(self, t: Tracked, key: str) -> None:
-        """Read ``t``'s next entries from its worker's step stream ``key``. The step
-        entry of the publish that appended ``t.cursor`` has an id of that millisecond or
-        later, so the step stream is read from the millisecond before it at the latest
-        (entries read twice are skipped by their ordinals)."""
+    def _follow_step(self, t: Tracked, key: str, start: str) -> None:
+        """Read ``t``'s next chunks from its worker's step stream ``key``, from the
+        entry ``start`` (its last checkpoint's) on at the latest (chunks read twice are
+        skipped by their ordinals)."""
         t.step = key
-        start = below_ms(t.cursor)
+        t.watch = False
         current = self._step_cursors.get(key)
         if current is None or cmp_ids(start, current) < 0:
             self._step_cursors[key] = start
@@ -522,7 +537,7 @@ class Streamer:
             logger.exception("request %s: cannot adopt it; ending it with an error", rid)
             self.tracked.pop(rid, None)
             error = OutputEvent(OutputKind.ERROR, error=REQUEST_FAULT, code=500)
-            self._commit([OutputEntry(rid, [error], "0-0", first=True)])
+            self._commit([OutputEntry(rid, [error], "0", first=True)])
             self.store.cancel(rid)
             self.handoff.ack(entry_id)
 
@@ -544,12 +559,17 @@ class Streamer:
                 self.handoff.ack(entry_id)
                 return
             # Taking over: replay silently up to what is already written.
-            for eid, _attempt_no, deltas in self.store.read_tokens(rid):
-                if cmp_ids(eid, source) > 0:
+            log = self.store.read_log(rid)
+            for c in log.chunks:
+                if c.n > int(source):
                     break
-                self._apply(t, deltas)
-                t.cursor = eid
-                t.n += 1
+                self._apply(t, decode_deltas(c.payload))
+                t.n = c.n
+                if c.entry is not None:
+                    t.cursor = c.entry
+            if log.steps is not None:  # the rest: from the tail's step stream on
+                self._follow_step(t, log.steps, log.sid)
+                t.watch = True  # and its token stream (a new attempt starts there)
             t.wrote_output = True
             logger.info("took over request %s at token cursor %s", rid, source)
         self.tracked[rid] = t
@@ -629,7 +649,7 @@ class Streamer:
             if t.step is not None and now - t.progress_at > STEP_QUIET_S:
                 # A safety net: the request may have moved to a worker whose step
                 # stream we do not read (its own token stream says which).
-                t.step = None
+                t.watch = True
             try:
                 ending = self._check(t, status, now, live)
             except BACKBONE_ERRORS:
@@ -701,15 +721,14 @@ class Streamer:
         """The worker side is done; drain what is left and close open choices."""
         rid = t.record.request_id
         events: list[OutputEvent] = []
-        for eid, _a, deltas in self.store.read_tokens(rid, t.cursor):
-            events += self._apply(t, deltas)
-            t.cursor = eid
-            t.n += 1
+        for c in self.store.read_chunks(rid, after=t.n):
+            events += self._apply(t, decode_deltas(c.payload))
+            t.n = c.n
         if not t.choices.all_done:
             # e.g. cancelled before any worker started it: nothing was generated.
             events += t.choices.finish_all(EngineFinish.CANCELLED)
         events.append(self._usage_event(t))
-        return OutputEntry(rid, events, t.cursor, first=not t.wrote_output, handoff_id=t.entry_id)
+        return OutputEntry(rid, events, str(t.n), first=not t.wrote_output, handoff_id=t.entry_id)
 
     def _fail(self, t: Tracked, message: str, code: int) -> OutputEntry:
         """End every open choice, then the request, with an error.
@@ -722,7 +741,15 @@ class Streamer:
             logger.exception("request %s: cannot close its choices", t.record.request_id)
             events = []
         events.append(OutputEvent(OutputKind.ERROR, error=message, code=code))
-        return OutputEntry(t.record.request_id, events, t.cursor, first=True, handoff_id=t.entry_id)
+        return OutputEntry(t.record.request_id, events, str(t.n), first=True, handoff_id=t.entry_id)
+
+
+def _ordinal(fields: dict[bytes, Any]) -> int:
+    """A token entry's last ordinal; 0 if it has none (decoding it says what is wrong)."""
+    try:
+        return int(fields.get(b"n") or 0)
+    except ValueError:
+        return 0
 
 
 def build_streamer(settings: Settings) -> Streamer:

@@ -58,11 +58,14 @@ class Tracked:
     entry_id: str  # hand-off entry, acknowledged when the request ends
     record: RequestRecord
     choices: RequestDecoder
-    cursor: str = "0-0"  # token stream read position
-    n: int = 0  # ordinal of the entry at ``cursor`` in its token stream (0: none yet)
-    # The worker step stream its entries are read from, or None: its own token stream
-    # (at the start, after a gap, a resume, or a pause with no progress).
+    cursor: str = "0-0"  # token stream read position (the last entry decoded)
+    n: int = 0  # the ordinal of the last chunk decoded (broker/chunks.py; 0: none yet)
+    # The worker step stream its chunks are read from, or None: its own token stream
+    # (at the start, and after a resume).
     step: str | None = None
+    # Read its own token stream as well: after a gap in the step stream (the chunks
+    # are in a checkpoint) or a quiet spell (it may have moved to another worker).
+    watch: bool = False
     progress_at: float = 0.0  # when an entry of its stream was last consumed
     wrote_output: bool = False
     engine_finished: set[int] = field(default_factory=set)

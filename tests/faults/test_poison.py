@@ -1,7 +1,9 @@
 """No poison pills: one bad request is one bad request.
 
-A real worker (echo engine at a finite rate) and a real streamer; bad input is injected
-into one running request's token stream (as a buggy or hostile worker would write it).
+A real worker (echo engine at a finite rate) and a real streamer. One running request
+is served instead by a buggy worker the test plays (``BuggyWorker``: the echo engine
+in-process, each step published as the engine thread publishes it), which publishes one
+chunk of bad input between two steps.
 That request, or only the affected choice for a decoder fault (``finish_reason:
 "error"``, as Dynamo's ``backend.rs``), ends with a clear error; the streamer process
 keeps running and every other request still gets exactly its text."""
@@ -20,10 +22,20 @@ from tokenizers import Tokenizer
 from app.messages import FinishReason, OutputKind, TokenDelta
 from app.records import RequestRecord
 from app.settings import Settings
-from broker.requests import encode_deltas
+from broker.chunks import ChunkLog
+from broker.requests import (
+    ClaimResult,
+    PublishItem,
+    PublishStatus,
+    RequestStore,
+    encode_deltas,
+    lease_value,
+)
 from broker.server import RedisServer
 from tests.pipeline import TEXT, Client, OutageReader, classify, reference
 from tests.stack import Proc, isolated_settings, make_record, streamer_process, worker_process
+from workers.engines.base import ChoiceJob, EngineJob
+from workers.engines.echo import EchoEngine
 
 pytestmark = pytest.mark.integration
 
@@ -39,11 +51,44 @@ class PoisonStack:
     def record(self, n: int = 1) -> RequestRecord:
         return make_record(self.settings, [self.ids], n=n, max_tokens=200)
 
-    def inject(self, rid: str, payload: Any) -> None:
-        """XADD one entry into ``rid``'s token stream, as a worker would (attempt 0)."""
-        self.client.redis.xadd(
-            self.client.store.keys.tokens(rid), {"a": 0, "t": repr(time.time()), "d": payload}
+
+class BuggyWorker:
+    """The victim's worker, played in-process: the echo engine's steps published as the
+    engine thread publishes them (a chunk each, numbered and checkpointed by a
+    ``ChunkLog``, through its step stream), and, when told, a chunk of bad input."""
+
+    def __init__(self, store: RequestStore, record: RequestRecord) -> None:
+        self.store, self.rid = store, record.request_id
+        store.create(record)  # handed to the streamers; no task: no real worker runs it
+        assert store.claim(self.rid, 0, "buggy", 60.0, time.time()) is ClaimResult.OK
+        self.engine = EchoEngine()
+        self.engine.submit(
+            EngineJob(
+                job_id=self.rid,
+                prompt_ids=record.prompts[0],
+                choices=[ChoiceJob(i, record.max_tokens) for i in range(record.n)],
+                eos_token_ids=frozenset(record.stop.eos_token_ids),
+            )
         )
+        self.log = ChunkLog()
+        self.index = 0
+
+    def publish(self, payload: bytes, done: bool = False) -> None:
+        first = self.index == 0
+        n, mark, prior = self.log.stage(payload, self.index, force=first or done)
+        lease = lease_value("buggy", 0)
+        item = PublishItem(self.rid, lease, 0, payload, first, done, True, n, mark, prior)
+        (status,) = self.store.publish([item], 60.0, "buggy")
+        assert status in (PublishStatus.OK, PublishStatus.CANCEL)  # a failed one is cancelled
+        self.log.settle(ran=True)
+        self.index += 1
+
+    def step(self) -> bool:
+        """One engine step, published; whether there are more."""
+        deltas = [s.delta for s in self.engine.step()]
+        more = self.engine.has_work()
+        self.publish(encode_deltas(deltas), done=not more)
+        return more
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +103,24 @@ def stack(
 
 
 def run_with_injection(stack: PoisonStack, victim: RequestRecord, payload: Any) -> OutageReader:
-    """Start ``victim`` and a bystander; once the victim streams, inject ``payload`` into
-    its token stream; read both to their ends."""
+    """Start ``victim`` (on a ``BuggyWorker``) and a bystander (on the real worker); once
+    the victim streams, its worker publishes ``payload`` as a chunk, then the rest of
+    its steps; read both to their ends."""
     bystander = stack.record()
     reader = OutageReader(stack.settings)
+    worker = BuggyWorker(stack.client.store, victim)
+    stack.client.submit(bystander)
     for r in (victim, bystander):
-        stack.client.submit(r)
         reader.follow(r)
     v = reader.followed[stack.client.store.keys.output(victim.request_id)]
-    reader.poll(time.monotonic() + 20, stop=lambda: any(e.text for e in v.events))
-    assert any(e.text for e in v.events), "the victim never streamed"
-    stack.inject(victim.request_id, payload)
+    streamed = lambda: any(e.text for e in v.events)  # noqa: E731
+    deadline = time.monotonic() + 20
+    while not streamed() and time.monotonic() < deadline and worker.step():
+        reader.poll(time.monotonic() + 0.2, stop=streamed)
+    assert streamed(), "the victim never streamed"
+    worker.publish(payload)
+    while worker.step():
+        time.sleep(0.05)  # about the real worker's pace (15 steps a second)
     reader.poll(time.monotonic() + 20)
     return reader
 

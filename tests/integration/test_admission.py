@@ -87,11 +87,13 @@ def test_a_claim_brings_the_record_with_it(store: RequestStore, redis_client: re
     assert admit(store, rec, limit=10) is Admission.ADMITTED
     rid = rec.request_id
     now = time.time()
-    assert store.claim_and_load(rid, 0, "w1", 5.0, now) == (ClaimResult.OK, rec)
+    assert store.claim_and_load(rid, 0, "w1", 5.0, now) == (ClaimResult.OK, rec, False)
     assert redis_client.get(store.keys.lease(rid)) == b"w1:0"
-    assert store.claim_and_load(rid, 0, "w2", 5.0, now) == (ClaimResult.HELD, None)
-    assert store.claim_and_load(rid, 1, "w2", 5.0, now) == (ClaimResult.STALE, None)
+    assert store.claim_and_load(rid, 0, "w2", 5.0, now) == (ClaimResult.HELD, None, False)
+    assert store.claim_and_load(rid, 1, "w2", 5.0, now) == (ClaimResult.STALE, None, False)
     assert redis_client.get(store.keys.lease(rid)) == b"w1:0"
+    redis_client.delete(store.keys.lease(rid))  # w1 is gone: claimed again, "again"
+    assert store.claim_and_load(rid, 0, "w2", 5.0, now) == (ClaimResult.OK, rec, True)
     missing = uuid.uuid4().hex
-    assert store.claim_and_load(missing, 0, "w1", 5.0, now) == (ClaimResult.MISSING, None)
+    assert store.claim_and_load(missing, 0, "w1", 5.0, now) == (ClaimResult.MISSING, None, False)
     assert not redis_client.exists(store.keys.lease(missing))

@@ -154,10 +154,12 @@ def test_publish_writes_one_step_entry_per_call(
     for step, (_sid, fields) in enumerate(entries):
         lines = split_step(fields[b"d"])
         assert [line[0] for line in lines] == [keys.tokens(a.request_id), keys.tokens(b.request_id)]
-        for tok_key, tid, n, payload in lines:
-            ((_eid, tok_fields),) = redis_client.xrange(tok_key, tid, tid)
-            assert n == step + 1 == int(tok_fields[b"n"])
+        for tok_key, attempt, n, payload in lines:
+            # No ordinal given: every chunk is also a checkpoint of its own.
+            tok_fields = redis_client.xrange(tok_key)[step][1]
+            assert attempt == "0" and n == step + 1 == int(tok_fields[b"n"])
             assert payload == tok_fields[b"d"] and tok_fields[b"w"] == b"wA"
+            assert tok_fields[b"s"] == _sid
     # Without a worker id (an older caller): no step entry; ordinals go on all the same.
     refresh = PublishItem(a.request_id, lease_value("wA", 0), 0, b"")
     store.publish([refresh], 30.0, worker_id="wA")  # a lease refresh: no entry anywhere

@@ -1,0 +1,129 @@
+"""A request's token chunks: what a worker publishes, and how readers put them together.
+
+Every publish of a request carries one chunk: its new token deltas, numbered by an
+ordinal (1, 2, 3, ... over all its attempts). A worker with a step stream writes each
+chunk as one line of its step entry (``Keys.steps``), which streamers read, and writes
+the request's own token stream (``Keys.tokens``) only at a checkpoint: an attempt's
+first chunk, its last, and at least every ``CHECKPOINT_STEPS`` publishes. A checkpoint
+entry holds every chunk since the previous one and names the worker (``w``) and the
+step entry of its call (``s``). So the chunks are the token stream's, then those of
+that step stream's next entries (the tail, at most ``CHECKPOINT_STEPS`` entries on,
+while step streams keep about 256): ``RequestStore.read_chunks`` reads both.
+
+Why: one token-stream entry per request per step was two fifths of the relay's Redis
+time (``benchmarks/relay_floor.py``); a checkpoint every ``CHECKPOINT_STEPS`` steps
+keeps the record readers need (a resumed attempt, a takeover's replay, a streamer
+that fell behind its step stream) for a small part of that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+# A request's chunks since its last checkpoint were published by the next fewer than
+# this many publishes of its worker: a reader's tail is within that many step entries
+# after the checkpoint's, well within the ~256 a step stream keeps (scripts.PUBLISH).
+CHECKPOINT_STEPS = 32
+# ... and at most this many payload bytes: a checkpoint resends them.
+CHECKPOINT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One publish's deltas for one request, as a reader gets them."""
+
+    n: int  # ordinal
+    attempt: int
+    payload: bytes  # ``encode_deltas``
+    published: bytes | None = None  # the publish time (``publish_stamp``)
+    entry: str | None = None  # the token-stream entry that ends with it; None: mid-entry or tail
+
+
+def encode_prior(chunks: list[tuple[int, bytes]]) -> bytes:
+    """A checkpoint's earlier chunks as its ``p`` field: ordinal and payload, a line
+    each (payloads are JSON: never a raw newline)."""
+    return b"\n".join(b"%d\n%s" % (n, payload) for n, payload in chunks)
+
+
+def entry_chunks(fields: dict[bytes, Any]) -> list[tuple[int, bytes]]:
+    """A token-stream entry's chunks, in order: those of its ``p`` field, then its own
+    (``n``, ``d``). Raises ValueError/KeyError on a malformed entry."""
+    out: list[tuple[int, bytes]] = []
+    prior = fields.get(b"p")
+    if prior:
+        parts = prior.split(b"\n")
+        if len(parts) % 2:
+            raise ValueError("malformed prior chunks")
+        out = [(int(parts[i]), parts[i + 1]) for i in range(0, len(parts), 2)]
+    out.append((int(fields[b"n"]), fields[b"d"]))
+    return out
+
+
+def expand(entries: list[Any], after: int) -> Iterator[Chunk]:
+    """The chunks after ordinal ``after`` of token-stream ``entries`` (id, fields)."""
+    for eid, fields in entries:
+        attempt = int(fields[b"a"])
+        chunks = entry_chunks(fields)
+        last = len(chunks) - 1
+        for i, (n, payload) in enumerate(chunks):
+            if n > after:
+                entry = (eid.decode() if isinstance(eid, bytes) else eid) if i == last else None
+                yield Chunk(n, attempt, payload, fields.get(b"t"), entry)
+
+
+@dataclass(slots=True)
+class ChunkLog:
+    """A worker's record of one request attempt's chunks since its last checkpoint.
+
+    ``stage`` numbers the next chunk and says whether its publish is a checkpoint (and
+    with which earlier chunks); ``settle`` records what the publish came to. One publish
+    per request is in flight at a time (the engine thread reads a publish's reply, or
+    learns whether it landed, before it sends the next)."""
+
+    ordinal: int = 0  # the last chunk published
+    since: list[tuple[int, bytes]] = field(default_factory=list)  # not checkpointed yet
+    since_bytes: int = 0
+    marked: int = 0  # the publish index of the last checkpoint
+    _staged: tuple[int, bytes, bool, int] | None = None  # ordinal, payload, mark, index
+
+    def stage(self, payload: bytes, index: int, force: bool) -> tuple[int, bool, bytes]:
+        """The next chunk, published by publish number ``index``: (ordinal, checkpoint,
+        prior chunks). ``force``: a checkpoint whatever (an attempt's first or last)."""
+        n = self.ordinal + 1
+        mark = (
+            force
+            or index - self.marked >= CHECKPOINT_STEPS - 1
+            or self.since_bytes + len(payload) > CHECKPOINT_BYTES
+        )
+        self._staged = (n, payload, mark, index)
+        return n, mark, encode_prior(self.since) if mark else b""
+
+    def due(self, index: int) -> bool:
+        """Whether chunks not checkpointed yet must be by publish number ``index`` even
+        without a new one (a request that stopped producing: its tail would otherwise
+        outlive the step entries that hold it)."""
+        return bool(self.since) and index - self.marked >= CHECKPOINT_STEPS - 1
+
+    def restage(self, index: int) -> tuple[int, bytes, bytes]:
+        """A checkpoint of the chunks since the last one without a new chunk (``due``):
+        the last is sent again, with the same ordinal, which readers already have
+        skip. (ordinal, payload, prior chunks)."""
+        n, payload = self.since[-1]
+        self._staged = (n, payload, True, index)
+        return n, payload, encode_prior(self.since[:-1])
+
+    def settle(self, ran: bool) -> None:
+        """The staged chunk's publish ran (it is in Redis) or did not (it goes out
+        again, renumbered the same, with the deltas recorded since)."""
+        staged, self._staged = self._staged, None
+        if staged is None or not ran:
+            return
+        n, payload, mark, index = staged
+        self.ordinal = n
+        if mark:
+            self.since, self.since_bytes, self.marked = [], 0, index
+            return
+        self.since.append((n, payload))
+        self.since_bytes += len(payload)

@@ -1,0 +1,324 @@
+"""Checkpointed token streams (broker/chunks.py) against a real redis-server.
+
+A worker with a step stream writes a request's own token stream only at checkpoints;
+its chunks are the token stream's plus the tail in the step stream. These tests check
+that every reader gets every chunk exactly once at every moment: after each publish,
+after the step stream was trimmed past a request that stopped producing, after a
+resumed attempt sealed its predecessor's tail, and that a publish whose reply was lost
+is told apart from one that never ran.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from app.messages import EngineFinish, StopConditions, TokenDelta
+from app.records import RequestRecord
+from app.settings import Settings
+from broker.chunks import (
+    CHECKPOINT_BYTES,
+    CHECKPOINT_STEPS,
+    ChunkLog,
+    encode_prior,
+    entry_chunks,
+)
+from broker.keys import Keys
+from broker.requests import (
+    ClaimResult,
+    PublishItem,
+    RequestStore,
+    decode_deltas,
+    encode_deltas,
+    lease_value,
+    publish_stamp,
+)
+from workers.engine_thread import EngineThread, WorkItem
+from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
+from workers.engines.echo import EchoEngine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def store(settings: Settings, redis_client: redis.Redis) -> RequestStore:
+    return RequestStore(redis_client, Keys(settings.key_prefix), stream_ttl_s=600)
+
+
+def new_request(store: RequestStore, worker: str, tokens: int = 400) -> str:
+    rid = uuid.uuid4().hex
+    now = time.time()
+    store.create(
+        RequestRecord(
+            request_id=rid,
+            model="m",
+            prompts=[list(range(100, 100 + tokens))],
+            stop=StopConditions(max_tokens=tokens, eos_token_ids=(2,)),
+            created=now,
+            deadline=now + 120,
+        )
+    )
+    assert store.claim(rid, 0, worker, 30.0, now) is ClaimResult.OK
+    return rid
+
+
+def ids_of(store: RequestStore, rid: str, after: int = 0) -> list[int]:
+    """Every token id a reader gets from the request's chunks, checking their ordinals
+    run on from ``after`` without a gap or a repeat."""
+    chunks = store.read_chunks(rid, after)
+    assert [c.n for c in chunks] == list(range(after + 1, after + 1 + len(chunks)))
+    return [t for c in chunks for d in decode_deltas(c.payload) for t in d.token_ids]
+
+
+class Publisher:
+    """Publishes like the engine thread: one ``ChunkLog`` per request."""
+
+    def __init__(self, store: RequestStore, worker: str) -> None:
+        self.store, self.worker = store, worker
+        self.logs: dict[str, ChunkLog] = {}
+        self.index = 0
+
+    def step(self, tokens: dict[str, list[int]], done: tuple[str, ...] = ()) -> None:
+        items = []
+        for rid, ids in tokens.items():
+            log = self.logs.setdefault(rid, ChunkLog())
+            first = log.ordinal == 0
+            finish = EngineFinish.LENGTH if rid in done else None
+            payload = encode_deltas([TokenDelta(0, ids, finish=finish)])
+            n, mark, prior = log.stage(payload, self.index, force=first or rid in done)
+            lease = lease_value(self.worker, 0)
+            items.append(
+                PublishItem(rid, lease, 0, payload, first, rid in done, True, n, mark, prior)
+            )
+        for rid, log in self.logs.items():  # the engine thread's ``due`` restage
+            if rid not in tokens and log.due(self.index):
+                n, payload, prior = log.restage(self.index)
+                lease = lease_value(self.worker, 0)
+                items.append(
+                    PublishItem(rid, lease, 0, payload, False, False, True, n, True, prior)
+                )
+        assert all(s == 0 for s in self.store.publish(items, 30.0, self.worker))
+        for it in items:
+            self.logs[it.request_id].settle(ran=True)
+        self.index += 1
+
+
+def test_chunk_log_numbers_checkpoints_and_rolls_back() -> None:
+    log = ChunkLog(ordinal=7)
+    assert log.stage(b"a", 0, force=True) == (8, True, b"")
+    log.settle(ran=True)
+    for i in range(1, CHECKPOINT_STEPS - 1):
+        n, mark, _prior = log.stage(b"x%d" % i, i, force=False)
+        assert (n, mark) == (8 + i, False)
+        log.settle(ran=True)
+    n, mark, prior = log.stage(b"y", CHECKPOINT_STEPS - 1, force=False)
+    assert mark and n == 8 + CHECKPOINT_STEPS - 1
+    assert [c for c, _p in entry_chunks({b"p": prior, b"n": b"%d" % n, b"d": b"y"})] == list(
+        range(9, n + 1)
+    )
+    log.settle(ran=False)  # it did not run: the same ordinal, still a checkpoint, next time
+    assert log.stage(b"z", CHECKPOINT_STEPS, force=False)[:2] == (n, True)
+    log.settle(ran=True)
+    assert log.since == [] and log.ordinal == n and not log.due(10_000)
+    # Many bytes make a checkpoint before its time.
+    assert log.stage(b"b" * (CHECKPOINT_BYTES + 1), CHECKPOINT_STEPS + 1, force=False)[1]
+
+
+def test_a_request_that_stops_producing_is_due_a_checkpoint() -> None:
+    log = ChunkLog()
+    log.stage(b"a", 0, force=True)
+    log.settle(ran=True)
+    log.stage(b"b", 1, force=False)
+    log.settle(ran=True)
+    assert not log.due(CHECKPOINT_STEPS - 2) and log.due(CHECKPOINT_STEPS - 1)
+    assert log.restage(CHECKPOINT_STEPS - 1) == (2, b"b", b"")
+    log.settle(ran=True)
+    assert not log.due(10 * CHECKPOINT_STEPS)
+
+
+def test_encode_prior_round_trips_and_malformed_entries_raise() -> None:
+    prior = encode_prior([(3, b"[[0,[1]]]"), (4, b"[[0,[2]]]")])
+    fields = {b"p": prior, b"n": b"5", b"d": b"[[0,[3]]]"}
+    assert entry_chunks(fields) == [(3, b"[[0,[1]]]"), (4, b"[[0,[2]]]"), (5, b"[[0,[3]]]")]
+    with pytest.raises(ValueError):
+        entry_chunks({b"p": b"3", b"n": b"5", b"d": b"[]"})
+    with pytest.raises(KeyError):
+        entry_chunks({b"d": b"[]"})
+
+
+def test_every_chunk_is_read_once_at_every_step(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    keys = Keys(settings.key_prefix)
+    a, b = new_request(store, "wA"), new_request(store, "wA")
+    pub = Publisher(store, "wA")
+    sent: dict[str, list[int]] = {a: [], b: []}
+    steps = 3 * CHECKPOINT_STEPS + 5
+    for i in range(steps):
+        tokens = {a: [1000 + i], b: [2000 + i, 3000 + i]}
+        pub.step(tokens, done=(a, b) if i == steps - 1 else ())
+        for rid, ids in tokens.items():
+            sent[rid] += ids
+            assert ids_of(store, rid) == sent[rid]
+            assert ids_of(store, rid, after=i) == ids  # a reader that has the rest
+    # One token-stream entry per checkpoint, not per step.
+    for rid in (a, b):
+        assert len(redis_client.xrange(keys.tokens(rid))) == 5  # first, 3 periods, last
+        log = store.read_log(rid)
+        assert log.tail == [] and log.recorded == steps
+    assert len(redis_client.xrange(keys.steps("wA"))) == steps
+
+
+def test_the_tail_of_a_request_that_stops_producing_outlives_the_step_stream(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    """One request publishes three chunks and then nothing while another fills the
+    step stream past its trimming: its tail was checkpointed in time."""
+    keys = Keys(settings.key_prefix)
+    idle, busy = new_request(store, "wA"), new_request(store, "wA", tokens=1000)
+    pub = Publisher(store, "wA")
+    for i in range(3):
+        pub.step({idle: [7, i], busy: [i]})
+    for i in range(3, 700):
+        pub.step({busy: [i]})
+    assert redis_client.xlen(keys.steps("wA")) < 500  # trimmed past the idle one's lines
+    kept = redis_client.xrange(keys.steps("wA"))
+    assert all(keys.tokens(idle).encode() not in fields[b"d"] for _id, fields in kept)
+    assert len(redis_client.xrange(keys.tokens(idle))) == 2  # its first, and one when due
+    assert ids_of(store, idle) == [7, 0, 7, 1, 7, 2]
+    assert ids_of(store, busy) == list(range(700))
+
+
+def test_a_resumed_attempt_seals_its_predecessors_tail(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    keys = Keys(settings.key_prefix)
+    rid = new_request(store, "wA")
+    pub = Publisher(store, "wA")
+    for i in range(CHECKPOINT_STEPS + 5):
+        pub.step({rid: [i]})
+    assert store.read_log(rid).tail  # chunks only worker A's step stream holds
+    redis_client.delete(keys.lease(rid))  # worker A died
+    assert store.resume(rid) == 1
+    assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
+    progress, ordinal = store.resume_point(rid, 1, lease_value("wB", 1))
+    assert ordinal == CHECKPOINT_STEPS + 5
+    assert progress[0].token_ids == list(range(CHECKPOINT_STEPS + 5))
+    redis_client.delete(keys.steps("wA"))  # its step stream goes away: nothing is lost
+    log = store.read_log(rid)
+    assert (
+        log.tail == [] and log.recorded == ordinal and ids_of(store, rid) == progress[0].token_ids
+    )
+    # Sealing twice (a retried resume) seals nothing more.
+    assert store.resume_point(rid, 1, lease_value("wB", 1))[1] == ordinal
+    assert ids_of(store, rid) == progress[0].token_ids
+
+
+def test_a_fenced_attempt_seals_nothing(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    keys = Keys(settings.key_prefix)
+    rid = new_request(store, "wA")
+    pub = Publisher(store, "wA")
+    for i in range(3):
+        pub.step({rid: [i]})
+    before = redis_client.xrange(keys.tokens(rid))
+    store.resume_point(rid, 1, lease_value("wB", 1))  # not wB's lease
+    assert redis_client.xrange(keys.tokens(rid)) == before
+
+
+def test_landed_asks_the_step_stream(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    rid = new_request(store, "wA")
+    stamp = publish_stamp()
+    call = [(rid, 0, stamp)]
+    assert store.landed(call, "wA") == [False]
+    item = PublishItem(rid, lease_value("wA", 0), 0, encode_deltas([TokenDelta(0, [5])]), True)
+    store.publish([item], 30.0, "wA", stamp)
+    assert store.landed(call, "wA") == [True]
+    assert store.landed([(rid, 0, publish_stamp())], "wA") == [False]
+
+
+class PausingEngine(Engine):
+    """Holds one job's steps back for a while, then lets them out in order (a job the
+    engine stops advancing: its request publishes nothing meanwhile)."""
+
+    name = "pausing"
+
+    def __init__(self, inner: Engine, job: str, after: int, pause: int) -> None:
+        self.inner, self.job, self.after, self.pause = inner, job, after, pause
+        self.seen = 0
+        self.held: list[EngineStep] = []
+
+    def submit(self, job: EngineJob) -> None:
+        self.inner.submit(job)
+
+    def cancel(self, job_id: str) -> None:
+        self.inner.cancel(job_id)
+
+    def step(self) -> list[EngineStep]:
+        out = []
+        for s in self.inner.step():
+            if s.job_id.startswith(self.job):
+                self.seen += 1
+                if self.after < self.seen <= self.after + self.pause:
+                    self.held.append(s)
+                    continue
+                out += self.held
+                self.held = []
+            out.append(s)
+        return out
+
+    def has_work(self) -> bool:
+        return self.inner.has_work() or bool(self.held)
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+
+@pytest.fixture
+def paused_thread(store: RequestStore) -> Iterator[EngineThread]:
+    engine = PausingEngine(EchoEngine(), "slow/", after=3, pause=700)
+    thread = EngineThread(engine, store, lease_ttl_s=30.0, worker_id="wE")
+    thread.start()
+    yield thread
+    thread.stop()
+    thread.join(5)
+
+
+def test_the_engine_thread_checkpoints_a_request_it_stopped_advancing(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore, paused_thread: EngineThread
+) -> None:
+    """Through the engine thread: a request whose job the engine holds back publishes
+    nothing for ~700 steps while another one fills the step stream; every chunk of both
+    is still readable, while paused and at the end."""
+    keys = Keys(settings.key_prefix)
+    handles = {}
+    for name, tokens in (("slow", 720), ("fast", 2000)):
+        rid = new_request(store, "wE", tokens)
+        job = EngineJob(
+            job_id=f"{name}/{rid}",
+            prompt_ids=list(range(100, 100 + tokens)),
+            choices=[ChoiceJob(0, tokens)],
+            eos_token_ids=frozenset({2}),
+        )
+        item = WorkItem(rid, 0, lease_value("wE", 0), [job], deadline=time.time() + 120)
+        handles[name] = paused_thread.submit(item)
+    slow = handles["slow"].item.request_id
+    deadline = time.time() + 60
+    while paused_thread.steps < 600 and time.time() < deadline:
+        time.sleep(0.02)
+    paused = ids_of(store, slow)  # read while it is held back
+    assert paused == list(range(100, 100 + len(paused))) and 3 <= len(paused) < 720
+    for h in handles.values():
+        assert h.wait(60)
+    for name, tokens in (("slow", 720), ("fast", 2000)):
+        rid = handles[name].item.request_id
+        assert ids_of(store, rid) == list(range(100, 100 + tokens))
+        assert len(redis_client.xrange(keys.tokens(rid))) < tokens // 10
