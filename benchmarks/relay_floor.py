@@ -51,7 +51,7 @@ from relay import cpu_seconds, percentile
 
 from app.messages import OutputEvent, OutputKind, TokenDelta
 from broker import scripts
-from broker.chunks import ChunkLog
+from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
 from broker.requests import PublishItem, RequestStore, encode_deltas, publish_stamp
@@ -111,7 +111,7 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
         _publish_hops(via, keys.steps(WORKER), [keys.tokens(r) for r in rids], steps, rate)
         return
     pending = None
-    logs = {rid: ChunkLog() for rid in rids}
+    logs = {rid: ChunkLog(phase=phase_of(rid)) for rid in rids}
     for step, payload in paced_steps(steps, rate):
         items = []
         for rid in rids:

@@ -18,6 +18,7 @@ that fell behind its step stream) for a small part of that.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,11 @@ class Chunk:
     payload: bytes  # ``encode_deltas``
     published: bytes | None = None  # the publish time (``publish_stamp``)
     entry: str | None = None  # the token-stream entry that ends with it; None: mid-entry or tail
+
+
+def phase_of(request_id: str) -> int:
+    """A request's ``ChunkLog.phase``: spread over the period, the same every time."""
+    return zlib.crc32(request_id.encode()) % (CHECKPOINT_STEPS - 1)
 
 
 def encode_prior(chunks: list[tuple[int, bytes]]) -> bytes:
@@ -83,6 +89,9 @@ class ChunkLog:
     learns whether it landed, before it sends the next)."""
 
     ordinal: int = 0  # the last chunk published
+    # The first checkpoint after the first chunk comes this many publishes early
+    # (``phase_of``): requests that start together do not all checkpoint on one step.
+    phase: int = 0
     since: list[tuple[int, bytes]] = field(default_factory=list)  # not checkpointed yet
     since_bytes: int = 0
     marked: int = 0  # the publish index of the last checkpoint
@@ -123,7 +132,8 @@ class ChunkLog:
         n, payload, mark, index = staged
         self.ordinal = n
         if mark:
-            self.since, self.since_bytes, self.marked = [], 0, index
+            self.since, self.since_bytes, self.marked = [], 0, index - self.phase
+            self.phase = 0
             return
         self.since.append((n, payload))
         self.since_bytes += len(payload)

@@ -37,7 +37,7 @@ import redis
 
 from app.messages import EngineFinish, TokenDelta
 from broker.celery_app import GenerateResult, TaskOutcome
-from broker.chunks import ChunkLog
+from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection
 from broker.requests import (
     PendingPublish,
@@ -278,7 +278,7 @@ class EngineThread(threading.Thread):
             handle=handle,
             open_choices=set(choices),
             started=self.clock(),
-            log=ChunkLog(ordinal=item.ordinal),
+            log=ChunkLog(ordinal=item.ordinal, phase=phase_of(item.request_id)),
         )
         self._active[item.request_id] = act
         for job in item.jobs:

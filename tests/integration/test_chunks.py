@@ -10,6 +10,7 @@ is told apart from one that never ran.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from broker.chunks import (
     ChunkLog,
     encode_prior,
     entry_chunks,
+    phase_of,
 )
 from broker.keys import Keys
 from broker.requests import (
@@ -138,6 +140,23 @@ def test_a_request_that_stops_producing_is_due_a_checkpoint() -> None:
     assert log.restage(CHECKPOINT_STEPS - 1) == (2, b"b", b"")
     log.settle(ran=True)
     assert not log.due(10 * CHECKPOINT_STEPS)
+
+
+def test_requests_that_start_together_checkpoint_on_different_steps() -> None:
+    marks: dict[int, list[int]] = {}
+    phases = (0, 5, CHECKPOINT_STEPS - 2, phase_of("some request"))
+    for phase in phases:
+        log = ChunkLog(phase=phase)
+        for i in range(4 * CHECKPOINT_STEPS):
+            _n, mark, _prior = log.stage(b"x", i, force=i == 0)
+            log.settle(ran=True)
+            if mark and i:
+                marks.setdefault(phase, []).append(i)
+    for phase in phases:  # the first period is shortened by the phase, then whole
+        m = marks[phase]
+        assert m[0] == CHECKPOINT_STEPS - 1 - phase
+        assert all(b - a == CHECKPOINT_STEPS - 1 for a, b in itertools.pairwise(m))
+    assert 0 <= phase_of("some request") < CHECKPOINT_STEPS - 1
 
 
 def test_encode_prior_round_trips_and_malformed_entries_raise() -> None:
