@@ -71,7 +71,7 @@ def decode_events(raw: str | bytes) -> list[OutputEvent]:
 class OutputEntry:
     request_id: str
     events: list[OutputEvent]
-    source: str  # token-stream cursor these events were decoded up to
+    source: str  # the ordinal of the last token chunk these events were decoded from
     first: bool = False
     published: bytes | None = None  # worker publish time of the source entry (latency)
     handoff_id: str = ""  # the request's hand-off entry: written only while we own it
@@ -173,7 +173,7 @@ class OutputStreams:
         return self._fenced_ids(entries, self._write_fenced(keys=keys, args=args))
 
     def last_source(self, rid: str) -> tuple[str, bool] | None:
-        """(token cursor of the last written entry, whether the stream has ended)."""
+        """(the token chunk ordinal of the last written entry, whether the stream has ended)."""
         return self.last_source_of(self.redis.xrevrange(self.keys.output(rid), count=1))
 
     def queue_last_source(self, pipe: Pipeline, rid: str) -> None:

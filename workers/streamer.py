@@ -9,7 +9,7 @@ One loop per process (several processes may run):
    entry per engine step for all its requests), back to its own stream after a gap;
 3. run each request's choice Decoders and append the resulting events to each
    request's output stream in ONE pipelined round trip (deltas coalesced per cycle,
-   each entry carrying the token cursor it was decoded up to);
+   each entry carrying the ordinal of the last token chunk it was decoded from);
 4. when every choice has ended, append usage, cancel the request upstream if it
    stopped locally (stop string / stop token), and acknowledge the hand-off entry;
 5. every half second, the watchdog: resume requests whose worker lost its lease,
@@ -571,7 +571,7 @@ class Streamer:
                 self._follow_step(t, log.steps, log.sid)
                 t.watch = True  # and its token stream (a new attempt starts there)
             t.wrote_output = True
-            logger.info("took over request %s at token cursor %s", rid, source)
+            logger.info("took over request %s at token chunk %s", rid, source)
         self.tracked[rid] = t
 
     # -- watchdog --------------------------------------------------------------------------
