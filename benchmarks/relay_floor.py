@@ -132,8 +132,6 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
         sent = store.publish_begin(items, 600, via, worker_id=WORKER, stamp=publish_stamp())
         if pending is not None:
             pending.statuses()
-        for log in logs.values():  # as the engine thread settles each, once it knows
-            log.settle(ran=True)
         pending = sent
     if pending is not None:
         pending.statuses()

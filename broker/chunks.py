@@ -83,8 +83,10 @@ def expand(entries: list[Any], after: int) -> Iterator[Chunk]:
 class ChunkLog:
     """A worker's record of one request attempt's chunks since its last checkpoint.
 
-    ``stage`` numbers the next chunk and says whether its publish is a checkpoint (and
-    with which earlier chunks); ``settle`` records what the publish came to. One publish
+    ``stage`` numbers the next chunk, records it as published and says whether its
+    publish is a checkpoint (and with which earlier chunks); ``unstage`` takes it back
+    when that publish did not run (rare: the engine thread learns it from ``landed``).
+    Recording first keeps the common path to one call per request and step. One publish
     per request is in flight at a time (the engine thread reads a publish's reply, or
     learns whether it landed, before it sends the next)."""
 
@@ -95,19 +97,25 @@ class ChunkLog:
     since: list[tuple[int, bytes]] = field(default_factory=list)  # not checkpointed yet
     since_bytes: int = 0
     marked: int = 0  # the publish index of the last checkpoint
-    _staged: tuple[int, bytes, bool, int] | None = None  # ordinal, payload, mark, index
+    # What ``unstage`` restores: the state before the last checkpoint staged, or None
+    # when the last staged chunk was appended to ``since``.
+    _undo: tuple[int, list[tuple[int, bytes]], int, int, int] | None = None
 
     def stage(self, payload: bytes, index: int, force: bool) -> tuple[int, bool, bytes]:
         """The next chunk, published by publish number ``index``: (ordinal, checkpoint,
         prior chunks). ``force``: a checkpoint whatever (an attempt's first or last)."""
         n = self.ordinal + 1
-        mark = (
+        if (
             force
             or index - self.marked >= CHECKPOINT_STEPS - 1
             or self.since_bytes + len(payload) > CHECKPOINT_BYTES
-        )
-        self._staged = (n, payload, mark, index)
-        return n, mark, encode_prior(self.since) if mark else b""
+        ):
+            return n, True, self._mark(n, index, self.since)
+        self._undo = None
+        self.ordinal = n
+        self.since.append((n, payload))
+        self.since_bytes += len(payload)
+        return n, False, b""
 
     def due(self, index: int) -> bool:
         """Whether chunks not checkpointed yet must be by publish number ``index`` even
@@ -120,20 +128,22 @@ class ChunkLog:
         the last is sent again, with the same ordinal, which readers already have
         skip. (ordinal, payload, prior chunks)."""
         n, payload = self.since[-1]
-        self._staged = (n, payload, True, index)
-        return n, payload, encode_prior(self.since[:-1])
+        return n, payload, self._mark(n, index, self.since[:-1])
 
-    def settle(self, ran: bool) -> None:
-        """The staged chunk's publish ran (it is in Redis) or did not (it goes out
-        again, renumbered the same, with the deltas recorded since)."""
-        staged, self._staged = self._staged, None
-        if staged is None or not ran:
-            return
-        n, payload, mark, index = staged
+    def _mark(self, n: int, index: int, prior: list[tuple[int, bytes]]) -> bytes:
+        self._undo = (self.ordinal, self.since, self.since_bytes, self.marked, self.phase)
         self.ordinal = n
-        if mark:
-            self.since, self.since_bytes, self.marked = [], 0, index - self.phase
-            self.phase = 0
+        self.since, self.since_bytes, self.marked = [], 0, index - self.phase
+        self.phase = 0
+        return encode_prior(prior)
+
+    def unstage(self) -> None:
+        """The last staged chunk's publish did not run: it goes out again, numbered the
+        same, with the deltas recorded since (or as part of the next checkpoint)."""
+        if self._undo is not None:
+            self.ordinal, self.since, self.since_bytes, self.marked, self.phase = self._undo
+            self._undo = None
             return
-        self.since.append((n, payload))
-        self.since_bytes += len(payload)
+        _n, payload = self.since.pop()
+        self.ordinal -= 1
+        self.since_bytes -= len(payload)

@@ -449,8 +449,8 @@ class RequestStore:
         for it in items:
             rid = it.request_id
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
-            flags = int(it.first) | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
-            args += [it.lease_value, it.attempt, it.payload, flags, it.ordinal, it.prior]
+            flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
+            args += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4, it.prior]
         if worker_id is not None:
             keys.append(k.steps(worker_id))
             args.append(worker_id)

@@ -443,7 +443,6 @@ class EngineThread(threading.Thread):
         """Act on what one request's part of a publish sent at ``sent_at`` came to."""
         if self._active.get(pitem.request_id) is not act:
             return  # superseded meanwhile by a newer attempt here: released already
-        act.log.settle(ran=True)
         if pitem.payload:  # "first" sets the stream's TTL: it must exist by then
             act.first = False
         act.last_publish = sent_at
@@ -507,7 +506,7 @@ class EngineThread(threading.Thread):
                 del act.unpublished[: was.deltas]
                 self._settle(act, was.item, PublishStatus.OK, was.sent_at)
             else:
-                act.log.settle(ran=False)  # its chunk goes out again, numbered the same
+                act.log.unstage()  # its chunk goes out again, numbered the same
         self._unsure = False
         return True
 

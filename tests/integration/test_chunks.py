@@ -104,42 +104,43 @@ class Publisher:
                     PublishItem(rid, lease, 0, payload, False, False, True, n, True, prior)
                 )
         assert all(s == 0 for s in self.store.publish(items, 30.0, self.worker))
-        for it in items:
-            self.logs[it.request_id].settle(ran=True)
         self.index += 1
 
 
 def test_chunk_log_numbers_checkpoints_and_rolls_back() -> None:
     log = ChunkLog(ordinal=7)
     assert log.stage(b"a", 0, force=True) == (8, True, b"")
-    log.settle(ran=True)
     for i in range(1, CHECKPOINT_STEPS - 1):
         n, mark, _prior = log.stage(b"x%d" % i, i, force=False)
         assert (n, mark) == (8 + i, False)
-        log.settle(ran=True)
     n, mark, prior = log.stage(b"y", CHECKPOINT_STEPS - 1, force=False)
     assert mark and n == 8 + CHECKPOINT_STEPS - 1
     assert [c for c, _p in entry_chunks({b"p": prior, b"n": b"%d" % n, b"d": b"y"})] == list(
         range(9, n + 1)
     )
-    log.settle(ran=False)  # it did not run: the same ordinal, still a checkpoint, next time
-    assert log.stage(b"z", CHECKPOINT_STEPS, force=False)[:2] == (n, True)
-    log.settle(ran=True)
+    log.unstage()  # it did not run: the same ordinal, still a checkpoint, next time
+    assert log.stage(b"z", CHECKPOINT_STEPS, force=False) == (n, True, prior)
     assert log.since == [] and log.ordinal == n and not log.due(10_000)
-    # Many bytes make a checkpoint before its time.
-    assert log.stage(b"b" * (CHECKPOINT_BYTES + 1), CHECKPOINT_STEPS + 1, force=False)[1]
+    # A chunk that did not run is numbered again; many bytes make a checkpoint early.
+    assert log.stage(b"c", CHECKPOINT_STEPS + 1, force=False) == (n + 1, False, b"")
+    log.unstage()
+    assert log.since == [] and log.ordinal == n and log.since_bytes == 0
+    assert log.stage(b"b" * (CHECKPOINT_BYTES + 1), CHECKPOINT_STEPS + 1, force=False)[:2] == (
+        n + 1,
+        True,
+    )
 
 
 def test_a_request_that_stops_producing_is_due_a_checkpoint() -> None:
     log = ChunkLog()
     log.stage(b"a", 0, force=True)
-    log.settle(ran=True)
     log.stage(b"b", 1, force=False)
-    log.settle(ran=True)
     assert not log.due(CHECKPOINT_STEPS - 2) and log.due(CHECKPOINT_STEPS - 1)
     assert log.restage(CHECKPOINT_STEPS - 1) == (2, b"b", b"")
-    log.settle(ran=True)
-    assert not log.due(10 * CHECKPOINT_STEPS)
+    log.unstage()  # did not run: still due, and the chunk still pending
+    assert log.due(CHECKPOINT_STEPS) and log.ordinal == 2 and log.since == [(2, b"b")]
+    assert log.restage(CHECKPOINT_STEPS) == (2, b"b", b"")
+    assert not log.due(10 * CHECKPOINT_STEPS) and log.ordinal == 2
 
 
 def test_requests_that_start_together_checkpoint_on_different_steps() -> None:
@@ -149,7 +150,6 @@ def test_requests_that_start_together_checkpoint_on_different_steps() -> None:
         log = ChunkLog(phase=phase)
         for i in range(4 * CHECKPOINT_STEPS):
             _n, mark, _prior = log.stage(b"x", i, force=i == 0)
-            log.settle(ran=True)
             if mark and i:
                 marks.setdefault(phase, []).append(i)
     for phase in phases:  # the first period is shortened by the phase, then whole
