@@ -29,6 +29,7 @@ from typing import Any
 CHECKPOINT_STEPS = 32
 # ... and at most this many payload bytes: a checkpoint resends them.
 CHECKPOINT_BYTES = 64 * 1024
+_PERIOD = CHECKPOINT_STEPS - 1  # a checkpoint's publish index minus the last one's, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ def phase_of(request_id: str) -> int:
 def encode_prior(chunks: list[tuple[int, bytes]]) -> bytes:
     """A checkpoint's earlier chunks as its ``p`` field: ordinal and payload, a line
     each (payloads are JSON: never a raw newline)."""
-    return b"\n".join(b"%d\n%s" % (n, payload) for n, payload in chunks)
+    return b"\n".join([b"%d\n%s" % chunk for chunk in chunks])
 
 
 def entry_chunks(fields: dict[bytes, Any]) -> list[tuple[int, bytes]]:
@@ -105,23 +106,20 @@ class ChunkLog:
         """The next chunk, published by publish number ``index``: (ordinal, checkpoint,
         prior chunks). ``force``: a checkpoint whatever (an attempt's first or last)."""
         n = self.ordinal + 1
-        if (
-            force
-            or index - self.marked >= CHECKPOINT_STEPS - 1
-            or self.since_bytes + len(payload) > CHECKPOINT_BYTES
-        ):
+        size = self.since_bytes + len(payload)
+        if force or index - self.marked >= _PERIOD or size > CHECKPOINT_BYTES:
             return n, True, self._mark(n, index, self.since)
         self._undo = None
         self.ordinal = n
         self.since.append((n, payload))
-        self.since_bytes += len(payload)
+        self.since_bytes = size
         return n, False, b""
 
     def due(self, index: int) -> bool:
         """Whether chunks not checkpointed yet must be by publish number ``index`` even
         without a new one (a request that stopped producing: its tail would otherwise
         outlive the step entries that hold it)."""
-        return bool(self.since) and index - self.marked >= CHECKPOINT_STEPS - 1
+        return bool(self.since) and index - self.marked >= _PERIOD
 
     def restage(self, index: int) -> tuple[int, bytes, bytes]:
         """A checkpoint of the chunks since the last one without a new chunk (``due``):

@@ -450,10 +450,11 @@ class RequestStore:
             rid = it.request_id
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
             flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
-            args += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4, it.prior]
+            args += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4]
         if worker_id is not None:
             keys.append(k.steps(worker_id))
             args.append(worker_id)
+            args += [it.prior for it in items if it.checkpoint and it.payload]
         return keys, args
 
     def landed(

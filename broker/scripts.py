@@ -41,11 +41,13 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 
 # KEYS: per request i (4 each): lease, tokens, req, cancel; then, optionally, the
 #       worker's step stream
-# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (5 each):
+# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
 #       lease_value, attempt, payload ('' = lease refresh only), flags + 16 x ordinal
 #       (flags: 1 first, 2 done, 4 keep the lease's TTL: the worker refreshes it only
 #       every fifth of a lease, 8 checkpoint; ordinal 0: the next after the token
-#       stream's last entry), prior chunks; then, with a step stream, the worker id
+#       stream's last entry); then, with a step stream, the worker id and the prior
+#       chunks of each request with flag 8 and a payload, in order (only checkpoints
+#       carry them: one argument fewer to pack per request and step)
 # Each payload is a chunk of the request's tokens with its ordinal (n, 1-based, counted
 # over every attempt). Without a step stream every chunk is an entry of the request's
 # token stream. With one, the step stream gets one entry per call holding every chunk
@@ -70,21 +72,27 @@ local steps = nil
 local worker = nil
 if #KEYS > n * 4 then
   steps = KEYS[#KEYS]
-  worker = ARGV[4 + n * 5]
+  worker = ARGV[4 + n * 4]
 end
 local lines = {}
 local marks = {}  -- the checkpoints, written once the step entry's id is known
+local prior = 4 + n * 4  -- the last prior chunks argument taken
 for i = 0, n - 1 do
   local k = i * 4
   local lease, tok, req, cancel = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local a = 4 + i * 5
+  local a = 4 + i * 4
+  local f = tonumber(ARGV[a + 3])
+  local payload = ARGV[a + 2]
+  local p = ''  -- its prior chunks (taken whether it is fenced or not: they are in order)
+  if steps and f % 16 >= 8 and payload ~= '' then
+    prior = prior + 1
+    p = ARGV[prior]
+  end
   if redis.call('GET', lease) ~= ARGV[a] then
     out[i + 1] = 1
   else
-    local f = tonumber(ARGV[a + 3])
     local flags = f % 4
     local keep = f % 8 >= 4
-    local payload = ARGV[a + 2]
     if payload ~= '' then
       local seq = math.floor(f / 16)
       local mark = seq == 0 or f % 16 >= 8 or not steps
@@ -92,7 +100,7 @@ for i = 0, n - 1 do
       if steps then
         local m = #lines  -- four lines per chunk, joined once at the end
         lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = tok, ARGV[a + 1], seq, payload
-        if mark then marks[#marks + 1] = {tok, ARGV[a + 1], payload, seq, ARGV[a + 4], flags} end
+        if mark then marks[#marks + 1] = {tok, ARGV[a + 1], payload, seq, p, flags} end
       else
         redis.call('XADD', tok, '*', 'a', ARGV[a + 1], 't', ARGV[3], 'd', payload, 'n', seq)
         if flags ~= 0 then redis.call('EXPIRE', tok, ARGV[2]) end

@@ -341,3 +341,22 @@ def test_the_engine_thread_checkpoints_a_request_it_stopped_advancing(
         rid = handles[name].item.request_id
         assert ids_of(store, rid) == list(range(100, 100 + tokens))
         assert len(redis_client.xrange(keys.tokens(rid))) < tokens // 10
+
+
+def test_each_checkpoint_gets_its_own_prior_chunks_when_another_is_fenced(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    """Prior chunks travel after the per-request arguments, one per checkpoint in
+    order: a fenced request's must not shift the next one's."""
+    keys = Keys(settings.key_prefix)
+    lost, mine = new_request(store, "wA"), new_request(store, "wA")
+    redis_client.set(keys.lease(lost), "wZ:3")  # lost: another worker holds it now
+    payload = encode_deltas([TokenDelta(0, [9])])
+    items = [
+        PublishItem(rid, lease_value("wA", 0), 0, payload, ordinal=3, checkpoint=True, prior=p)
+        for rid, p in ((lost, encode_prior([(1, b"[1]"), (2, b"[2]")])), (mine, b"1\n[5]\n2\n[6]"))
+    ]
+    assert store.publish(items, 30.0, "wA") == [1, 0]
+    assert not redis_client.exists(keys.tokens(lost))
+    ((_id, fields),) = redis_client.xrange(keys.tokens(mine))
+    assert entry_chunks(fields) == [(1, b"[5]"), (2, b"[6]"), (3, payload)]
