@@ -264,14 +264,16 @@ def test_landed_asks_the_step_stream(
 
 
 class PausingEngine(Engine):
-    """Holds one job's steps back for a while, then lets them out in order (a job the
-    engine stops advancing: its request publishes nothing meanwhile)."""
+    """Holds one job's steps back for ``pause`` engine steps, then lets them out in
+    order (a job the engine stops advancing: its request publishes nothing meanwhile)."""
 
     name = "pausing"
 
     def __init__(self, inner: Engine, job: str, after: int, pause: int) -> None:
         self.inner, self.job, self.after, self.pause = inner, job, after, pause
         self.seen = 0
+        self.calls = 0
+        self.held_since: int | None = None
         self.held: list[EngineStep] = []
 
     def submit(self, job: EngineJob) -> None:
@@ -280,17 +282,23 @@ class PausingEngine(Engine):
     def cancel(self, job_id: str) -> None:
         self.inner.cancel(job_id)
 
+    def holding(self) -> bool:
+        return self.held_since is not None and self.calls - self.held_since < self.pause
+
     def step(self) -> list[EngineStep]:
+        self.calls += 1
         out = []
         for s in self.inner.step():
             if s.job_id.startswith(self.job):
                 self.seen += 1
-                if self.after < self.seen <= self.after + self.pause:
+                if self.seen > self.after and self.held_since is None:
+                    self.held_since = self.calls
+                if self.holding():
                     self.held.append(s)
                     continue
-                out += self.held
-                self.held = []
             out.append(s)
+        if self.held and not self.holding():
+            out, self.held = self.held + out, []
         return out
 
     def has_work(self) -> bool:
@@ -303,7 +311,7 @@ class PausingEngine(Engine):
 
 @pytest.fixture
 def paused_thread(store: RequestStore) -> Iterator[EngineThread]:
-    engine = PausingEngine(EchoEngine(), "slow/", after=3, pause=700)
+    engine = PausingEngine(EchoEngine(), "slow/", after=3, pause=1500)
     thread = EngineThread(engine, store, lease_ttl_s=30.0, worker_id="wE")
     thread.start()
     yield thread
@@ -315,11 +323,11 @@ def test_the_engine_thread_checkpoints_a_request_it_stopped_advancing(
     settings: Settings, redis_client: redis.Redis, store: RequestStore, paused_thread: EngineThread
 ) -> None:
     """Through the engine thread: a request whose job the engine holds back publishes
-    nothing for ~700 steps while another one fills the step stream; every chunk of both
-    is still readable, while paused and at the end."""
+    nothing for 1500 steps while another one fills the step stream; every chunk of both
+    is still readable, while held back and at the end."""
     keys = Keys(settings.key_prefix)
     handles = {}
-    for name, tokens in (("slow", 720), ("fast", 2000)):
+    for name, tokens in (("slow", 720), ("fast", 2500)):
         rid = new_request(store, "wE", tokens)
         job = EngineJob(
             job_id=f"{name}/{rid}",
@@ -331,13 +339,13 @@ def test_the_engine_thread_checkpoints_a_request_it_stopped_advancing(
         handles[name] = paused_thread.submit(item)
     slow = handles["slow"].item.request_id
     deadline = time.time() + 60
-    while paused_thread.steps < 600 and time.time() < deadline:
+    while paused_thread.steps < 900 and time.time() < deadline:
         time.sleep(0.02)
-    paused = ids_of(store, slow)  # read while it is held back
-    assert paused == list(range(100, 100 + len(paused))) and 3 <= len(paused) < 720
+    paused = ids_of(store, slow)  # read while it is held back (until step ~1500)
+    assert paused == list(range(100, 103))
     for h in handles.values():
         assert h.wait(60)
-    for name, tokens in (("slow", 720), ("fast", 2000)):
+    for name, tokens in (("slow", 720), ("fast", 2500)):
         rid = handles[name].item.request_id
         assert ids_of(store, rid) == list(range(100, 100 + tokens))
         assert len(redis_client.xrange(keys.tokens(rid))) < tokens // 10
