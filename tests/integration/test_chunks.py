@@ -120,11 +120,11 @@ def test_chunk_log_numbers_checkpoints_and_rolls_back() -> None:
     )
     log.unstage()  # it did not run: the same ordinal, still a checkpoint, next time
     assert log.stage(b"z", CHECKPOINT_STEPS, force=False) == (n, True, prior)
-    assert log.since == [] and log.ordinal == n and not log.due(10_000)
+    assert log.since == b"" and log.ordinal == n and not log.due(10_000)
     # A chunk that did not run is numbered again; many bytes make a checkpoint early.
     assert log.stage(b"c", CHECKPOINT_STEPS + 1, force=False) == (n + 1, False, b"")
     log.unstage()
-    assert log.since == [] and log.ordinal == n and log.since_bytes == 0
+    assert log.since == b"" and log.ordinal == n
     assert log.stage(b"b" * (CHECKPOINT_BYTES + 1), CHECKPOINT_STEPS + 1, force=False)[:2] == (
         n + 1,
         True,
@@ -138,9 +138,16 @@ def test_a_request_that_stops_producing_is_due_a_checkpoint() -> None:
     assert not log.due(CHECKPOINT_STEPS - 2) and log.due(CHECKPOINT_STEPS - 1)
     assert log.restage(CHECKPOINT_STEPS - 1) == (2, b"b", b"")
     log.unstage()  # did not run: still due, and the chunk still pending
-    assert log.due(CHECKPOINT_STEPS) and log.ordinal == 2 and log.since == [(2, b"b")]
+    assert log.due(CHECKPOINT_STEPS) and log.ordinal == 2 and log.since == b"2\nb\n"
     assert log.restage(CHECKPOINT_STEPS) == (2, b"b", b"")
     assert not log.due(10 * CHECKPOINT_STEPS) and log.ordinal == 2
+    # Several chunks pending: the last one taken back, then a checkpoint without one.
+    log.stage(b"c", CHECKPOINT_STEPS + 1, force=False)
+    log.stage(b"d", CHECKPOINT_STEPS + 2, force=False)
+    log.unstage()  # d did not run
+    assert log.ordinal == 3 and log.since == b"3\nc\n"
+    assert log.stage(b"D", CHECKPOINT_STEPS + 3, force=False) == (4, False, b"")
+    assert log.restage(3 * CHECKPOINT_STEPS) == (4, b"D", b"3\nc")
 
 
 def test_requests_that_start_together_checkpoint_on_different_steps() -> None:
