@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from app.messages import EngineFinish, StopConditions, TokenDelta
-from app.records import RequestRecord
+from app.messages import EngineFinish, TokenDelta
 from app.settings import Settings
 from broker.chunks import (
     CHECKPOINT_BYTES,
@@ -39,6 +37,7 @@ from broker.requests import (
     lease_value,
     publish_stamp,
 )
+from tests.stack import make_record
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine
@@ -51,21 +50,11 @@ def store(settings: Settings, redis_client: redis.Redis) -> RequestStore:
     return RequestStore(redis_client, Keys(settings.key_prefix), stream_ttl_s=600)
 
 
-def new_request(store: RequestStore, worker: str, tokens: int = 400) -> str:
-    rid = uuid.uuid4().hex
-    now = time.time()
-    store.create(
-        RequestRecord(
-            request_id=rid,
-            model="m",
-            prompts=[list(range(100, 100 + tokens))],
-            stop=StopConditions(max_tokens=tokens, eos_token_ids=(2,)),
-            created=now,
-            deadline=now + 120,
-        )
-    )
-    assert store.claim(rid, 0, worker, 30.0, now) is ClaimResult.OK
-    return rid
+def new_request(settings: Settings, store: RequestStore, worker: str, tokens: int = 400) -> str:
+    record = make_record(settings, [list(range(100, 100 + tokens))], max_tokens=tokens)
+    store.create(record)
+    assert store.claim(record.request_id, 0, worker, 30.0, time.time()) is ClaimResult.OK
+    return record.request_id
 
 
 def ids_of(store: RequestStore, rid: str, after: int = 0) -> list[int]:
@@ -180,7 +169,7 @@ def test_every_chunk_is_read_once_at_every_step(
     settings: Settings, redis_client: redis.Redis, store: RequestStore
 ) -> None:
     keys = Keys(settings.key_prefix)
-    a, b = new_request(store, "wA"), new_request(store, "wA")
+    a, b = new_request(settings, store, "wA"), new_request(settings, store, "wA")
     pub = Publisher(store, "wA")
     sent: dict[str, list[int]] = {a: [], b: []}
     steps = 3 * CHECKPOINT_STEPS + 5
@@ -205,7 +194,7 @@ def test_the_tail_of_a_request_that_stops_producing_outlives_the_step_stream(
     """One request publishes three chunks and then nothing while another fills the
     step stream past its trimming: its tail was checkpointed in time."""
     keys = Keys(settings.key_prefix)
-    idle, busy = new_request(store, "wA"), new_request(store, "wA", tokens=1000)
+    idle, busy = new_request(settings, store, "wA"), new_request(settings, store, "wA", tokens=1000)
     pub = Publisher(store, "wA")
     for i in range(3):
         pub.step({idle: [7, i], busy: [i]})
@@ -223,7 +212,7 @@ def test_a_resumed_attempt_seals_its_predecessors_tail(
     settings: Settings, redis_client: redis.Redis, store: RequestStore
 ) -> None:
     keys = Keys(settings.key_prefix)
-    rid = new_request(store, "wA")
+    rid = new_request(settings, store, "wA")
     pub = Publisher(store, "wA")
     for i in range(CHECKPOINT_STEPS + 5):
         pub.step({rid: [i]})
@@ -248,7 +237,7 @@ def test_a_fenced_attempt_seals_nothing(
     settings: Settings, redis_client: redis.Redis, store: RequestStore
 ) -> None:
     keys = Keys(settings.key_prefix)
-    rid = new_request(store, "wA")
+    rid = new_request(settings, store, "wA")
     pub = Publisher(store, "wA")
     for i in range(3):
         pub.step({rid: [i]})
@@ -260,7 +249,7 @@ def test_a_fenced_attempt_seals_nothing(
 def test_landed_asks_the_step_stream(
     settings: Settings, redis_client: redis.Redis, store: RequestStore
 ) -> None:
-    rid = new_request(store, "wA")
+    rid = new_request(settings, store, "wA")
     stamp = publish_stamp()
     call = [(rid, 0, stamp)]
     assert store.landed(call, "wA") == [False]
@@ -335,7 +324,7 @@ def test_the_engine_thread_checkpoints_a_request_it_stopped_advancing(
     keys = Keys(settings.key_prefix)
     handles = {}
     for name, tokens in (("slow", 720), ("fast", 2500)):
-        rid = new_request(store, "wE", tokens)
+        rid = new_request(settings, store, "wE", tokens)
         job = EngineJob(
             job_id=f"{name}/{rid}",
             prompt_ids=list(range(100, 100 + tokens)),
@@ -364,7 +353,7 @@ def test_each_checkpoint_gets_its_own_prior_chunks_when_another_is_fenced(
     """Prior chunks travel after the per-request arguments, one per checkpoint in
     order: a fenced request's must not shift the next one's."""
     keys = Keys(settings.key_prefix)
-    lost, mine = new_request(store, "wA"), new_request(store, "wA")
+    lost, mine = new_request(settings, store, "wA"), new_request(settings, store, "wA")
     redis_client.set(keys.lease(lost), "wZ:3")  # lost: another worker holds it now
     payload = encode_deltas([TokenDelta(0, [9])])
     items = [
