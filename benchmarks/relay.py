@@ -140,8 +140,10 @@ def run(
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
             client_cpu = time.process_time() - client0
             calls = command_stats(client)
+            published: list[float] = []  # the worker's publish time of each output entry
             if stage == "relay" and reader == "hub":  # after the counts: reads of its own
-                hub_latencies(client, keys, received, lat, ttft_added)
+                hub_latencies(client, keys, received, lat, ttft_added, published)
+                last_recv = max((r[2] for r in received), default=t0)
         out: dict[str, object] = {
             "stage": stage,
             "streamers": streamers if stage == "relay" else 0,
@@ -185,6 +187,13 @@ def run(
                 "itl_p99": round(percentile(lat, 0.99) * 1000, 2),
             }
             out["ttft_ms_p50"] = round(statistics.median(ttft) * 1000, 1) if ttft else None
+            if published:
+                # Whether the streamer kept up with the worker in this very run: the
+                # worker's span (start to its last publish) over the span to the last
+                # output received. Unlike relay / worker-only tok/s, both sides of this
+                # ratio share one run's host, so a host that changes speed between two
+                # runs does not move it; a relay that falls behind stretches the second.
+                out["keep_up_in_run"] = round((max(published) - t0) / (last_recv - t0), 3)
         return out
 
 
@@ -278,16 +287,21 @@ def hub_latencies(
     received: list[tuple[str, str, float, bool]],
     lat: list[float],
     ttft_added: list[float],
+    published: list[float],
 ) -> None:
     """The added latency of each entry ``read_through_hub`` received, from the publish
-    times on the streams (the hub hands over events, not the entries' other fields)."""
+    times on the streams (the hub hands over events, not the entries' other fields);
+    ``published`` gets each entry's publish time."""
     fields_of: dict[tuple[str, str], dict[bytes, bytes]] = {}
     for rid in {r[0] for r in received}:
         for eid, fields in client.xrange(keys.output(rid)):
             fields_of[(rid, eid.decode())] = fields
     for rid, eid, recv, first in received:
-        added = output_latency(fields_of[(rid, eid)], recv)
+        fields = fields_of[(rid, eid)]
+        added = output_latency(fields, recv)
         lat.append(added)
+        if b"p" in fields:
+            published.append(float(fields[b"p"]))
         if first:
             ttft_added.append(added)
 
@@ -319,22 +333,59 @@ def main() -> int:
         "(default), or with one XREAD over every output stream through redis-py's client "
         "(how this benchmark read before: two calls per step, see broker/direct.py)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the stages this many times, alternated (worker, relay, worker, ...); with "
+        "--stage both, a last line gives each relay run's keep-up against the worker-only "
+        "runs on either side of it, whose speed drifts with the host's",
+    )
     args = parser.parse_args()
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
     prepare_bundled_model(models_dir)
     stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
-    for stage in stages:
-        for n in [int(x) for x in args.streamers.split(",")] if stage == "relay" else [1]:
-            result = run(
-                stage,
-                args.requests,
-                args.tokens,
-                models_dir,
-                args.rate,
-                streamers=n,
-                reader=args.reader,
-            )
-            print(json.dumps(result, indent=2))
+    results: list[dict[str, object]] = []
+    for _ in range(args.rounds):
+        for stage in stages:
+            for n in [int(x) for x in args.streamers.split(",")] if stage == "relay" else [1]:
+                result = run(
+                    stage,
+                    args.requests,
+                    args.tokens,
+                    models_dir,
+                    args.rate,
+                    streamers=n,
+                    reader=args.reader,
+                )
+                results.append(result)
+                print(json.dumps(result, indent=2), flush=True)
+    if args.stage == "both":
+        print(json.dumps(keep_up_summary(results), indent=2))
+    return 0
+
+
+def keep_up_summary(results: list[dict[str, object]]) -> dict[str, object]:
+    """Item 3's keep-up for alternated runs: each relay run's tok/s over the mean of the
+    worker-only runs just before and after it (one side at the ends), and the median."""
+    ratios = []
+    for i, r in enumerate(results):
+        if r["stage"] != "relay":
+            continue
+        near = [
+            float(str(results[j]["tokens_per_s"]))
+            for j in (i - 1, i + 1)
+            if 0 <= j < len(results) and results[j]["stage"] == "worker"
+        ]
+        if near:
+            ratios.append(round(float(str(r["tokens_per_s"])) / statistics.mean(near), 3))
+    in_run = [float(str(r["keep_up_in_run"])) for r in results if "keep_up_in_run" in r]
+    return {
+        "keep_up_vs_worker_only": ratios,
+        "keep_up_vs_worker_only_median": statistics.median(ratios) if ratios else None,
+        "keep_up_in_run": in_run,
+        "keep_up_in_run_median": statistics.median(in_run) if in_run else None,
+    }
     return 0
 
 
