@@ -147,6 +147,14 @@ class ChunkLog:
         self.since, self.marked, self.phase = bytearray(), index - self.phase, 0
         return bytes(since[: end - 1]) if end else b""
 
+    def unsealed(self) -> tuple[int, list[tuple[int, bytes]]]:
+        """The chunks published since the last checkpoint, and that checkpoint's
+        ordinal (the last published chunk's when there are none): what an attempt
+        that was fenced seals into the token stream (``RequestStore.seal_fenced``)."""
+        parts = bytes(self.since).split(b"\n")[:-1]
+        chunks = [(int(parts[i]), parts[i + 1]) for i in range(0, len(parts), 2)]
+        return (chunks[0][0] - 1 if chunks else self.ordinal), chunks
+
     def unstage(self) -> None:
         """The last staged chunk's publish did not run: it goes out again, numbered the
         same, with the deltas recorded since (or as part of the next checkpoint)."""

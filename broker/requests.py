@@ -85,6 +85,26 @@ class TokenLog:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class FencedTail:
+    """What an attempt that was fenced had published since its last checkpoint
+    (``ChunkLog.unsealed``), to seal (``RequestStore.seal_fenced``)."""
+
+    request_id: str
+    attempt: int
+    checkpointed: int  # the ordinal of its last checkpoint (the token stream's last entry)
+    chunks: list[tuple[int, bytes]]  # (ordinal, payload), in order; not empty
+
+
+def _seal_call(
+    keys: Keys, rid: str, lease: str, attempt: int, recorded: int, chunks: list[tuple[int, bytes]]
+) -> tuple[list[str], list[Any]]:
+    """``scripts.SEAL``'s keys and arguments: seal ``chunks`` after ordinal ``recorded``."""
+    (*prior, (n, payload)) = chunks
+    args = [lease, attempt, publish_stamp(), recorded, n, payload, encode_prior(prior)]
+    return [keys.lease(rid), keys.tokens(rid)], args
+
+
 @dataclass(slots=True)
 class PublishItem:
     """One request's contribution to one engine step's publish round trip.
@@ -346,25 +366,29 @@ class RequestStore:
             log = self.read_log(rid)
             if not log.tail:
                 break
-            (*prior, last) = log.tail
-            res = self._seal(
-                keys=[self.keys.lease(rid), self.keys.tokens(rid)],
-                args=[
-                    lease,
-                    last.attempt,
-                    publish_stamp(),
-                    log.recorded,
-                    last.n,
-                    last.payload,
-                    encode_prior([(c.n, c.payload) for c in prior]),
-                ],
-            )
+            last = log.tail[-1]
+            tail = [(c.n, c.payload) for c in log.tail]
+            keys, args = _seal_call(self.keys, rid, lease, last.attempt, log.recorded, tail)
+            res = self._seal(keys=keys, args=args)
             if int(res) >= 0:  # sealed, or fenced: its first publish will say so
                 break
         else:
             raise RuntimeError(f"request {rid}: its token stream kept changing while sealed")
         last_n = log.chunks[-1].n if log.chunks else 0
         return log.progress(num_choices), last_n
+
+    def seal_fenced(self, tails: Sequence[FencedTail]) -> list[int]:
+        """Attempts that a publish just fenced seal the chunks they published since
+        their last checkpoint into their token streams, in one round trip
+        (``scripts.SEAL`` without a lease: a successor that has written wins).
+        Per tail: 1 sealed, -1 a successor wrote first (it read the tail itself)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for t in tails:
+            keys, args = _seal_call(
+                self.keys, t.request_id, "", t.attempt, t.checkpointed, t.chunks
+            )
+            self._seal(keys=keys, args=args, client=pipe)
+        return [int(r) for r in pipe.execute()]
 
     # -- workers ------------------------------------------------------------------
     def claim(

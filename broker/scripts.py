@@ -132,16 +132,25 @@ end
 return out
 """
 
-# KEYS: lease, tokens       ARGV: lease_value, attempt, now, ordinal of the token stream's
-#                                 last entry as read (0 = empty), then the chunks to seal:
-#                                 last ordinal, last payload, prior chunks
+# KEYS: lease, tokens       ARGV: lease_value ('' = none: see below), attempt, now,
+#                                 ordinal of the token stream's last entry as read (0 =
+#                                 empty), then the chunks to seal: last ordinal, last
+#                                 payload, prior chunks
 # A resumed attempt seals the chunks its predecessor published after its last checkpoint
 # (they are only in that worker's step stream, which goes on being trimmed) into the
 # token stream, under its own lease, before it publishes anything: the record is whole
 # at every attempt's start. The entry names no worker: there is no tail after it.
+# The predecessor itself seals them too, without a lease, the moment a publish tells it
+# it was fenced (``RequestStore.seal_fenced``): a worker that lost some leases but goes
+# on serving its other requests trims its step stream, and the new attempt may start
+# only after the tail is gone from it (it waits for a free slot). The predecessor knows
+# its tail (``ChunkLog``) and learns of the fence before it has published a tenth of the
+# step entries a step stream keeps. Without a lease the fence is the ordinal: only the
+# attempt that wrote the token stream's last entry appends to it, and a successor's
+# first write (its seal, or its first publish, a checkpoint) changes it.
 # -> 1 sealed, 0 fenced (the lease is not ours), -1 the token stream changed since read
 SEAL = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 local have = 0
 if last[1] then

@@ -40,6 +40,7 @@ from broker.celery_app import GenerateResult, TaskOutcome
 from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection
 from broker.requests import (
+    FencedTail,
     PendingPublish,
     PublishItem,
     PublishStatus,
@@ -161,6 +162,10 @@ class EngineThread(threading.Thread):
         self._in_flight: _InFlight | None = None  # sent, reply not read yet
         self._unsure = False  # some request has a failed publish that may have run
         self._publishes = 0  # publish calls sent (``ChunkLog``'s clock)
+        # Tails of fenced attempts not sealed yet (``_seal_fenced``): sealed in one round
+        # trip after the reply that fenced them, retried with the next publish if Redis
+        # failed meanwhile.
+        self._fenced_tails: list[FencedTail] = []
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -370,6 +375,8 @@ class EngineThread(threading.Thread):
             return  # Redis was unreachable: keep the deltas until the next try
         if not self._settle_unsure(now):
             return
+        if self._fenced_tails:
+            self._seal_fenced()
         refresh_after = self.lease_ttl_s / 3
         # A lease is extended every fifth of it, not every step: at a thousand steps a
         # second the PEXPIRE was a fifth of the publish script's commands.
@@ -436,6 +443,8 @@ class EngineThread(threading.Thread):
             logger.info("publishing to redis again")
         for (act, pitem, _deltas), status in zip(flight.items, statuses, strict=True):
             self._settle(act, pitem, status, flight.sent_at)
+        if self._fenced_tails:
+            self._seal_fenced()
 
     def _settle(
         self, act: _Active, pitem: PublishItem, status: PublishStatus, sent_at: float
@@ -449,6 +458,14 @@ class EngineThread(threading.Thread):
         if pitem.refresh:
             act.last_refresh = sent_at
         if status is PublishStatus.FENCED:
+            if pitem.payload:
+                act.log.unstage()  # the script wrote nothing for it
+            checkpointed, chunks = act.log.unsealed()
+            if chunks:
+                item = act.handle.item
+                self._fenced_tails.append(
+                    FencedTail(item.request_id, item.attempt, checkpointed, chunks)
+                )
             act.outcome = TaskOutcome.FENCED
             self._cancel_jobs(act)
             self._release(act)
@@ -458,6 +475,17 @@ class EngineThread(threading.Thread):
             self._release(act)
         elif status is PublishStatus.CANCEL:
             self._cancel_jobs(act)
+
+    def _seal_fenced(self) -> None:
+        """Seal the tails of the attempts just fenced into their token streams: a
+        successor may read them only after this worker's step stream was trimmed past
+        them (``scripts.SEAL``). Redis away: kept for the next publish's try."""
+        try:
+            self.store.seal_fenced(self._fenced_tails)
+        except redis.RedisError as exc:
+            logger.warning("could not seal the tails of fenced requests yet (%s)", exc)
+            return
+        self._fenced_tails = []
 
     def _publish_failed(
         self,

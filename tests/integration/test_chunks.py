@@ -19,6 +19,7 @@ import redis
 
 from app.messages import EngineFinish, TokenDelta
 from app.settings import Settings
+from broker.celery_app import TaskOutcome
 from broker.chunks import (
     CHECKPOINT_BYTES,
     CHECKPOINT_STEPS,
@@ -30,7 +31,9 @@ from broker.chunks import (
 from broker.keys import Keys
 from broker.requests import (
     ClaimResult,
+    FencedTail,
     PublishItem,
+    PublishStatus,
     RequestStore,
     decode_deltas,
     encode_deltas,
@@ -246,6 +249,107 @@ def test_a_fenced_attempt_seals_nothing(
     assert redis_client.xrange(keys.tokens(rid)) == before
 
 
+def test_unsealed_is_what_was_published_since_the_last_checkpoint() -> None:
+    log = ChunkLog()
+    assert log.unsealed() == (0, [])
+    log.stage(b"[1]", 0, force=True)
+    assert log.unsealed() == (1, [])
+    log.stage(b"[2]", 1, force=False)
+    log.stage(b"[3]", 2, force=False)
+    log.stage(b"[4]", 3, force=False)
+    log.unstage()  # fenced: chunk 4 was not written
+    assert log.unsealed() == (1, [(2, b"[2]"), (3, b"[3]")])
+
+
+def fence_and_trim(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore, seal: bool
+) -> tuple[str, list[int], list[int]]:
+    """Worker A publishes a request's chunks, the last few after its last checkpoint;
+    its lease expires and the request is resumed; A's next publish is fenced (and, with
+    ``seal``, A seals its tail as the engine thread does); A goes on serving another
+    request until its step stream no longer holds the first one's tail. Returns the
+    request, every token id A published for it, and those of its checkpoints."""
+    keys = Keys(settings.key_prefix)
+    rid, other = new_request(settings, store, "wA"), new_request(settings, store, "wA", 1000)
+    pub = Publisher(store, "wA")
+    for i in range(CHECKPOINT_STEPS + 5):
+        pub.step({rid: [i], other: [i]})
+    log = pub.logs.pop(rid)
+    published = ids_of(store, rid)
+    checkpointed = [
+        t
+        for _id, fields in redis_client.xrange(keys.tokens(rid))
+        for _n, payload in entry_chunks(fields)
+        for d in decode_deltas(payload)
+        for t in d.token_ids
+    ]
+    assert len(checkpointed) < len(published) == CHECKPOINT_STEPS + 5  # a tail
+    redis_client.delete(keys.lease(rid))  # A stalled past its lease
+    assert store.resume(rid) == 1
+    payload = encode_deltas([TokenDelta(0, [999])])
+    n, mark, prior = log.stage(payload, pub.index, force=False)
+    item = PublishItem(
+        rid, lease_value("wA", 0), 0, payload, ordinal=n, checkpoint=mark, prior=prior
+    )
+    assert store.publish([item], 30.0, "wA") == [PublishStatus.FENCED]
+    log.unstage()
+    if seal:
+        mark_n, chunks = log.unsealed()
+        assert store.seal_fenced([FencedTail(rid, 0, mark_n, chunks)]) == [1]
+    for i in range(CHECKPOINT_STEPS + 5, 400):  # A goes on with its other request
+        pub.step({other: [i]})
+    kept = redis_client.xrange(keys.steps("wA"))
+    assert all(keys.tokens(rid).encode() not in fields[b"d"] for _id, fields in kept)
+    return rid, published, checkpointed
+
+
+def test_a_fenced_attempt_seals_its_tail_before_its_step_stream_loses_it(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    """The resumed attempt starts only after worker A, fenced but alive, trimmed the
+    tail out of its step stream (the successor waited for a slot): it still resumes
+    from every chunk A published, which a streamer has already turned into text."""
+    rid, published, _checkpointed = fence_and_trim(settings, redis_client, store, seal=True)
+    assert ids_of(store, rid) == published
+    assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
+    progress, ordinal = store.resume_point(rid, 1, lease_value("wB", 1))
+    assert progress[0].token_ids == published and ordinal == len(published)
+
+
+def test_without_the_fenced_seal_the_tail_would_be_lost(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    """The case the seal exists for: without it the successor resumes from the last
+    checkpoint, behind the text already sent (this test fails if the scenario above
+    stops producing a lost tail, so the one above cannot pass vacuously)."""
+    rid, published, checkpointed = fence_and_trim(settings, redis_client, store, seal=False)
+    assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
+    progress, _ordinal = store.resume_point(rid, 1, lease_value("wB", 1))
+    assert progress[0].token_ids == checkpointed != published
+
+
+def test_a_successor_that_sealed_first_wins(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    """The successor read the tail from the step stream and sealed it before the fenced
+    predecessor's seal came: that one is refused, nothing is written twice."""
+    keys = Keys(settings.key_prefix)
+    rid = new_request(settings, store, "wA")
+    pub = Publisher(store, "wA")
+    for i in range(5):
+        pub.step({rid: [i]})
+    mark_n, chunks = pub.logs[rid].unsealed()
+    assert chunks
+    redis_client.delete(keys.lease(rid))
+    assert store.resume(rid) == 1
+    assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
+    assert store.resume_point(rid, 1, lease_value("wB", 1))[1] == 5
+    before = redis_client.xrange(keys.tokens(rid))
+    assert store.seal_fenced([FencedTail(rid, 0, mark_n, chunks)]) == [-1]
+    assert redis_client.xrange(keys.tokens(rid)) == before
+    assert ids_of(store, rid) == [0, 1, 2, 3, 4]
+
+
 def test_landed_asks_the_step_stream(
     settings: Settings, redis_client: redis.Redis, store: RequestStore
 ) -> None:
@@ -364,3 +468,56 @@ def test_each_checkpoint_gets_its_own_prior_chunks_when_another_is_fenced(
     assert not redis_client.exists(keys.tokens(lost))
     ((_id, fields),) = redis_client.xrange(keys.tokens(mine))
     assert entry_chunks(fields) == [(1, b"[5]"), (2, b"[6]"), (3, payload)]
+
+
+def test_the_engine_thread_seals_the_tail_of_an_attempt_it_learns_was_fenced(
+    settings: Settings, redis_client: redis.Redis, store: RequestStore
+) -> None:
+    """Through the engine thread: a request's lease is lost while its tail is only in
+    the step stream; the next publish is fenced and the thread seals the tail, then
+    goes on serving another request until the step stream no longer holds it. The
+    resumed attempt gets every token the fenced one published."""
+    keys = Keys(settings.key_prefix)
+    thread = EngineThread(
+        EchoEngine(tokens_per_second=500), store, lease_ttl_s=30.0, worker_id="wE"
+    )
+    thread.start()
+    try:
+        handles = {}
+        for name in ("lost", "other"):
+            rid = new_request(settings, store, "wE", 3000)
+            job = EngineJob(
+                job_id=f"{name}/{rid}",
+                prompt_ids=list(range(100, 3100)),
+                choices=[ChoiceJob(0, 3000)],
+                eos_token_ids=frozenset({2}),
+            )
+            item = WorkItem(rid, 0, lease_value("wE", 0), [job], deadline=time.time() + 120)
+            handles[name] = thread.submit(item)
+        rid = handles["lost"].item.request_id
+        deadline = time.time() + 30
+        while time.time() < deadline:  # until its tail holds a few chunks
+            log = store.read_log(rid)
+            if log.recorded > CHECKPOINT_STEPS and 3 <= len(log.tail) <= 20:
+                break
+            time.sleep(0.002)
+        redis_client.delete(keys.lease(rid))  # it stalled past its lease (as far as Redis sees)
+        assert store.resume(rid) == 1
+        assert handles["lost"].wait(10)
+        assert handles["lost"].result is not None
+        assert handles["lost"].result.outcome is TaskOutcome.FENCED
+        published = ids_of(store, rid)
+        sealed = [f for _id, f in redis_client.xrange(keys.tokens(rid)) if b"w" not in f]
+        assert len(sealed) == 1 and sealed[0][b"a"] == b"0"  # the fenced attempt's own
+        steps = thread.steps
+        while thread.steps < steps + 400 and time.time() < deadline:
+            time.sleep(0.01)
+        kept = redis_client.xrange(keys.steps("wE"))
+        assert all(keys.tokens(rid).encode() not in fields[b"d"] for _id, fields in kept)
+    finally:
+        thread.stop()
+        thread.join(5)
+    assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
+    progress, ordinal = store.resume_point(rid, 1, lease_value("wB", 1))
+    assert progress[0].token_ids == published == list(range(100, 100 + len(published)))
+    assert ordinal == store.read_log(rid).recorded
