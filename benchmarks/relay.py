@@ -21,12 +21,14 @@ import json
 import os
 import queue
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,7 @@ def run(
     rate: float = 0.0,
     streamers: int = 1,
     reader: str = "hub",
+    burn: float = 0.0,
 ) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         settings = isolated_settings(
@@ -88,6 +91,8 @@ def run(
         ready = threading.Event()
         with worker_process(settings, Path(logs)) as worker, ExitStack() as running:
             pids = {"worker": worker.pid, "redis": server.proc.pid}  # type: ignore[union-attr]
+            if stage == "worker" and burn > 0:
+                burner = running.enter_context(cpu_burner(burn))
             for i in range(streamers if stage == "relay" else 0):
                 name = "streamer" if streamers == 1 else f"streamer{i + 1}"
                 proc = running.enter_context(streamer_process(settings, Path(logs), name=name))
@@ -113,6 +118,7 @@ def run(
                 subs = {r.request_id: hub.subscribe(r.request_id, notify=ready) for r in records}
             calls0 = command_stats(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+            burned0 = cpu_seconds(burner.pid) if stage == "worker" and burn > 0 else 0.0
             client0 = time.process_time()
             t0 = time.time()
             for r in records:
@@ -138,6 +144,7 @@ def run(
                 delivered = read_with_client(client, keys, records, t0, lat, ttft_added, ttft)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+            burned = cpu_seconds(burner.pid) - burned0 if stage == "worker" and burn > 0 else 0.0
             client_cpu = time.process_time() - client0
             calls = command_stats(client)
             published: list[float] = []  # the worker's publish time of each output entry
@@ -157,6 +164,8 @@ def run(
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }
         out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
+        if burned:
+            out["burner_cores"] = round(burned / elapsed, 2)  # not in the totals
         # This process reads the outputs (as a web process would) or polls the records:
         # not part of the relay's cost above, but it shares the machine's cores, and
         # ``cores_busy`` (every process here, per second of the run) shows a stage that
@@ -195,6 +204,29 @@ def run(
                 # runs does not move it; a relay that falls behind stretches the second.
                 out["keep_up_in_run"] = round((max(published) - t0) / (last_recv - t0), 3)
         return out
+
+
+BURNER = """
+import sys, time
+duty = float(sys.argv[1])
+while True:
+    end = time.perf_counter() + duty * 0.01
+    while time.perf_counter() < end:
+        pass
+    time.sleep((1 - duty) * 0.01)
+"""
+
+
+@contextmanager
+def cpu_burner(cores: float) -> Iterator[subprocess.Popen[bytes]]:
+    """A process that keeps ``cores`` (0-1) of a core busy in 10 ms cycles: the relay
+    stage's extra CPU demand without its relay, for a worker-only control run."""
+    proc = subprocess.Popen([sys.executable, "-c", BURNER, str(min(cores, 1.0))])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def output_latency(fields: dict[bytes, bytes], recv: float) -> float:
@@ -341,6 +373,13 @@ def main() -> int:
         "--stage both, a last line gives each relay run's keep-up against the worker-only "
         "runs on either side of it, whose speed drifts with the host's",
     )
+    parser.add_argument(
+        "--burn",
+        type=float,
+        default=0.0,
+        help="with the worker stage, a process that keeps this much of a core busy (0-1): "
+        "a control for keep-up, the relay stage's extra CPU demand without the relay",
+    )
     args = parser.parse_args()
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
     prepare_bundled_model(models_dir)
@@ -357,6 +396,7 @@ def main() -> int:
                     args.rate,
                     streamers=n,
                     reader=args.reader,
+                    burn=args.burn,
                 )
                 results.append(result)
                 print(json.dumps(result, indent=2), flush=True)
