@@ -5,13 +5,14 @@
 - ``--stage worker`` (issue #3): one worker publishes; the client only waits for the
   requests to finish. Reports token ids published per second and worker CPU µs/token.
 - ``--stage relay`` (issue #4): worker + streamer + redis; the client reads every
-  request's output through an ``OutputHub``, as a web process does (``--reader client``:
-  one XREAD over all the streams through redis-py, as it did before). Reports delivered
+  request's output through an ``OutputHub``, as a web process does. Reports delivered
   tokens/s, CPU µs per delivered token for each process (from /proc: stable under
-  noise), and the latency the relay adds over the engine: for every output entry, the
-  time the client received it minus the time the worker published the last token in it
-  (carried on the entries, to the microsecond), so TTFT/ITL "added" exclude the engine's
-  own step.
+  noise), and the latency the relay adds over the engine: for the output chunks that
+  are checkpoints (a request's first, its last, and about every 32nd: the ones whose
+  worker publish time is kept, to the microsecond, in the output stream), the time the
+  client received the chunk minus the time the worker published the last token in it,
+  so TTFT/ITL "added" exclude the engine's own step. The sample is every request's
+  chunks at the same writes' spacing, phase-shifted per request.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import RequestStore
 from broker.server import RedisServer
-from broker.streams import OutputHub, Subscription, decode_events, is_terminal
+from broker.streams import OutputHub, Subscription, is_terminal
 from tests.stack import isolated_settings, streamer_process, worker_process
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -76,7 +77,6 @@ def run(
     models_dir: Path,
     rate: float = 0.0,
     streamers: int = 1,
-    reader: str = "hub",
     burn: float = 0.0,
 ) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
@@ -111,7 +111,7 @@ def run(
                         deadline=now + 600,
                     )
                 )
-            if stage == "relay" and reader == "hub":
+            if stage == "relay":
                 # Subscribed before the requests exist, as a web process is before its
                 # first event: the hub's XREAD waits on streams that have no entry yet.
                 hub = OutputHub(client, keys, block_ms=1000)
@@ -138,24 +138,21 @@ def run(
                 delivered = sum(
                     len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
                 )
-            elif reader == "hub":
-                delivered, received = read_through_hub(hub, subs, ready, t0, ttft)
             else:
-                delivered = read_with_client(client, keys, records, t0, lat, ttft_added, ttft)
+                delivered, received = read_through_hub(hub, subs, ready, t0, ttft)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
             burned = cpu_seconds(burner.pid) - burned0 if stage == "worker" and burn > 0 else 0.0
             client_cpu = time.process_time() - client0
             calls = command_stats(client)
             published: list[float] = []  # the worker's publish time of each output entry
-            if stage == "relay" and reader == "hub":  # after the counts: reads of its own
+            if stage == "relay":  # after the counts: reads of its own
                 hub_latencies(client, keys, received, lat, ttft_added, published)
                 last_recv = max((r[2] for r in received), default=t0)
         out: dict[str, object] = {
             "stage": stage,
             "streamers": streamers if stage == "relay" else 0,
             "engine_rate_per_request": rate or "unlimited",
-            "reader": reader if stage == "relay" else None,
             "requests": n_requests,
             "tokens_per_request": n_tokens,
             "delivered_tokens": delivered,
@@ -229,48 +226,6 @@ def cpu_burner(cores: float) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait()
 
 
-def output_latency(fields: dict[bytes, bytes], recv: float) -> float:
-    """``recv`` minus the worker's publish time carried by an output entry (µs
-    precision), else its entry id's millisecond."""
-    if b"p" in fields:
-        return recv - float(fields[b"p"])
-    return recv - int(fields[b"s"].split(b"-")[0]) / 1000
-
-
-def read_with_client(
-    client: redis.Redis,
-    keys: Keys,
-    records: list[RequestRecord],
-    t0: float,
-    lat: list[float],
-    ttft_added: list[float],
-    ttft: list[float],
-) -> int:
-    """Every output, with one blocking XREAD over all the streams; the tokens delivered."""
-    cursors = {keys.output(r.request_id): "0-0" for r in records}
-    seen_first: set[str] = set()
-    delivered = 0
-    while cursors:
-        res = client.xread(cursors, count=1024, block=1000)
-        recv = time.time()
-        for key_raw, entries in res or []:
-            key = key_raw.decode()
-            for eid, fields in entries:
-                cursors[key] = eid
-                for ev in decode_events(fields[b"e"]):
-                    if ev.kind is OutputKind.DELTA:
-                        if key not in seen_first:
-                            seen_first.add(key)
-                            ttft_added.append(output_latency(fields, recv))
-                            ttft.append(recv - t0)
-                        lat.append(output_latency(fields, recv))
-                    if ev.kind is OutputKind.USAGE and ev.usage:
-                        delivered += ev.usage["completion_tokens"]
-                    if is_terminal(ev):
-                        cursors.pop(key, None)
-    return delivered
-
-
 def read_through_hub(
     hub: OutputHub,
     subs: dict[str, Subscription],
@@ -321,21 +276,22 @@ def hub_latencies(
     ttft_added: list[float],
     published: list[float],
 ) -> None:
-    """The added latency of each entry ``read_through_hub`` received, from the publish
-    times on the streams (the hub hands over events, not the entries' other fields);
-    ``published`` gets each entry's publish time."""
-    fields_of: dict[tuple[str, str], dict[bytes, bytes]] = {}
+    """The added latency of each checkpoint chunk ``read_through_hub`` received, from the
+    publish times the output streams keep for them (the hub hands over events, not the
+    entries' other fields); ``published`` gets each one's publish time."""
+    published_at: dict[tuple[str, str], float] = {}
     for rid in {r[0] for r in received}:
-        for eid, fields in client.xrange(keys.output(rid)):
-            fields_of[(rid, eid.decode())] = fields
-    for rid, eid, recv, first in received:
-        fields = fields_of[(rid, eid)]
-        added = output_latency(fields, recv)
-        lat.append(added)
-        if b"p" in fields:
-            published.append(float(fields[b"p"]))
+        for _eid, fields in client.xrange(keys.output(rid)):
+            if b"t" in fields:
+                published_at[(rid, fields[b"n"].decode())] = float(fields[b"t"])
+    for rid, n, recv, first in received:
+        at = published_at.get((rid, n))
+        if at is None:
+            continue
+        lat.append(recv - at)
+        published.append(at)
         if first:
-            ttft_added.append(added)
+            ttft_added.append(recv - at)
 
 
 def main() -> int:
@@ -356,14 +312,6 @@ def main() -> int:
         default="1",
         help="streamer processes in the relay stage; a comma-separated list (1,2,4) runs "
         "the relay stage once for each",
-    )
-    parser.add_argument(
-        "--reader",
-        choices=["hub", "client"],
-        default="hub",
-        help="how the client reads the outputs: through an OutputHub, as a web process does "
-        "(default), or with one XREAD over every output stream through redis-py's client "
-        "(how this benchmark read before: two calls per step, see broker/direct.py)",
     )
     parser.add_argument(
         "--rounds",
@@ -395,7 +343,6 @@ def main() -> int:
                     models_dir,
                     args.rate,
                     streamers=n,
-                    reader=args.reader,
                     burn=args.burn,
                 )
                 results.append(result)

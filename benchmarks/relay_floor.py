@@ -13,19 +13,18 @@ must do, with the production code that builds, packs and sends each call.
   step, each request's chunks numbered and checkpointed by a ``ChunkLog``, as the
   engine thread does; no engine.
 - **relay** (the streamer): a blocking XREAD of the worker's step stream, and for every
-  token line one output entry written with ``OutputStreams.write_then_read`` (the
-  fenced output write and the next read in one send); its events are made once per
+  token line one output chunk written with ``OutputStreams.write_then_read`` (the
+  fenced output write and the next read in one send), numbered and checkpointed by a
+  ``ChunkLog`` per request as the streamer does; its events are made once per
   request, not decoded from the tokens.
 - **reader** (a web process's hub): a blocking XREAD of the relay's output step stream;
   each line's latency is the time it was split out of the reply minus the publish
   time (carried in the event's text, since a step line has no other field).
 
-``--variant design`` runs the production scripts. ``--variant steps-only`` runs the
-same calls against an output write that keeps every check (the fence) and the output
-step stream but appends nothing to the per-request output streams: what checkpointing
-the output streams as the token streams are (broker/chunks.py) would leave. It
-projects that change; it is not a way to run tokenrelay. (Until the token streams
-were checkpointed, it projected that too.) ``--variant hops`` keeps only the hops:
+``--variant design`` runs the production scripts. (A ``steps-only`` variant projected
+checkpointing the token and then the output streams, broker/chunks.py, by editing
+the scripts; both are checkpointed now, and it is gone.) ``--variant hops`` keeps only
+the hops:
 each process appends one plain step entry (the same lines, no script, no per-request
 key) and the next one wakes on it: the latency of three processes handing a step's
 lines on through Redis, with nothing else done.
@@ -50,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from relay import cpu_seconds, percentile
 
 from app.messages import OutputEvent, OutputKind, TokenDelta
-from broker import scripts
 from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
@@ -67,21 +65,6 @@ from broker.streams import (
 PREFIX = "floor:"
 WORKER = "w1"
 STREAMER = "s1"
-
-
-def _without_stream_writes(script: str, loop_xadd: str, ordinal: str) -> str:
-    """``script`` with its per-request XLEN and XADD replaced by a made-up entry id: every
-    other command (fence, cancel, TTLs, the step stream's one XADD) stays."""
-    if loop_xadd not in script or ordinal not in script:
-        raise ValueError("the production script changed: update this projection")
-    return script.replace(ordinal, "local seq = 1").replace(loop_xadd, "local id = '0-1'")
-
-
-STEPS_ONLY_WRITE = _without_stream_writes(
-    scripts.WRITE_OUTPUTS,
-    "local id = redis.call('XADD', KEYS[i], '*', unpack(fields))",
-    "local seq = redis.call('XLEN', KEYS[i]) + 1",
-)
 
 
 def paced_steps(steps: int, rate: float) -> Iterator[tuple[int, bytes]]:
@@ -151,12 +134,12 @@ def relay_role(url: str, n: int, steps: int, variant: str) -> None:
     keys = Keys(PREFIX)
     outputs = OutputStreams(client, keys)
     outputs.fence_epoch = ""  # the epoch key is unset: no hand-off entry is checked
-    if variant == "steps-only":
-        outputs._write_fenced = client.register_script(STEPS_ONLY_WRITE)
-    client.script_load(outputs._write_fenced.script)
+    client.script_load(outputs._write_script.script)
     via = DirectConnection(client)
     streams = {keys.steps(WORKER): "0-0"}
     first: set[str] = set()
+    logs: dict[str, ChunkLog] = {}
+    writes = 0
     reply = via.call("XREAD", "COUNT", 64, "BLOCK", 30_000, "STREAMS", *streams, *streams.values())
     lines_left = n * steps
     while lines_left > 0:
@@ -169,8 +152,25 @@ def relay_role(url: str, n: int, steps: int, variant: str) -> None:
                 for tok_key, _attempt, n, _payload in split_step(fields[b"d"]):
                     rid = tok_key.removeprefix(keys.tokens(""))
                     event = OutputEvent(OutputKind.DELTA, choice=0, text=text)
-                    entries.append(OutputEntry(rid, [event], str(n), rid not in first, published))
+                    log = logs.setdefault(rid, ChunkLog(phase=phase_of(rid)))
+                    payload = encode_events([event])
+                    force = rid not in first or n == steps
+                    o, mark, prior = log.stage(payload, writes, force)
+                    entries.append(
+                        OutputEntry(
+                            rid,
+                            [event],
+                            str(n),
+                            rid not in first,
+                            published,
+                            n=o,
+                            checkpoint=mark,
+                            prior=prior,
+                            payload=payload,
+                        )
+                    )
                     first.add(rid)
+        writes += 1
         lines_left -= len(entries)
         if variant == "hops":
             lines = b"\n".join(
@@ -271,8 +271,8 @@ def main() -> int:
     parser.add_argument(
         "--variant",
         nargs="+",
-        choices=["design", "steps-only", "hops"],
-        default=["design", "steps-only", "hops"],
+        choices=["design", "hops"],
+        default=["design", "hops"],
     )
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of it all")
     args = parser.parse_args()

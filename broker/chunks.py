@@ -105,6 +105,16 @@ class ChunkLog:
     # when the last staged chunk was appended to ``since``.
     _undo: tuple[int, bytearray, int, int] | None = None
 
+    @classmethod
+    def following(cls, recorded: int, tail: list[tuple[int, bytes]]) -> ChunkLog:
+        """The log of a writer that takes a stream over after its last checkpoint
+        (ordinal ``recorded``) and the chunks after it (``tail``, in order): ``restage``
+        checkpoints them under the new writer."""
+        log = cls(ordinal=tail[-1][0] if tail else recorded)
+        for n, payload in tail:
+            log.since += b"%d\n%s\n" % (n, payload)
+        return log
+
     def stage(self, payload: bytes, index: int, force: bool) -> tuple[int, bool, bytes]:
         """The next chunk, published by publish number ``index``: (ordinal, checkpoint,
         prior chunks). ``force``: a checkpoint whatever (an attempt's first or last)."""

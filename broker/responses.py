@@ -50,8 +50,6 @@ return 1
 # The longest conversation ``conversation`` walks (a guard; each turn is one round trip).
 MAX_CHAIN = 10_000
 LOST_MESSAGE = "The response's output expired or was lost before it was stored."
-# Entries read per round trip while folding a stream.
-READ_COUNT = 512
 
 
 def _dumps(value: Any) -> str:
@@ -182,15 +180,11 @@ class ResponseStore:
         """The request's output stream so far, folded (no blocking read)."""
         events = ResponseEvents(stored.base, stored.request_id, queued=stored.background)
         events.opening()
-        cursor = "0-0"
-        while not events.done:
-            entries = self.outputs.read(stored.request_id, cursor, count=READ_COUNT)
-            if not entries:
-                break
-            for eid, batch in entries:
-                cursor = eid
-                for ev in batch:
-                    events.feed(ev)
+        for _n, batch in self.outputs.read(stored.request_id):
+            for ev in batch:
+                events.feed(ev)
+                if events.done:
+                    return events
         return events
 
     def settle(self, stored: StoredResponse) -> StoredResponse:

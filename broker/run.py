@@ -58,8 +58,8 @@ from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, Pumped, i
 
 logger = logging.getLogger(__name__)
 
-# (event cursor, event). The cursor "<output entry id>/<index in the entry>" names one
-# event exactly: a client that saw it resumes right after it (``Runner.resume``).
+# (event cursor, event). The cursor "<output chunk ordinal>/<index in the chunk>" names
+# one event exactly: a client that saw it resumes right after it (``Runner.resume``).
 Item = tuple[str, OutputEvent]
 
 # A silent run checks this often whether its request still exists in Redis.
@@ -146,7 +146,7 @@ class Run:
         self.request_id = prepared.record.request_id
         # The last event cursor handed out: a client's resume point.
         self.cursor = cursor or ""
-        entry, skip = split_cursor(cursor)
+        chunk, skip = split_cursor(cursor)
         self.observer = observer
         self.ended = False  # the terminal event was handed out
         # The terminal event was made here (the guard's deadline/lost/outage error, or
@@ -157,12 +157,12 @@ class Run:
         self.request_error: StreamError | None = None
         self.choice_errors: dict[int, StreamError] = {}
         self._pending: deque[tuple[str, int, OutputEvent]] = deque()
-        self._skip = (entry, skip)  # resuming: events of that entry already seen
+        self._skip = (chunk, skip)  # resuming: events of that chunk already seen
         self._last_seen = runner.clock()
         self._closed = False
         self._sub = runner.hub.subscribe(
             self.request_id,
-            entry_before(entry),
+            max(int(chunk) - 1, 0),  # that chunk again: the events of it not yet seen
             notify=notify,
             on_drop=self._stalled,
             wake=False,
@@ -378,27 +378,15 @@ class Run:
 
 
 STATUS_CANCELLED = "cancelled_error"
-_MAX_SEQ = 2**64 - 1
 
 
 def split_cursor(cursor: str | None) -> tuple[str, int]:
-    """(output entry id, events of it already seen) for an event cursor; ("0-0", 0)
+    """(output chunk ordinal, events of it already seen) for an event cursor; ("0", 0)
     for None (from the start)."""
     if not cursor:
-        return "0-0", 0
-    entry, _, index = cursor.partition("/")
-    return entry, int(index) + 1
-
-
-def entry_before(entry: str) -> str:
-    """The stream id just before ``entry`` (XREAD is exclusive; the entry itself is
-    read again so the events of it not yet seen are delivered)."""
-    if entry == "0-0":
-        return entry
-    ms, _, seq = entry.partition("-")
-    if int(seq) > 0:
-        return f"{ms}-{int(seq) - 1}"
-    return f"{int(ms) - 1}-{_MAX_SEQ}"
+        return "0", 0
+    chunk, _, index = cursor.partition("/")
+    return chunk, int(index) + 1
 
 
 class Runner:

@@ -167,10 +167,14 @@ return 1
 """
 
 # KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry, then
-#       the streamer's output step stream
-# ARGV: group, consumer, ttl_s, epoch ('' = unknown; else 'e:' and the epoch the streamer
-#       last checked its entries under), then per entry (5 each): hand-off entry id ('' =
-#       not fenced), first (1/0), encoded events, source cursor, publish time ('' = none)
+#       (with a consumer) the streamer's output step stream
+# ARGV: group, consumer ('' = none: no fence, no step stream), ttl_s, epoch ('' =
+#       unknown; else 'e:' and the epoch the streamer last checked its entries under),
+#       call stamp, number of entries, then per entry (5 each): hand-off entry id ('' =
+#       not fenced), flags + 16 x ordinal (flags: 1 first (set the TTL), 8 checkpoint;
+#       ordinal 0: the next after the stream's last entry, written as a checkpoint),
+#       encoded events, source (the token chunk ordinal they were decoded up to), publish
+#       time ('' = none); then the prior chunks of each entry with flag 8, in order
 # A streamer writes a request's output only while it still owns the request's hand-off
 # entry: one that stalled (a pause, SIGSTOP) after it decoded and before this write must
 # not append stale text after the streamer that took the request over (XAUTOCLAIM moves
@@ -180,41 +184,82 @@ return 1
 # hand-off epoch is not the one the streamer knows: every takeover (TAKE_OVER) sets a
 # new one first, and a streamer learns the epoch together with its entries' owners
 # (``RequestHandoff.owners``), so an unchanged epoch means no entry changed hands since.
-# Each output entry also carries its ordinal in its stream (n: XLEN after it) and the
-# streamer (w, the consumer), and the step stream gets one
-# entry per call holding every output entry written, one line each: output stream key,
-# entry id, ordinal, events (a web process's hub reads one entry per write instead of
-# one per request; docs/architecture.md), trimmed to about 256 entries.
+# Each output entry is a chunk of the request's events with its ordinal (n, 1-based,
+# counted over every streamer that wrote the request), as token chunks are
+# (broker/chunks.py). The step stream gets one entry per call holding every chunk
+# written, one line each: output stream key, source, ordinal, events (a web process's
+# hub reads one entry per write instead of one per request; docs/architecture.md),
+# and the call's stamp (c: how a streamer whose reply was lost finds out whether the
+# call ran), trimmed to about 256 entries. A chunk goes into the request's own output
+# stream only at a checkpoint (flag 8; every chunk without a step stream), which the
+# streamer asks for on a request's first write, its last, and at least once every
+# ``broker.chunks.CHECKPOINT_STEPS`` writes: that entry holds the chunks since the last
+# checkpoint (p), its own (d, n, s), the streamer (w) and the step entry of its call
+# (i), and the publish time of its tokens (t, for the latency benchmarks). So the output
+# stream plus the step entries after its last entry's i hold every chunk.
 # -> the 1-based indexes of the entries not written (fenced)
 WRITE_OUTPUTS = """
+local n = tonumber(ARGV[6])
+local owner = ARGV[2]
+local steps = nil
+if owner ~= '' then steps = KEYS[n + 3] end
+local check = steps and ARGV[4] ~= 'e:' .. (redis.call('GET', KEYS[2]) or '')
 local fenced = {}
-local n = (#ARGV - 4) / 5
-local steps = KEYS[n + 3]
-local check = ARGV[4] ~= 'e:' .. (redis.call('GET', KEYS[2]) or '')
 local lines = {}
-for i = 3, n + 2 do
-  local a = 5 + (i - 3) * 5
-  local handoff_id = ARGV[a]
+local marks = {}  -- the checkpoints, written once the step entry's id is known
+local prior = 6 + n * 5  -- the last prior chunks argument taken
+for i = 1, n do
+  local key = KEYS[i + 2]
+  local a = 7 + (i - 1) * 5
+  local f = tonumber(ARGV[a + 1])
+  local seq = math.floor(f / 16)
+  local p = ''  -- its prior chunks (taken whether it is fenced or not: they are in order)
+  if f % 16 >= 8 then
+    prior = prior + 1
+    p = ARGV[prior]
+  end
   local ours = true
-  if check and handoff_id ~= '' then
-    local p = redis.call('XPENDING', KEYS[1], ARGV[1], handoff_id, handoff_id, 1)
-    if p[1] and p[1][2] ~= ARGV[2] then ours = false end
+  if check and ARGV[a] ~= '' then
+    local pend = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[a], ARGV[a], 1)
+    if pend[1] and pend[1][2] ~= owner then ours = false end
   end
   if ours then
-    local seq = redis.call('XLEN', KEYS[i]) + 1
-    local fields = {'e', ARGV[a + 2], 's', ARGV[a + 3], 'n', seq, 'w', ARGV[2]}
-    if ARGV[a + 4] ~= '' then fields[9], fields[10] = 'p', ARGV[a + 4] end
-    local id = redis.call('XADD', KEYS[i], '*', unpack(fields))
-    local m = #lines  -- four lines per entry, joined once at the end
-    lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = KEYS[i], id, seq, ARGV[a + 2]
-    if ARGV[a + 1] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+    local mark = f % 16 >= 8 or seq == 0 or not steps
+    if seq == 0 then
+      seq = 1
+      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
+      if last[1] then
+        local lf = last[1][2]
+        for j = 1, #lf, 2 do
+          if lf[j] == 'n' then seq = tonumber(lf[j + 1]) + 1 end
+        end
+      end
+    end
+    if steps then
+      local m = #lines  -- four lines per chunk, joined once at the end
+      lines[m + 1], lines[m + 2], lines[m + 3], lines[m + 4] = key, ARGV[a + 3], seq, ARGV[a + 2]
+    end
+    if mark then marks[#marks + 1] = {key, seq, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], p, f % 2} end
   else
-    fenced[#fenced + 1] = i - 2
+    fenced[#fenced + 1] = i
   end
 end
+local sid = nil
 if #lines > 0 then
-  redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 'd', table.concat(lines, '\\n'))
+  sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 'c', ARGV[5],
+    'd', table.concat(lines, '\\n'))
   redis.call('EXPIRE', steps, ARGV[3])
+end
+for _, m in ipairs(marks) do
+  local fields = {'d', m[3], 'n', m[2], 's', m[4]}
+  if sid then
+    fields[#fields + 1], fields[#fields + 2] = 'w', owner
+    fields[#fields + 1], fields[#fields + 2] = 'i', sid
+  end
+  if m[6] ~= '' then fields[#fields + 1], fields[#fields + 2] = 'p', m[6] end
+  if m[5] ~= '' then fields[#fields + 1], fields[#fields + 2] = 't', m[5] end
+  redis.call('XADD', m[1], '*', unpack(fields))
+  if m[7] == 1 then redis.call('EXPIRE', m[1], ARGV[3]) end
 end
 return fenced
 """

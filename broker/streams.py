@@ -34,6 +34,7 @@ from redis.client import Pipeline
 
 from app.messages import OutputEvent, OutputKind
 from broker import scripts
+from broker.chunks import CHECKPOINT_STEPS, entry_chunks
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
 
@@ -69,12 +70,78 @@ def decode_events(raw: str | bytes) -> list[OutputEvent]:
 
 @dataclass(slots=True)
 class OutputEntry:
+    """One request's events of one streamer write: a chunk of its output.
+
+    ``n`` is the chunk's ordinal and ``checkpoint`` whether it goes into the request's
+    own output stream too, with ``prior`` (the chunks since the last checkpoint), as the
+    streamer's ``ChunkLog`` staged it; ``n`` 0: the next after the stream's last entry,
+    as a checkpoint (a writer that keeps no log: tests, a request that cannot be adopted).
+    """
+
     request_id: str
     events: list[OutputEvent]
     source: str  # the ordinal of the last token chunk these events were decoded from
     first: bool = False
     published: bytes | None = None  # worker publish time of the source entry (latency)
     handoff_id: str = ""  # the request's hand-off entry: written only while we own it
+    n: int = 0
+    checkpoint: bool = False
+    prior: bytes = b""
+    payload: bytes = b""  # ``encode_events(events)``, when the caller has it already
+
+    def encoded(self) -> bytes:
+        if not self.payload:
+            self.payload = encode_events(self.events)
+        return self.payload
+
+
+@dataclass(slots=True)
+class OutputLog:
+    """What ``OutputStreams.read_log`` read: the chunks after the ordinal asked for,
+    the ordinal of the output stream's last entry (``recorded``) and the chunks after
+    it in its streamer's step stream (``tail``: ordinal, source, events)."""
+
+    chunks: list[tuple[int, bytes]] = field(default_factory=list)
+    recorded: int = 0
+    source: str | None = None  # the token chunk the last chunk was decoded up to
+    last_events: bytes = b""  # the last chunk's events
+    tail: list[tuple[int, str, bytes]] = field(default_factory=list)
+    steps: str | None = None  # the step stream the tail is read from, if any
+    sid: str = "0-0"  # ... from after this entry (the last checkpoint's)
+
+    @property
+    def last(self) -> int:
+        """The ordinal of the last chunk written (0: none)."""
+        return self.tail[-1][0] if self.tail else self.recorded
+
+    @property
+    def ended(self) -> bool:
+        """Whether the last chunk ends the stream (a usage or request-level error)."""
+        return bool(self.last_events) and any(
+            is_terminal(ev) for ev in decode_events(self.last_events)
+        )
+
+
+# How often ``read_log`` reads again when the output stream changed under it.
+READ_LOG_TRIES = 5
+
+
+def step_tail(
+    client: redis.Redis, key: str, steps: str, sid: str, recorded: int
+) -> list[tuple[int, str, bytes]] | None:
+    """The chunks of stream ``key`` after ordinal ``recorded`` in the entries of step
+    stream ``steps`` after ``sid`` (the last checkpoint's), as (ordinal, the line's
+    second field, payload); None when ``sid`` is trimmed away. A checkpoint comes at
+    least every ``CHECKPOINT_STEPS`` entries, so the tail is within that many."""
+    entries: Any = client.xrange(steps, min=sid, count=CHECKPOINT_STEPS + 1)
+    if not entries or _s(entries[0][0]) != sid:
+        return None
+    tail: list[tuple[int, str, bytes]] = []
+    for _eid, fields in entries[1:]:
+        for okey, second, n, payload in split_step(fields[b"d"]):
+            if okey == key and n == recorded + len(tail) + 1:
+                tail.append((n, second, payload))
+    return tail
 
 
 class OutputStreams:
@@ -84,33 +151,25 @@ class OutputStreams:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
-        self._write_fenced = client.register_script(scripts.WRITE_OUTPUTS)
+        self._write_script = client.register_script(scripts.WRITE_OUTPUTS)
         # The hand-off epoch under which the owner last found which of its hand-off
         # entries are its own (``RequestHandoff.owners``); None: check every entry.
         self.fence_epoch: str | None = None
 
-    def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
+    def write(
+        self, entries: Sequence[OutputEntry], owner: str | None = None, stamp: str = ""
+    ) -> set[str]:
         """Append many requests' events in one round trip.
 
         ``owner`` (a streamer's consumer name) fences the entries that carry a
         ``handoff_id``: each is written only if that streamer still owns the request's
-        hand-off entry. Returns the ids of the requests not written because another
+        hand-off entry; and it writes the owner's step stream. ``stamp`` marks the call
+        in it (``landed``). Returns the ids of the requests not written because another
         streamer has taken them over."""
         if not entries:
             return set()
-        if owner is not None:
-            return self._write_owned(entries, owner)
-        pipe = self.redis.pipeline(transaction=False)
-        for e in entries:
-            key = self.keys.output(e.request_id)
-            fields: dict[Any, Any] = {"e": encode_events(e.events), "s": e.source}
-            if e.published is not None:
-                fields["p"] = e.published
-            pipe.xadd(key, fields)
-            if e.first:
-                pipe.expire(key, self.ttl_s)
-        pipe.execute()
-        return set()
+        keys, args = self._write_args(entries, owner or "", stamp)
+        return self._fenced_ids(entries, self._write_script(keys=keys, args=args))
 
     def write_then_read(
         self,
@@ -122,10 +181,11 @@ class OutputStreams:
         block_ms: int,
         on_written: Callable[[set[str]], None],
         via: DirectConnection,
+        stamp: str = "",
     ) -> Any:
-        """``write(entries, owner)`` and then a blocking XREAD of ``streams``, sent as one
-        round trip: a streamer's steady cycle costs one wake-up instead of two, and the
-        outputs are in Redis as soon as they would have been written alone.
+        """``write(entries, owner, stamp)`` and then a blocking XREAD of ``streams``,
+        sent as one round trip: a streamer's steady cycle costs one wake-up instead of
+        two, and the outputs are in Redis as soon as they would have been written alone.
 
         The write's reply is read before the read's, and ``on_written`` gets the fenced
         request ids at once: if the connection breaks while the read blocks, the caller
@@ -133,9 +193,9 @@ class OutputStreams:
         that has come back empty). If Redis lost the script (restarted), the write is
         redone with the script loaded before the read's reply is handed back.
         Returns the XREAD reply."""
-        keys, args = self._fenced_args(entries, owner)
+        keys, args = self._write_args(entries, owner, stamp)
         via.send(
-            ("EVALSHA", self._write_fenced.sha, len(keys), *keys, *args),
+            ("EVALSHA", self._write_script.sha, len(keys), *keys, *args),
             xread_command(streams, count=count, block_ms=block_ms),
         )
         try:
@@ -146,47 +206,71 @@ class OutputStreams:
             on_written(self._fenced_ids(entries, fenced))
         read = via.reply("XREAD")
         if isinstance(fenced, redis.exceptions.NoScriptError):
-            on_written(self._write_owned(entries, owner))
+            on_written(self.write(entries, owner, stamp))
         elif isinstance(fenced, Exception):
             raise fenced
         return read
 
-    def _fenced_args(
-        self, entries: Sequence[OutputEntry], owner: str
+    def _write_args(
+        self, entries: Sequence[OutputEntry], owner: str, stamp: str
     ) -> tuple[list[str], list[Any]]:
         keys = [self.keys.new_requests, self.keys.handoff_epoch]
         keys += [self.keys.output(e.request_id) for e in entries]
-        keys.append(self.keys.output_steps(owner))
+        if owner:
+            keys.append(self.keys.output_steps(owner))
         epoch = "" if self.fence_epoch is None else f"e:{self.fence_epoch}"
-        args: list[Any] = [GROUP, owner, self.ttl_s, epoch]
+        args: list[Any] = [GROUP, owner, self.ttl_s, epoch, stamp, len(entries)]
         for e in entries:
-            args += [e.handoff_id, "1" if e.first else "0", encode_events(e.events)]
-            args += [e.source, e.published if e.published is not None else ""]
+            flags = (1 if e.first else 0) | (8 if e.checkpoint else 0) | e.n << 4
+            args += [e.handoff_id, flags, e.encoded(), e.source]
+            args.append(e.published if e.published is not None else "")
+        args += [e.prior for e in entries if e.checkpoint]
         return keys, args
 
     @staticmethod
     def _fenced_ids(entries: Sequence[OutputEntry], fenced: Any) -> set[str]:
         return {entries[int(i) - 1].request_id for i in fenced or []}
 
-    def _write_owned(self, entries: Sequence[OutputEntry], owner: str) -> set[str]:
-        keys, args = self._fenced_args(entries, owner)
-        return self._fenced_ids(entries, self._write_fenced(keys=keys, args=args))
+    def landed(self, owner: str, stamp: str) -> bool:
+        """Whether ``owner``'s write stamped ``stamp`` ran (its reply was lost): nothing
+        else writes the owner's step stream, and it writes nothing more until it knows.
+        A call that wrote no chunk (every one fenced) reads as not run: run again, it
+        writes nothing again."""
+        last = last_entries(self.redis, [self.keys.output_steps(owner)])[0]
+        return last.get(b"c") == stamp.encode()
 
-    def last_source(self, rid: str) -> tuple[str, bool] | None:
-        """(the token chunk ordinal of the last written entry, whether the stream has ended)."""
-        return self.last_source_of(self.redis.xrevrange(self.keys.output(rid), count=1))
-
-    def queue_last_source(self, pipe: Pipeline, rid: str) -> None:
-        """``last_source(rid)``'s read, added to ``pipe``; ``last_source_of`` reads it."""
-        pipe.xrevrange(self.keys.output(rid), count=1)
-
-    @staticmethod
-    def last_source_of(last: Any) -> tuple[str, bool] | None:
-        if not last:
-            return None
-        fields = last[0][1]
-        events = decode_events(fields[b"e"])
-        return _s(fields[b"s"]), any(is_terminal(ev) for ev in events)
+    def read_log(self, rid: str, after: int = 0) -> OutputLog:
+        """The request's output stream, then the tail of its last checkpoint's step
+        stream: two round trips. If the step stream moved past the checkpoint's entry
+        in between, the output stream has a newer checkpoint (or there was no tail):
+        it is read again."""
+        key = self.keys.output(rid)
+        entries: Any = self.redis.xrange(key)
+        for _ in range(READ_LOG_TRIES):
+            log = OutputLog()
+            for _eid, fields in entries:
+                log.chunks += [c for c in entry_chunks(fields) if c[0] > after]
+            if not entries:
+                return log
+            last = entries[-1][1]
+            log.recorded = int(last[b"n"])
+            log.source, log.last_events = _s(last[b"s"]), last[b"d"]
+            writer, sid = last.get(b"w"), last.get(b"i")
+            if not writer or not sid:
+                return log
+            log.steps, log.sid = self.keys.output_steps(_s(writer)), _s(sid)
+            tail = step_tail(self.redis, key, log.steps, log.sid, log.recorded)
+            if tail is not None:
+                log.tail = tail
+                log.chunks += [(n, events) for n, _source, events in tail if n > after]
+                if tail:
+                    _n, log.source, log.last_events = tail[-1]
+                return log
+            again: Any = self.redis.xrange(key)
+            if again == entries:  # the checkpoint's step entry is gone: no tail
+                return log
+            entries = again
+        raise RuntimeError(f"request {rid}: its output stream kept changing while read")
 
     def lost(self, rid: str) -> bool:
         """Neither the request's record nor its output exists (expired, or Redis was
@@ -194,35 +278,33 @@ class OutputStreams:
         found: Any = self.redis.exists(self.keys.request(rid), self.keys.output(rid))
         return not found
 
-    def read(
-        self, rid: str, cursor: str = "0-0", *, block_ms: int | None = None, count: int = 256
-    ) -> list[tuple[str, list[OutputEvent]]]:
-        """Entries after ``cursor`` (blocking up to ``block_ms`` for the first)."""
-        res: Any = self.redis.xread({self.keys.output(rid): cursor}, count=count, block=block_ms)
-        if not res:
-            return []
-        return [(_s(eid), decode_events(f[b"e"])) for eid, f in res[0][1]]
+    def read(self, rid: str, after: int = 0) -> list[tuple[str, list[OutputEvent]]]:
+        """The chunks after ordinal ``after``, as (ordinal, events)."""
+        return [(str(n), decode_events(raw)) for n, raw in self.read_log(rid, after).chunks]
 
     def follow(
-        self, rid: str, cursor: str = "0-0", *, timeout_s: float = 600.0, block_ms: int = 1000
+        self, rid: str, after: int = 0, *, timeout_s: float = 600.0, poll_s: float = 0.02
     ) -> Iterator[tuple[str, OutputEvent]]:
-        """Every event after ``cursor`` until the terminal one, as (entry id, event).
+        """Every event after chunk ``after`` until the terminal one, as (ordinal, event),
+        polling (tests and tools; a web process follows its streams with an
+        ``OutputHub``).
 
         Raises TimeoutError when nothing arrives for ``timeout_s`` (the streamers'
         watchdog ends every stream long before that; this only guards the reader).
         """
         last_progress = time.monotonic()
         while True:
-            entries = self.read(rid, cursor, block_ms=block_ms)
-            if not entries:
+            chunks = self.read(rid, after)
+            if not chunks:
                 if time.monotonic() - last_progress > timeout_s:
                     raise TimeoutError(f"no output for request {rid} in {timeout_s}s")
+                time.sleep(poll_s)
                 continue
             last_progress = time.monotonic()
-            for eid, events in entries:
-                cursor = eid
+            for n, events in chunks:
+                after = int(n)
                 for ev in events:
-                    yield eid, ev
+                    yield n, ev
                     if is_terminal(ev):
                         return
 
@@ -361,6 +443,10 @@ def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:
         return [MALFORMED_OUTPUT]
 
 
+def _min_id(a: str, b: str) -> str:
+    return a if _id_order(a) <= _id_order(b) else b
+
+
 def _id_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a comparable pair (ids compare numerically, not as text)."""
     ms, _, seq = entry_id.partition("-")
@@ -402,7 +488,7 @@ class Subscription:
 
     request_id: str
     key: str
-    cursor: str
+    n: int  # the ordinal of the last chunk handed over (0: none)
     entries: queue.SimpleQueue[tuple[str, list[OutputEvent], int]]
     notify: threading.Event | None = None  # set on every entry (one wait for many streams)
     on_drop: Callable[[], None] | None = None
@@ -410,6 +496,12 @@ class Subscription:
     taken_at: float = field(default_factory=time.monotonic)
     dropped: bool = False
     pump: Callable[[str, list[OutputEvent]], Pumped] | None = None
+    # The output stream's entries up to this one hold no chunk after ``n``: where the
+    # stream itself is read from when the subscription needs it (``reload``).
+    cursor: str = "0-0"
+    # Read the output stream itself next (at the start; after a chunk it could not
+    # take from a step stream: its buffer was full, or the chunk came after a gap).
+    reload: bool = True
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def put(self, eid: str, events: list[OutputEvent], size: int) -> None:
@@ -467,13 +559,12 @@ class Subscription:
 
 @dataclass(slots=True, eq=False)
 class _Follow:
-    """An output stream the hub follows through a streamer's output step stream:
-    its lone reader, the ordinal of the entry at the reader's cursor, and when the last
-    entry came (``steps`` None: read the stream on its own for now)."""
+    """Where the hub reads an output stream's chunks after its last checkpoint: the
+    step stream of the streamer that wrote it (``steps``; None: the stream itself
+    names none, read the stream only), from after ``sid``; and when a chunk last came."""
 
-    sub: Subscription
-    n: int
     steps: str | None
+    sid: str
     at: float
 
 
@@ -482,9 +573,14 @@ class OutputHub:
 
     A web process may hold hundreds of open streams. Reading each with its own blocking
     XREAD costs a Redis connection per stream and a round trip per token per stream;
-    the hub reads them all with one blocking XREAD and hands each entry to its
-    subscriber's queue. A subscription wakes the hub through a small stream of its own
-    (a plain XREAD key), so a new request waits for no timeout.
+    the hub reads them all with one blocking XREAD and hands each chunk to its
+    subscriber's queue. A request's chunks are in its output stream up to its last
+    checkpoint and in its streamer's output step stream after it (broker/chunks.py),
+    so a stream is read on its own only when a subscription starts, after a gap, or
+    after a quiet spell (it may have moved to another streamer); otherwise its chunks
+    come from the step streams, one entry per streamer write for all its requests. A
+    subscription wakes the hub through a small stream of its own (a plain XREAD key),
+    so a new request waits for no timeout.
     """
 
     def __init__(
@@ -509,12 +605,12 @@ class OutputHub:
         self.wake_key = keys.hub_wake(uuid.uuid4().hex)
         self._direct = DirectConnection(client)  # the reader thread's own connection
         self._wake_cursor = "0-0"
-        # Output streams followed through their streamer's output step stream, and where
-        # each step stream is read from (the reading thread's own state).
+        # Per output stream: the step stream it is followed through, and where each
+        # step stream is read from (the reading thread's own state).
         self._follow: dict[str, _Follow] = {}
         self._step_cursors: dict[str, str] = {}
         self._bad_steps: set[str] = set()  # not streams (overwritten): never followed
-        self.stepped = 0  # entries handed over from step streams (tests, diagnostics)
+        self.stepped = 0  # chunks handed over from step streams (tests, diagnostics)
         # Usually one subscriber per stream; two while a client resumes on this process
         # before its old connection noticed it was gone.
         self._subs: dict[str, list[Subscription]] = {}
@@ -530,20 +626,21 @@ class OutputHub:
     def subscribe(
         self,
         rid: str,
-        cursor: str = "0-0",
+        after: int = 0,
         *,
         notify: threading.Event | None = None,
         on_drop: Callable[[], None] | None = None,
         wake: bool = True,
     ) -> Subscription:
-        """Follow ``rid`` from ``cursor``; entries arrive in order (``sub.take``).
+        """Follow ``rid`` from the chunk after ordinal ``after``; chunks arrive in
+        order (``sub.take``), as (ordinal, events).
 
         ``on_drop`` is called (on the hub's thread) when the reader stalls with a full
         buffer and the hub drops it. The wake-up is best effort: with Redis down the
         hub's next read (after its reconnect) picks the new subscription up anyway.
         ``wake=False``: the caller sends it, in its own round trip (``queue_wake``).
         """
-        sub = Subscription(rid, self.keys.output(rid), cursor, queue.SimpleQueue(), notify, on_drop)
+        sub = Subscription(rid, self.keys.output(rid), after, queue.SimpleQueue(), notify, on_drop)
         with self._lock:
             self._subs.setdefault(sub.key, []).append(sub)
             if self._thread is None:  # started lazily: after gunicorn forked us
@@ -605,6 +702,10 @@ class OutputHub:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     logger.warning("output hub: redis error (%s); reconnecting", exc)
+                with self._lock:  # read every stream on its own once back
+                    for subs in self._subs.values():
+                        for sub in subs:
+                            sub.reload = True
                 self._kick.clear()
                 kicked = self._kick.wait(backoff)
                 backoff = 0.1 if kicked else min(backoff * 2, 2.0)
@@ -645,7 +746,7 @@ class OutputHub:
                 return
         for key in [key for key in bad if key in self._step_cursors]:
             # A streamer's step stream overwritten by something else: its streams are
-            # read on their own from now on.
+            # read on their own from now on (their chunks come at their checkpoints).
             logger.error("output hub: step stream %s is not a stream; not following it", key)
             bad.remove(key)
             self._bad_steps.add(key)
@@ -709,34 +810,30 @@ class OutputHub:
     def _read_once(self) -> None:
         limit = self.buffer_bytes
         now = time.monotonic()
+        streams: dict[Any, Any] = {}
+        steps: dict[str, str] = {}
+        planned: dict[str, list[Subscription]] = {}  # read on their own this time
+        paused = False
         with self._lock:
-            # A subscription whose buffer is full is paused: its entries wait in Redis.
-            streams: dict[Any, Any] = {}
-            via_steps: dict[str, Subscription] = {}  # followed through a step stream
-            paused = False
             for key, subs in self._subs.items():
                 open_subs = [sub for sub in subs if not sub.full(limit)]
                 paused = paused or len(open_subs) < len(subs)
                 if not open_subs:
                     continue
                 f = self._follow.get(key)
-                if (
-                    f is not None
-                    and f.steps is not None
-                    and len(subs) == 1
-                    and subs[0] is f.sub
-                    and now - f.at < STEP_QUIET_S
-                ):
-                    via_steps[key] = f.sub
-                else:
-                    streams[key] = min((sub.cursor for sub in open_subs), key=_id_order)
+                if f is not None and f.steps is not None:
+                    cursor = self._step_cursors.get(f.steps) or f.sid
+                    if any(sub.reload for sub in open_subs):
+                        cursor = _min_id(cursor, f.sid)  # the tail after the checkpoint
+                    steps[f.steps] = _min_id(steps.get(f.steps, cursor), cursor)
+                if f is None or f.steps is None or now - f.at >= STEP_QUIET_S:
+                    planned[key] = list(open_subs)
+                elif any(sub.reload for sub in open_subs):
+                    planned[key] = [sub for sub in open_subs if sub.reload]
+                if key in planned:
+                    streams[key] = min((sub.cursor for sub in planned[key]), key=_id_order)
             for key in [key for key in self._follow if key not in self._subs]:
                 del self._follow[key]
-        steps = {
-            f.steps: self._step_cursors.get(f.steps) or below_ms(f.sub.cursor)
-            for key, f in self._follow.items()
-            if key in via_steps and f.steps is not None
-        }
         self._step_cursors = dict(steps)  # the step streams no stream needs are dropped
         streams[self.wake_key] = self._wake_cursor
         streams.update(steps)
@@ -744,6 +841,7 @@ class OutputHub:
         block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
         res: Any = self._direct.call(*xread_command(streams, count=256, block_ms=block))
         res = read_rest(self._direct, streams, res, count=256, quiet=(self.wake_key, *steps))
+        got: dict[str, list[Any]] = {}
         read_steps: list[tuple[str, list[Any]]] = []
         for key_raw, entries in res or []:
             key = _s(key_raw)
@@ -751,97 +849,128 @@ class OutputHub:
                 continue
             if key == self.wake_key:
                 self._wake_cursor = _s(entries[-1][0])
-                continue
-            if key in steps:
+            elif key in steps:
                 read_steps.append((key, entries))
-                continue
-            with self._lock:
-                subs = list(self._subs.get(key, ()))  # none: unsubscribed meanwhile
-            # A subscription made during this read, from a cursor below the one the read
-            # began at, waits for the next read (from its own cursor): handed these
-            # entries, it would skip the ones between its cursor and the read's.
-            began = _id_order(streams[key])
-            alone = len(subs) == 1
-            subs = [sub for sub in subs if _id_order(sub.cursor) >= began]
-            last: Any = None  # the fields of the last entry handed to a lone reader
-            for eid_raw, fields in entries:
-                eid = _s(eid_raw)
-                raw = fields[b"e"]
-                events = _hub_events(raw, eid, key)
-                for sub in subs:
-                    # A full buffer takes no more: its cursor stays, and the entries
-                    # after it are read again once its reader has caught up.
-                    if _id_order(eid) > _id_order(sub.cursor) and not sub.full(limit):
-                        sub.cursor = eid
-                        sub.put(eid, events, len(raw))
-                        last = fields
-            if alone and len(subs) == 1 and last is not None:
-                self._track(key, subs[0], last, now)
             else:
-                self._follow.pop(key, None)
-            for sub in subs:
-                if sub.notify is not None:
-                    sub.notify.set()
-        for key, entries in read_steps:  # after the streams read on their own (gaps)
-            self._take_steps(key, entries, via_steps, now)
+                got[key] = entries
+        handed: list[Subscription] = []
+        rewind: dict[str, str] = {}  # step streams to read again from a checkpoint's entry
+        for key, subs in planned.items():  # the streams read on their own come first
+            self._take_entries(key, subs, got.get(key, []), now, handed, rewind)
+        for key, entries in read_steps:
+            self._take_steps(key, entries, now, handed)
+        for key, sid in rewind.items():
+            self._step_cursors[key] = _min_id(self._step_cursors.get(key, sid), sid)
+        for sub in dict.fromkeys(handed):
+            if sub.notify is not None:
+                sub.notify.set()
         if res:
             # Let the readers just handed entries run now (sleep(0) releases the GIL)
             # rather than after this thread has built its next read and blocked in it:
             # a reader of a step's 64 streams got them ~0.14 ms sooner (relay paced run).
             time.sleep(0)
 
-    def _track(self, key: str, sub: Subscription, fields: Any, now: float) -> None:
-        """After ``sub``, alone on ``key``, was handed an entry read from the stream
-        itself: follow the stream through the step stream of the streamer that wrote
-        the entry (its ``w``), from the entry's ordinal (``n``) on. The step stream is
-        read from the millisecond before the entry at the latest (its step entry was
-        appended after it, in the same call); lines read twice are skipped by id."""
-        n, writer = fields.get(b"n"), fields.get(b"w")
-        steps = self.keys.output_steps(_s(writer)) if n and writer else None
-        if steps is None or steps in self._bad_steps:
-            self._follow.pop(key, None)
-            return
-        self._follow[key] = _Follow(sub, int(n), steps, now)
-        start = below_ms(sub.cursor)
-        current = self._step_cursors.get(steps)
-        if current is None or _id_order(start) < _id_order(current):
-            self._step_cursors[steps] = start
+    def _hand(self, sub: Subscription, n: int, raw: bytes, key: str, jump: bool = False) -> bool:
+        """Hand chunk ``n`` to ``sub`` if it is the next one it needs and it has room;
+        whether it has chunk ``n`` now (handed now or before). ``jump``: a chunk after a
+        gap is handed all the same (read from the stream itself, whose entries hold every
+        chunk from its first: a gap there means Redis lost data, and the reader must
+        still get to the stream's end)."""
+        if n <= sub.n:
+            return True
+        if sub.full(self.buffer_bytes):
+            return False
+        if n != sub.n + 1:
+            if not jump:
+                return False
+            logger.warning(
+                "output hub: %s lost chunks %d..%d (Redis lost data?)", key, sub.n + 1, n - 1
+            )
+        eid = str(n)
+        sub.n = n
+        sub.put(eid, _hub_events(raw, eid, key), len(raw))
+        return True
+
+    def _take_entries(
+        self,
+        key: str,
+        subs: list[Subscription],
+        entries: list[Any],
+        now: float,
+        handed: list[Subscription],
+        rewind: dict[str, str],
+    ) -> None:
+        """Entries read from output stream ``key`` itself (checkpoints), for the
+        subscriptions that needed it: their chunks in order; then follow the stream
+        through the step stream its last entry names, from that entry's step entry
+        (``rewind``: read again from there once this read's step entries are taken)."""
+        with self._lock:  # unsubscribed meanwhile: not handed anything
+            current = self._subs.get(key, [])
+            subs = [sub for sub in subs if sub in current]
+        whole = {id(sub): True for sub in subs}  # every chunk read handed to it
+        for eid_raw, fields in entries:
+            eid = _s(eid_raw)
+            try:
+                chunks = entry_chunks(fields)
+            except Exception:
+                logger.exception("output hub: malformed entry %s of %s", eid, key)
+                chunks = []
+            for sub in subs:
+                if _id_order(eid) <= _id_order(sub.cursor) or not whole[id(sub)]:
+                    continue
+                if not chunks:
+                    # "": made here, not read from the stream (the reader keeps its cursor).
+                    sub.put("", [MALFORMED_OUTPUT], 0)
+                    handed.append(sub)
+                    continue
+                before = sub.n
+                if all(self._hand(sub, n, raw, key, jump=True) for n, raw in chunks):
+                    sub.cursor = eid
+                else:
+                    whole[id(sub)] = False  # its buffer filled: the rest on a later read
+                if sub.n != before:
+                    handed.append(sub)
+        for sub in subs:
+            sub.reload = not whole[id(sub)]
+        f = self._follow.get(key)
+        if entries:
+            fields = entries[-1][1]
+            writer, sid = fields.get(b"w"), fields.get(b"i")
+            steps = self.keys.output_steps(_s(writer)) if writer and sid else None
+            if steps in self._bad_steps:
+                steps = None
+            f = _Follow(steps, _s(sid) if steps and sid else "0-0", now)
+            self._follow[key] = f
+            if steps is not None:
+                rewind[steps] = _min_id(rewind.get(steps, f.sid), f.sid)
+        elif f is None:
+            self._follow[key] = _Follow(None, "0-0", now)
+        elif now - f.at >= STEP_QUIET_S:
+            f.at = now  # quiet and nothing new: look at the stream again a second later
 
     def _take_steps(
-        self, key: str, entries: list[Any], via_steps: dict[str, Subscription], now: float
+        self, key: str, entries: list[Any], now: float, handed: list[Subscription]
     ) -> None:
-        """Entries of output step stream ``key``: each holds the output entries one
-        streamer write appended. A line is handed to the lone reader of its stream when it
-        is the stream's next entry (its ordinal says so); one it has is skipped; after a
-        gap (the reader's buffer filled, a second reader came, the step stream was
-        trimmed past us) the stream is read on its own again."""
-        limit = self.buffer_bytes
+        """Entries of output step stream ``key``: each holds the chunks one streamer
+        write appended, a line each. A line is handed to each subscription of its
+        stream that needs it next (its ordinal says so); one it has is skipped; after
+        a gap (its buffer filled, the step stream was trimmed past it) the subscription
+        reads the stream itself again (``reload``), where a checkpoint holds the rest."""
         self._step_cursors[key] = _s(entries[-1][0])
-        with self._lock:  # the streams whose reader is still their only one
-            alone = {
-                okey
-                for okey, sub in via_steps.items()
-                if (subs := self._subs.get(okey)) and len(subs) == 1 and subs[0] is sub
-            }
-        handed: list[Subscription] = []
         for _fields, items in step_entries(key, entries):
-            for okey, oid, n, payload in items:
-                sub = via_steps.get(okey)
+            for okey, _source, n, payload in items:
                 f = self._follow.get(okey)
-                if sub is None or f is None or f.steps != key or f.sub is not sub:
+                if f is None or f.steps != key:
                     continue
-                if _id_order(oid) <= _id_order(sub.cursor):
-                    continue  # handed already (read on its own, or an earlier line)
-                if okey not in alone or sub.full(limit) or n != f.n + 1:
-                    f.steps = None
-                    del via_steps[okey]
-                    continue
-                events = _hub_events(payload, oid, okey)
-                sub.cursor = oid
-                sub.put(oid, events, len(payload))
-                f.n, f.at = n, now
-                self.stepped += 1
-                handed.append(sub)
-        for sub in dict.fromkeys(handed):
-            if sub.notify is not None:
-                sub.notify.set()
+                with self._lock:
+                    subs = list(self._subs.get(okey, ()))
+                for sub in subs:
+                    if sub.reload:
+                        continue  # reads the stream itself next, then the tail
+                    before = sub.n
+                    if not self._hand(sub, n, payload, okey):
+                        sub.reload = True
+                    elif sub.n != before:
+                        f.at = now
+                        self.stepped += 1
+                        handed.append(sub)

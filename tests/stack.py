@@ -282,3 +282,25 @@ def batcher_process(
     return registered_process(
         settings, log_dir, module="workers.batcher", kind="batcher", name=name, wait=wait
     )
+
+
+def inject_output_chunk(
+    client: redis.Redis, keys: Keys, rid: str, payload: bytes, pid: int
+) -> None:
+    """An output chunk for ``rid`` with ``payload`` as its events, as if the streamer
+    (process ``pid``) wrote it: a line of its output step stream with the request's
+    next ordinal, which is where a web process reads a flowing stream's chunks from. The
+    streamer is paused meanwhile (SIGSTOP), so that it does not write that ordinal first;
+    once it goes on, its own chunk with that ordinal is skipped by readers that have it."""
+    from broker.streams import OutputStreams
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.05)  # a write it had sent is in Redis by now
+        log = OutputStreams(client, keys).read_log(rid)
+        assert log.steps is not None, "the request's output names no step stream"
+        key = keys.output(rid).encode()
+        line = b"\n".join([key, b"0", b"%d" % (log.last + 1), payload])
+        client.xadd(log.steps, {"c": "injected", "d": line}, maxlen=256, approximate=True)
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -1,6 +1,6 @@
 """SSE event ids and ``Last-Event-ID``: the client-side half of resumable streams.
 
-Each SSE event carries the run's event cursor (``<output entry id>/<index>``, see
+Each SSE event carries the run's event cursor (``<output chunk ordinal>/<index>``, see
 ``broker.run``) as its ``id:``. A client that lost its connection sends the last id it
 saw back, and ``Runner.resume`` continues right after that event.
 """
@@ -12,7 +12,7 @@ import re
 from app.errors import InvalidRequest
 from broker.run import Item
 
-_CURSOR = re.compile(r"[0-9]{1,20}-[0-9]{1,20}/[0-9]{1,6}")
+_CURSOR = re.compile(r"[0-9]{1,18}/[0-9]{1,6}")
 
 
 def event_id(item: Item) -> str:
@@ -26,7 +26,7 @@ def parse_event_id(raw: str | None) -> str | None:
     value = raw.strip()
     if not _CURSOR.fullmatch(value):
         raise InvalidRequest(
-            "Last-Event-ID must be an event id this server sent (like '1700000000000-0/3').",
+            "Last-Event-ID must be an event id this server sent (like '17/3').",
             param="Last-Event-ID",
             code="invalid_event_id",
         )

@@ -53,7 +53,7 @@ from app.model_card import load_model_card, load_tokenizer
 from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
-from broker.chunks import entry_chunks
+from broker.chunks import ChunkLog, entry_chunks, phase_of
 from broker.connection import redis_client
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
@@ -65,7 +65,6 @@ from broker.streams import (
     RequestHandoff,
     below_ms,
     encode_events,
-    last_entries,
     step_entries,
 )
 from workers.backoff import Backoff
@@ -144,6 +143,9 @@ class Streamer:
         # watchdog says so): one round trip less per cycle while requests stream.
         self._claim_due = True
         self._commits: deque[Commit] = deque()
+        # Output writes staged so far: the clock of the requests' output ChunkLogs (the
+        # index of the write the next commit makes).
+        self._writes = 0
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
@@ -281,9 +283,68 @@ class Streamer:
                 ended.append(t)
             if out is not None:
                 outputs.append(out)
+        if outputs:
+            self._restage_due(outputs)
         if outputs or ended or failed or cancels:
             # Written by the next read's round trip, or by whatever talks to Redis first.
-            self._commits.append(Commit(outputs, ended, failed, cancels))
+            self._append_commit(Commit(outputs, ended, failed, cancels))
+
+    def _append_commit(self, c: Commit) -> None:
+        """Queue ``c``, numbered as the next write (its outputs were staged for it)."""
+        if c.outputs:
+            c.stamp = str(self._writes)
+            self._writes += 1
+        self._commits.append(c)
+
+    def _restage_due(self, outputs: list[OutputEntry]) -> None:
+        """Add a checkpoint for every request whose output chunks since its last one are
+        due one (broker/chunks.py) and that this write carries nothing for: it stopped
+        producing, and its tail would otherwise outlive the step entries holding it."""
+        writing = {e.request_id for e in outputs}
+        index = self._writes
+        for rid, t in self.tracked.items():
+            if rid not in writing and t.out.due(index):
+                n, payload, prior = t.out.restage(index)
+                outputs.append(
+                    OutputEntry(
+                        rid,
+                        [],
+                        t.out_source,
+                        handoff_id=t.entry_id,
+                        n=n,
+                        checkpoint=True,
+                        prior=prior,
+                        payload=payload,
+                    )
+                )
+
+    def _output(
+        self,
+        t: Tracked,
+        events: list[OutputEvent],
+        *,
+        first: bool,
+        terminal: bool = False,
+        published: bytes | None = None,
+    ) -> OutputEntry:
+        """``t``'s events of this cycle as its next output chunk, staged for the next
+        write: a checkpoint when it is this streamer's first for ``t`` or its last."""
+        payload = encode_events(events)
+        n, mark, prior = t.out.stage(payload, self._writes, force=t.mark_next or terminal)
+        t.mark_next = False
+        t.out_source = str(t.n)
+        return OutputEntry(
+            t.record.request_id,
+            events,
+            t.out_source,
+            first=first,
+            published=published,
+            handoff_id=t.entry_id,
+            n=n,
+            checkpoint=mark,
+            prior=prior,
+            payload=payload,
+        )
 
     def _take_steps(
         self,
@@ -334,6 +395,7 @@ class Streamer:
             block_ms=self._block_ms(),
             on_written=lambda taken: self._mark_written(fresh, taken),
             via=self.direct,
+            stamp=fresh.stamp,
         )
         self._flush()  # ends what the write ended (no write left to do)
         return res
@@ -354,7 +416,7 @@ class Streamer:
 
         Once a request's decoders have moved on, their events must be committed before
         any other round trip that could fail and lose them."""
-        self._commits.append(Commit(list(outputs), list(ended), list(failed), list(cancels)))
+        self._append_commit(Commit(list(outputs), list(ended), list(failed), list(cancels)))
         self._flush()
 
     def _flush(self) -> None:
@@ -362,9 +424,16 @@ class Streamer:
             c = self._commits[0]
             if not c.written:
                 c.tries += 1
-                entries = c.outputs if c.tries == 1 else self._unwritten(c.outputs)
-                # Fenced: written only for requests whose hand-off entry is still ours.
-                self._mark_written(c, self.outputs.write(entries, owner=self.consumer))
+                if c.tries > 1 and c.outputs and self.outputs.landed(self.consumer, c.stamp):
+                    # The failed round trip ran after all (Redis answered too late, or
+                    # ran it and died before answering): written again, every chunk
+                    # would be read twice by nobody, but its ordinals would be taken.
+                    self._mark_written(c, set())
+                else:
+                    # Fenced: written only for requests whose hand-off entry is still
+                    # ours. A retry sends the same chunks, numbered the same.
+                    written = self.outputs.write(c.outputs, owner=self.consumer, stamp=c.stamp)
+                    self._mark_written(c, written)
             self._settle(c)
             self._commits.popleft()
 
@@ -395,18 +464,6 @@ class Streamer:
         c.cancels = []
         for t in (*c.ended, *c.failed):  # ending is idempotent: safe to redo after an outage
             self.tracked.pop(t.record.request_id, None)
-
-    def _unwritten(self, entries: Sequence[OutputEntry]) -> list[OutputEntry]:
-        """On a retry: the entries the failed round trip did not write after all (Redis
-        may have run it and died before answering)."""
-        lasts = last_entries(self.redis, [self.keys.output(e.request_id) for e in entries])
-        return [
-            e
-            for e, last in zip(entries, lasts, strict=True)
-            if not (
-                last.get(b"s") == e.source.encode() and last.get(b"e") == encode_events(e.events)
-            )
-        ]
 
     def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
         """One request's new token entries and step lines (id None) -> its output entry
@@ -443,13 +500,12 @@ class Streamer:
             events.append(self._usage_event(t))
         if not events:
             return None
-        out = OutputEntry(
-            t.record.request_id,
+        out = self._output(
+            t,
             events,
-            str(t.n),
             first=not t.wrote_output,
+            terminal=t.choices.all_done,
             published=entries[-1][1].get(b"t"),
-            handoff_id=t.entry_id,
         )
         t.wrote_output = True
         return out
@@ -520,16 +576,23 @@ class Streamer:
         pipe = self.redis.pipeline(transaction=False)
         for _entry_id, rid in claimed:
             self.store.queue_load(pipe, rid)
-            self.outputs.queue_last_source(pipe, rid)
+            pipe.exists(self.keys.output(rid))
         # A reply error (a key of the wrong type) fails its request alone, in _adopt.
         replies = pipe.execute(raise_on_error=False)
+        seals: list[OutputEntry] = []
         for i, (entry_id, rid) in enumerate(claimed):
-            self._adopt(entry_id, rid, (replies[2 * i], replies[2 * i + 1]))
+            seal = self._adopt(entry_id, rid, (replies[2 * i], replies[2 * i + 1]))
+            if seal is not None:
+                seals.append(seal)
+        if seals:
+            self._commit(seals)
 
-    def _adopt(self, entry_id: str, rid: str, read: tuple[Any, Any]) -> None:
-        """``read``: the replies of ``queue_load`` and ``queue_last_source`` for ``rid``."""
+    def _adopt(self, entry_id: str, rid: str, read: tuple[Any, Any]) -> OutputEntry | None:
+        """``read``: the replies of ``queue_load`` and an EXISTS of its output stream.
+        Returns the checkpoint that seals the output chunks its last streamer wrote
+        after its last checkpoint, if any, for the caller to write."""
         try:
-            self._adopt_or_raise(entry_id, rid, read)
+            return self._adopt_or_raise(entry_id, rid, read)
         except BACKBONE_ERRORS:
             raise
         except Exception:
@@ -540,24 +603,27 @@ class Streamer:
             self._commit([OutputEntry(rid, [error], "0", first=True)])
             self.store.cancel(rid)
             self.handoff.ack(entry_id)
+            return None
 
-    def _adopt_or_raise(self, entry_id: str, rid: str, read: tuple[Any, Any]) -> None:
-        raw_record, raw_last = read
+    def _adopt_or_raise(self, entry_id: str, rid: str, read: tuple[Any, Any]) -> OutputEntry | None:
+        raw_record, written = read
         for reply in read:
             if isinstance(reply, Exception):
                 raise reply
         loaded = self.store.loaded(raw_record)
         if loaded is None:
             self.handoff.ack(entry_id)  # expired before anyone decoded it
-            return
+            return None
         record, _state, _attempt = loaded
         t = Tracked(entry_id, record, request_decoder(self.tokenizer, record))
-        last = self.outputs.last_source_of(raw_last)
-        if last is not None:
-            source, ended = last
-            if ended:
+        t.out.phase = phase_of(rid)
+        seal = None
+        if written:
+            out = self.outputs.read_log(rid)
+            if out.ended:
                 self.handoff.ack(entry_id)
-                return
+                return None
+            source = out.source or "0"
             # Taking over: replay silently up to what is already written.
             log = self.store.read_log(rid)
             for c in log.chunks:
@@ -570,9 +636,28 @@ class Streamer:
             if log.steps is not None:  # the rest: from the tail's step stream on
                 self._follow_step(t, log.steps, log.sid)
                 t.watch = True  # and its token stream (a new attempt starts there)
+            # Its output chunks go on from the last written, and those after the last
+            # checkpoint (only in the old streamer's step stream, which may go on being
+            # trimmed) are checkpointed under this one's name at once.
+            t.out = ChunkLog.following(out.recorded, [(n, ev) for n, _s, ev in out.tail])
+            t.out_source = source
+            if out.tail:
+                n, payload, prior = t.out.restage(self._writes)
+                seal = OutputEntry(
+                    rid,
+                    [],
+                    source,
+                    handoff_id=entry_id,
+                    n=n,
+                    checkpoint=True,
+                    prior=prior,
+                    payload=payload,
+                )
+                t.mark_next = False
             t.wrote_output = True
             logger.info("took over request %s at token chunk %s", rid, source)
         self.tracked[rid] = t
+        return seal
 
     # -- watchdog --------------------------------------------------------------------------
     def _watchdog(self, force: bool = False) -> None:
@@ -728,7 +813,7 @@ class Streamer:
             # e.g. cancelled before any worker started it: nothing was generated.
             events += t.choices.finish_all(EngineFinish.CANCELLED)
         events.append(self._usage_event(t))
-        return OutputEntry(rid, events, str(t.n), first=not t.wrote_output, handoff_id=t.entry_id)
+        return self._output(t, events, first=not t.wrote_output, terminal=True)
 
     def _fail(self, t: Tracked, message: str, code: int) -> OutputEntry:
         """End every open choice, then the request, with an error.
@@ -741,7 +826,7 @@ class Streamer:
             logger.exception("request %s: cannot close its choices", t.record.request_id)
             events = []
         events.append(OutputEvent(OutputKind.ERROR, error=message, code=code))
-        return OutputEntry(t.record.request_id, events, str(t.n), first=True, handoff_id=t.entry_id)
+        return self._output(t, events, first=True, terminal=True)
 
 
 def _ordinal(fields: dict[bytes, Any]) -> int:

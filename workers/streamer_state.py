@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from app.decoder import RequestDecoder
 from app.records import RequestRecord
+from broker.chunks import ChunkLog
 from broker.registry import Registry, WorkerInfo
 from broker.streams import OutputEntry
 
@@ -68,6 +69,12 @@ class Tracked:
     watch: bool = False
     progress_at: float = 0.0  # when an entry of its stream was last consumed
     wrote_output: bool = False
+    # Its output chunks (broker/chunks.py): numbered on from what was written before a
+    # takeover; the source of the last one; whether the next write is a checkpoint
+    # (the first of this streamer's: readers learn from it where to read the rest).
+    out: ChunkLog = field(default_factory=ChunkLog)
+    out_source: str = "0"
+    mark_next: bool = True
     engine_finished: set[int] = field(default_factory=set)
     first_token_at: float | None = None
     queued_since: float | None = None
@@ -89,6 +96,7 @@ class Commit:
     cancels: list[str]  # requests to cancel upstream once their error is written
     written: bool = False
     tries: int = 0
+    stamp: str = ""  # names its write in the step stream (``OutputStreams.landed``)
 
     def drop(self, rids: set[str]) -> None:
         """Leave out requests another streamer took over: their text is its to write,

@@ -35,7 +35,7 @@ def read_sse(resp: requests.Response) -> list[Any]:
             continue
         if block.startswith("id: "):  # the resume cursor (docs/api.md)
             event_id, _, block = block.partition("\n")
-            assert re.fullmatch(r"id: \d+-\d+/\d+", event_id), event_id
+            assert re.fullmatch(r"id: \d+/\d+", event_id), event_id
         assert block.startswith("data: ") and "\n" not in block, block
         data = block[len("data: ") :]
         payloads.append(data if data == "[DONE]" else json.loads(data))

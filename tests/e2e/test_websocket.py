@@ -439,8 +439,8 @@ def test_parse_client_messages() -> None:
     body = {"type": "chat", "id": "o", "messages": [{"role": "user", "content": "x"}]}
     assert _parse('{"type":"cancel","id":"q"}') == CancelChat("q")
     assert _parse(b'{"type":"ping"}') == Ping(None)
-    resume = {"type": "resume", "id": "r", "request_id": "abc", "cursor": "17-0/2"}
-    assert _parse(json.dumps(resume)) == ResumeChat("r", "abc", "17-0/2")
+    resume = {"type": "resume", "id": "r", "request_id": "abc", "cursor": "17/2"}
+    assert _parse(json.dumps(resume)) == ResumeChat("r", "abc", "17/2")
     assert _parse(json.dumps(resume | {"cursor": None})) == ResumeChat("r", "abc", None)
 
     def rejected(raw: str | bytes, max_bytes: int = 4096) -> RejectedMessage:

@@ -36,11 +36,12 @@ from broker.connection import redis_client
 from broker.keys import Keys
 from broker.run import Runner
 from broker.server import RedisServer
-from broker.streams import decode_events
+from broker.streams import OutputStreams
 from tests.faults.web_clients import CHAT, words
 from tests.stack import (
     Proc,
     batcher_process,
+    inject_output_chunk,
     isolated_settings,
     streamer_process,
     wait_for,
@@ -172,8 +173,8 @@ def content_of(line: dict[str, Any]) -> str | None:
 
 def streaming(client: redis.Redis, keys: Keys, rid: str) -> bool:
     """Whether request ``rid`` has written some text to its output stream."""
-    entries: Any = client.xrange(keys.output(rid))
-    return any(ev.text for _eid, fields in entries for ev in decode_events(fields[b"e"]))
+    chunks = OutputStreams(client, keys).read(rid)
+    return any(ev.text for _n, events in chunks for ev in events)
 
 
 @pytest.mark.timeout(150)
@@ -186,7 +187,7 @@ def test_malformed_output_entry_fails_only_its_line(models_dir: Path, tmp_path: 
         batch_id = st.create_batch(contents)
         victim = f"{batch_id}-1"
         wait_for(lambda: streaming(client, keys, victim), 30, "line 1 to stream", interval=0.1)
-        client.xadd(keys.output(victim), {"e": b"{garbage", "s": "0-0"})
+        inject_output_chunk(client, keys, victim, b"{garbage", st.procs["streamer"].pid)
         injected = time.monotonic()
         batch = st.wait_terminal(batch_id, 60)
         took = time.monotonic() - injected

@@ -311,10 +311,9 @@ class WsRead:
         return "".join(d["text"] for d in self.deltas)
 
 
-def cursor_key(cursor: str) -> tuple[int, int, int]:
-    entry, _, index = cursor.partition("/")
-    ms, _, seq = entry.partition("-")
-    return int(ms), int(seq), int(index)
+def cursor_key(cursor: str) -> tuple[int, int]:
+    chunk, _, index = cursor.partition("/")
+    return int(chunk), int(index)
 
 
 def ws_url(url: str) -> str:

@@ -55,6 +55,7 @@ from tests.faults.web_clients import (
 )
 from tests.stack import (
     Proc,
+    inject_output_chunk,
     isolated_settings,
     streamer_process,
     wait_for,
@@ -485,7 +486,7 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
         client = redis_client(settings.redis_url, max_connections=2)
         with ExitStack() as stack:
             stack.enter_context(worker_process(settings, tmp_path))
-            stack.enter_context(streamer_process(settings, tmp_path))
+            streamer = stack.enter_context(streamer_process(settings, tmp_path))
             web = stack.enter_context(web_process(settings, tmp_path))
             wait_ready(base)
             gunicorn_workers = children(web.pid)
@@ -495,7 +496,7 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
             for s in (victim, bystander):
                 assert s.started.wait(30), web.output()
             assert victim.request_id is not None
-            client.xadd(keys.output(victim.request_id), {"e": b"\x00not json", "s": "0-0"})
+            inject_output_chunk(client, keys, victim.request_id, b"\x00not json", streamer.pid)
             injected = time.monotonic()
 
             # A non-streaming victim: its request id is the run's, found in the
@@ -511,7 +512,7 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
 
             unary_rid = wait_for(admitted, 10, "the non-streaming request to be admitted")
             wait_for(lambda: client.exists(keys.output(str(unary_rid))), 10, "its output")
-            client.xadd(keys.output(str(unary_rid)), {"e": b"[1, 2", "s": "0-0"})
+            inject_output_chunk(client, keys, str(unary_rid), b"[1, 2", streamer.pid)
 
             for s in (victim, bystander):
                 s.ended.wait(30)
@@ -554,7 +555,7 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
                 if msg.get("type") == "started":
                     started[msg["id"]] = msg["request_id"]
             ws.until(lambda: bool(ws.reply("victim").deltas), timeout=30)
-            client.xadd(keys.output(started["victim"]), {"e": b"\xff", "s": "0-0"})
+            inject_output_chunk(client, keys, started["victim"], b"\xff", streamer.pid)
             ws.wait_done("victim", timeout=10)
             ws.chat("next", "still served")
             ws.wait_done("next", timeout=30)

@@ -13,7 +13,7 @@ import redis
 
 from app.messages import OutputEvent, OutputKind
 from broker.keys import Keys
-from broker.streams import GROUP, OutputEntry, OutputStreams, RequestHandoff, decode_events
+from broker.streams import GROUP, OutputEntry, OutputStreams, RequestHandoff
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +25,7 @@ def entry(rid: str, handoff_id: str, text: str) -> OutputEntry:
 
 
 def texts(outputs: OutputStreams, rid: str) -> list[str]:
-    rows = outputs.redis.xrange(outputs.keys.output(rid))
-    return [ev.text for _id, fields in rows for ev in decode_events(fields[b"e"])]
+    return [ev.text or "" for _n, events in outputs.read(rid) for ev in events]
 
 
 def two_requests(

@@ -39,22 +39,26 @@ class FlakyOutputs(OutputStreams):
         self.failures = 0
         self.failed_in = ""  # which way of writing failed
 
-    def _fail_once(self, entries: Sequence[OutputEntry], owner: str | None, way: str) -> None:
+    def _fail_once(
+        self, entries: Sequence[OutputEntry], owner: str | None, way: str, stamp: str
+    ) -> None:
         if entries and self.failures == 0:
             self.failures += 1
             self.failed_in = way
             if self.ran:
-                super().write(entries, owner)
+                super().write(entries, owner, stamp)
             raise redis.ConnectionError("Connection reset by peer")
 
-    def write(self, entries: Sequence[OutputEntry], owner: str | None = None) -> set[str]:
-        self._fail_once(entries, owner, "alone")
-        return super().write(entries, owner)
+    def write(
+        self, entries: Sequence[OutputEntry], owner: str | None = None, stamp: str = ""
+    ) -> set[str]:
+        self._fail_once(entries, owner, "alone", stamp)
+        return super().write(entries, owner, stamp)
 
     def write_then_read(
         self, entries: Sequence[OutputEntry], owner: str, *args: Any, **kwargs: Any
     ) -> Any:
-        self._fail_once(entries, owner, "carried")
+        self._fail_once(entries, owner, "carried", kwargs.get("stamp", ""))
         return super().write_then_read(entries, owner, *args, **kwargs)
 
 
@@ -120,6 +124,8 @@ def test_output_of_a_failed_write_is_written_once(
     assert got.usage is not None and not got.errors
     entries = redis_client.xrange(keys.output(rid))
     assert len(entries) == 1, "the cycle's entry was written once"
+    steps = redis_client.xrange(keys.output_steps(streamer.consumer))
+    assert len(steps) == 1, "its step entry was written once"
 
 
 def test_the_read_blocks_until_the_watchdog_is_due(

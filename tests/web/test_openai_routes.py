@@ -42,7 +42,7 @@ def sse_payloads(body: str) -> list[Any]:
             continue
         if block.startswith("id: "):  # the resume cursor (docs/api.md)
             event_id, _, block = block.partition("\n")
-            assert re.fullmatch(r"id: \d+-\d+/\d+", event_id), event_id
+            assert re.fullmatch(r"id: \d+/\d+", event_id), event_id
         assert block.startswith("data: ") and "\n" not in block, block
         data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))

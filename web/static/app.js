@@ -80,18 +80,18 @@
   }
 
   // -- cursors ----------------------------------------------------------------------------
-  // A cursor is "<stream entry id>/<index>", e.g. "1733011200000-3/1"; they only grow
-  // along one request's output.
+  // A cursor is "<output chunk ordinal>/<index>", e.g. "17/1"; they only grow along one
+  // request's output.
   function cursorParts(cursor) {
-    const m = /^(\d+)-(\d+)\/(\d+)$/.exec(cursor || "");
-    return m ? [Number(m[1]), Number(m[2]), Number(m[3])] : null;
+    const m = /^(\d+)\/(\d+)$/.exec(cursor || "");
+    return m ? [Number(m[1]), Number(m[2])] : null;
   }
 
   function isNewer(cursor, last) {
     const a = cursorParts(cursor);
     const b = cursorParts(last);
     if (!a || !b) return true;
-    for (let i = 0; i < 3; i++) {
+    for (let i = 0; i < 2; i++) {
       if (a[i] !== b[i]) return a[i] > b[i];
     }
     return false;
