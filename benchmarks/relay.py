@@ -288,10 +288,11 @@ def hub_latencies(
         at = published_at.get((rid, n))
         if at is None:
             continue
-        lat.append(recv - at)
         published.append(at)
-        if first:
+        if first:  # every request's first chunk is sampled: kept out of the ITL
             ttft_added.append(recv - at)
+        else:
+            lat.append(recv - at)
 
 
 def main() -> int:
