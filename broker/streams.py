@@ -957,20 +957,24 @@ class OutputHub:
         a gap (its buffer filled, the step stream was trimmed past it) the subscription
         reads the stream itself again (``reload``), where a checkpoint holds the rest."""
         self._step_cursors[key] = _s(entries[-1][0])
+        lines: list[tuple[_Follow, str, int, bytes]] = []
         for _fields, items in step_entries(key, entries):
             for okey, _source, n, payload in items:
                 f = self._follow.get(okey)
-                if f is None or f.steps != key:
-                    continue
-                with self._lock:
-                    subs = list(self._subs.get(okey, ()))
-                for sub in subs:
-                    if sub.reload:
-                        continue  # reads the stream itself next, then the tail
-                    before = sub.n
-                    if not self._hand(sub, n, payload, okey):
-                        sub.reload = True
-                    elif sub.n != before:
-                        f.at = now
-                        self.stepped += 1
-                        handed.append(sub)
+                if f is not None and f.steps == key:
+                    lines.append((f, okey, n, payload))
+        if not lines:
+            return
+        with self._lock:  # once per read, not per line: this is the hot path
+            subs_of = {okey: tuple(self._subs.get(okey, ())) for _f, okey, _n, _p in lines}
+        for f, okey, n, payload in lines:
+            for sub in subs_of[okey]:
+                if sub.reload:
+                    continue  # reads the stream itself next, then the tail
+                before = sub.n
+                if not self._hand(sub, n, payload, okey):
+                    sub.reload = True
+                elif sub.n != before:
+                    f.at = now
+                    self.stepped += 1
+                    handed.append(sub)

@@ -304,19 +304,7 @@ class Streamer:
         index = self._writes
         for rid, t in self.tracked.items():
             if rid not in writing and t.out.due(index):
-                n, payload, prior = t.out.restage(index)
-                outputs.append(
-                    OutputEntry(
-                        rid,
-                        [],
-                        t.out_source,
-                        handoff_id=t.entry_id,
-                        n=n,
-                        checkpoint=True,
-                        prior=prior,
-                        payload=payload,
-                    )
-                )
+                outputs.append(t.restaged(index))
 
     def _output(
         self,
@@ -330,21 +318,10 @@ class Streamer:
         """``t``'s events of this cycle as its next output chunk, staged for the next
         write: a checkpoint when it is this streamer's first for ``t`` or its last."""
         payload = encode_events(events)
-        n, mark, prior = t.out.stage(payload, self._writes, force=t.mark_next or terminal)
+        n, mark, prior = t.out.stage(payload, self._writes, t.mark_next or terminal)
         t.mark_next = False
         t.out_source = str(t.n)
-        return OutputEntry(
-            t.record.request_id,
-            events,
-            t.out_source,
-            first=first,
-            published=published,
-            handoff_id=t.entry_id,
-            n=n,
-            checkpoint=mark,
-            prior=prior,
-            payload=payload,
-        )
+        return t.staged(n, mark, prior, payload, events, first, published)
 
     def _take_steps(
         self,
@@ -642,17 +619,7 @@ class Streamer:
             t.out = ChunkLog.following(out.recorded, [(n, ev) for n, _s, ev in out.tail])
             t.out_source = source
             if out.tail:
-                n, payload, prior = t.out.restage(self._writes)
-                seal = OutputEntry(
-                    rid,
-                    [],
-                    source,
-                    handoff_id=entry_id,
-                    n=n,
-                    checkpoint=True,
-                    prior=prior,
-                    payload=payload,
-                )
+                seal = t.restaged(self._writes)
                 t.mark_next = False
             t.wrote_output = True
             logger.info("took over request %s at token chunk %s", rid, source)

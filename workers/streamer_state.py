@@ -13,6 +13,7 @@ from kombu.exceptions import OperationalError
 from tokenizers import Tokenizer
 
 from app.decoder import RequestDecoder
+from app.messages import OutputEvent
 from app.records import RequestRecord
 from broker.chunks import ChunkLog
 from broker.registry import Registry, WorkerInfo
@@ -81,6 +82,40 @@ class Tracked:
     last_sent: float = 0.0
     no_worker_since: float | None = None
     claimed_by_worker: float | None = None  # when a worker first started it (queue time)
+
+    def staged(
+        self,
+        n: int,
+        checkpoint: bool,
+        prior: bytes,
+        payload: bytes,
+        events: list[OutputEvent] | None = None,
+        first: bool = False,
+        published: bytes | None = None,
+    ) -> OutputEntry:
+        """Its output chunk ``n`` as ``out`` staged it (``ChunkLog.stage`` or ``restage``),
+        for the next write, fenced by its hand-off entry. The one place a staged entry is
+        built: once per request per write, so positional (a keyword call costs more)."""
+        return OutputEntry(
+            self.record.request_id,
+            events if events is not None else [],
+            self.out_source,
+            first,
+            published,
+            self.entry_id,
+            n,
+            checkpoint,
+            prior,
+            payload,
+        )
+
+    def restaged(self, index: int) -> OutputEntry:
+        """A checkpoint of its output chunks since the last one, with no new chunk, for
+        write number ``index`` (``ChunkLog.restage``): a request whose tail is due one
+        though it produced nothing, or one just taken over with a tail in its last
+        streamer's step stream."""
+        n, payload, prior = self.out.restage(index)
+        return self.staged(n, True, prior, payload)
 
 
 @dataclass
