@@ -21,12 +21,10 @@ from app.messages import EngineFinish, TokenDelta
 from app.records import RequestRecord, RequestState
 from broker import scripts
 from broker.celery_app import send_generate
-from broker.chunks import CHECKPOINT_STEPS, Chunk, encode_prior, expand
+from broker.chunks import Chunk, encode_prior, expand
 from broker.direct import DirectConnection
 from broker.keys import Keys
-from broker.streams import last_entries, split_step
-
-READ_LOG_TRIES = 5
+from broker.streams import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed
 
 
 class ClaimResult(str, Enum):
@@ -319,39 +317,21 @@ class RequestStore:
         stream: two round trips. If the step stream moved past the checkpoint's entry
         in between, the token stream has a newer checkpoint (or there was no tail): it
         is read again."""
-        key = self.keys.tokens(rid)
-        entries: Any = self.redis.xrange(key)
-        for _ in range(READ_LOG_TRIES):
+
+        def parse(entries: Any) -> tuple[TokenLog, TailAt | None]:
             log = TokenLog(list(expand(entries, after)))
             last = entries[-1][1] if entries else {}
             log.recorded = int(last.get(b"n", 0))
             worker, sid = last.get(b"w"), last.get(b"s")
             if not worker or not sid:
-                return log
+                return log, None
             log.steps, log.sid = self.keys.steps(_s(worker)), _s(sid)
-            tail = self._tail(key, log.steps, log.sid, log.recorded)
-            if tail is not None:
-                log.tail = tail
-                log.chunks += [c for c in tail if c.n > after]
-                return log
-            again: Any = self.redis.xrange(key)
-            if again == entries:  # the checkpoint's step entry is gone: no tail
-                return log
-            entries = again
-        raise RuntimeError(f"request {rid}: its token stream kept changing while read")
+            return log, (log.steps, log.sid, log.recorded)
 
-    def _tail(self, key: str, steps: str, sid: str, recorded: int) -> list[Chunk] | None:
-        """The chunks of token stream ``key`` after ordinal ``recorded`` in the step
-        entries after ``sid`` (its checkpoint's); None when ``sid`` is trimmed away."""
-        entries: Any = self.redis.xrange(steps, min=sid, count=CHECKPOINT_STEPS + 1)
-        if not entries or _s(entries[0][0]) != sid:
-            return None
-        tail: list[Chunk] = []
-        for _eid, fields in entries[1:]:
-            for tok, attempt, n, payload in split_step(fields[b"d"]):
-                if tok == key and n == recorded + len(tail) + 1:
-                    tail.append(Chunk(n, int(attempt), payload, fields.get(b"t")))
-        return tail
+        log, tail = read_checkpointed(self.redis, self.keys.tokens(rid), parse)
+        log.tail = [Chunk(n, int(attempt), payload, t) for n, attempt, payload, t in tail]
+        log.chunks += [c for c in log.tail if c.n > after]
+        return log
 
     def progress(self, rid: str, num_choices: int) -> list[ChoiceProgress]:
         """Per choice: the token ids published so far and whether it finished."""

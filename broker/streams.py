@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis
@@ -122,26 +122,56 @@ class OutputLog:
         )
 
 
-# How often ``read_log`` reads again when the output stream changed under it.
+# How often a reader reads a stream again when it changed under it.
 READ_LOG_TRIES = 5
+L = TypeVar("L")
+
+
+# A chunk read from a step stream: ordinal, the line's second field (a token chunk's
+# attempt, an output chunk's source), payload, and its entry's ``t`` (publish time).
+StepChunk = tuple[int, str, bytes, bytes | None]
+# Where a stream's last checkpoint says its tail is: step stream, entry id, ordinal.
+TailAt = tuple[str, str, int]
 
 
 def step_tail(
     client: redis.Redis, key: str, steps: str, sid: str, recorded: int
-) -> list[tuple[int, str, bytes]] | None:
+) -> list[StepChunk] | None:
     """The chunks of stream ``key`` after ordinal ``recorded`` in the entries of step
-    stream ``steps`` after ``sid`` (the last checkpoint's), as (ordinal, the line's
-    second field, payload); None when ``sid`` is trimmed away. A checkpoint comes at
-    least every ``CHECKPOINT_STEPS`` entries, so the tail is within that many."""
+    stream ``steps`` after ``sid`` (the last checkpoint's); None when ``sid`` is
+    trimmed away. A checkpoint comes at least every ``CHECKPOINT_STEPS`` entries, so
+    the tail is within that many."""
     entries: Any = client.xrange(steps, min=sid, count=CHECKPOINT_STEPS + 1)
     if not entries or _s(entries[0][0]) != sid:
         return None
-    tail: list[tuple[int, str, bytes]] = []
+    tail: list[StepChunk] = []
     for _eid, fields in entries[1:]:
         for okey, second, n, payload in split_step(fields[b"d"]):
             if okey == key and n == recorded + len(tail) + 1:
-                tail.append((n, second, payload))
+                tail.append((n, second, payload, fields.get(b"t")))
     return tail
+
+
+def read_checkpointed(
+    client: redis.Redis, key: str, parse: Callable[[Any], tuple[L, TailAt | None]]
+) -> tuple[L, list[StepChunk]]:
+    """Stream ``key`` (token or output: both are checkpointed, broker/chunks.py), as
+    ``parse`` makes it into a log, and the tail its last checkpoint names: two round
+    trips. If the step stream moved past the checkpoint's entry in between, the stream
+    has a newer checkpoint (or there was no tail): it is read again."""
+    entries: Any = client.xrange(key)
+    for _ in range(READ_LOG_TRIES):
+        log, at = parse(entries)
+        if at is None:
+            return log, []
+        tail = step_tail(client, key, *at)
+        if tail is not None:
+            return log, tail
+        again: Any = client.xrange(key)
+        if again == entries:  # the checkpoint's step entry is gone: no tail
+            return log, []
+        entries = again
+    raise RuntimeError(f"{key} kept changing while read")
 
 
 class OutputStreams:
@@ -244,33 +274,28 @@ class OutputStreams:
         stream: two round trips. If the step stream moved past the checkpoint's entry
         in between, the output stream has a newer checkpoint (or there was no tail):
         it is read again."""
-        key = self.keys.output(rid)
-        entries: Any = self.redis.xrange(key)
-        for _ in range(READ_LOG_TRIES):
+
+        def parse(entries: Any) -> tuple[OutputLog, TailAt | None]:
             log = OutputLog()
             for _eid, fields in entries:
                 log.chunks += [c for c in entry_chunks(fields) if c[0] > after]
             if not entries:
-                return log
+                return log, None
             last = entries[-1][1]
             log.recorded = int(last[b"n"])
             log.source, log.last_events = _s(last[b"s"]), last[b"d"]
             writer, sid = last.get(b"w"), last.get(b"i")
             if not writer or not sid:
-                return log
+                return log, None
             log.steps, log.sid = self.keys.output_steps(_s(writer)), _s(sid)
-            tail = step_tail(self.redis, key, log.steps, log.sid, log.recorded)
-            if tail is not None:
-                log.tail = tail
-                log.chunks += [(n, events) for n, _source, events in tail if n > after]
-                if tail:
-                    _n, log.source, log.last_events = tail[-1]
-                return log
-            again: Any = self.redis.xrange(key)
-            if again == entries:  # the checkpoint's step entry is gone: no tail
-                return log
-            entries = again
-        raise RuntimeError(f"request {rid}: its output stream kept changing while read")
+            return log, (log.steps, log.sid, log.recorded)
+
+        log, tail = read_checkpointed(self.redis, self.keys.output(rid), parse)
+        log.tail = [(n, source, events) for n, source, events, _t in tail]
+        log.chunks += [(n, events) for n, _source, events in log.tail if n > after]
+        if log.tail:
+            _n, log.source, log.last_events = log.tail[-1]
+        return log
 
     def lost(self, rid: str) -> bool:
         """Neither the request's record nor its output exists (expired, or Redis was
