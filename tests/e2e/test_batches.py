@@ -74,8 +74,9 @@ def stack(
 
 
 @pytest.fixture
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0)
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def chat_line(custom_id: str, text: str, model: str, **extra: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import signal
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -23,7 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_make_run_serves_the_bundled_model_and_stops_cleanly(tmp_path: Path) -> None:
+def test_make_run_serves_the_bundled_model_and_stops_cleanly(
+    tmp_path: Path, sdk_client: Callable[..., openai.OpenAI]
+) -> None:
     pytest.importorskip("llama_cpp", reason="the cpu extra (llama-cpp-python) is not installed")
     run_dir = tmp_path / "run"
     up_args = f"--run-dir {run_dir} --redis-port {free_port()}"
@@ -48,7 +51,7 @@ def test_make_run_serves_the_bundled_model_and_stops_cleanly(tmp_path: Path) -> 
             assert page.status == 200
             assert b"<html" in page.read().lower()
 
-        client = openai.OpenAI(base_url=urls["api"], api_key="unused", max_retries=0, timeout=120)
+        client = sdk_client(urls["api"], timeout=120)
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
             messages=[{"role": "user", "content": "What is the capital of France?"}],

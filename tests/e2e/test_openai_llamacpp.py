@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -25,10 +25,10 @@ def llama_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield s
 
 
-def test_chat_streamed_equals_plain_at_temperature_0(llama_stack: Stack) -> None:
-    client = openai.OpenAI(
-        base_url=f"{llama_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120
-    )
+def test_chat_streamed_equals_plain_at_temperature_0(
+    llama_stack: Stack, sdk_client: Callable[..., openai.OpenAI]
+) -> None:
+    client = sdk_client(f"{llama_stack.base_url}/v1", timeout=120)
     model = llama_stack.settings.served_name
     msgs = [{"role": "user", "content": "Name three colours."}]
     plain = client.chat.completions.create(

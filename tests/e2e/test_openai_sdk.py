@@ -5,6 +5,8 @@ The echo engine answers a chat with its last user message, so every text is know
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 import requests
@@ -23,8 +25,9 @@ def sdk(base_url: str, api_key: str = "unused") -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return sdk(stack.base_url)
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with sdk(stack.base_url) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -169,12 +172,13 @@ def test_authentication(stack: Stack) -> None:
     settings = web_settings(stack.settings, api_keys=["secret-1"], web_workers=1, web_threads=8)
     with web_process(settings, stack.log_dir, name="web-auth"):
         base = f"http://{settings.host}:{settings.port}"
-        with pytest.raises(openai.AuthenticationError):
-            sdk(base, "wrong").models.list()
-        r = sdk(base, "secret-1").chat.completions.create(
-            model=settings.served_name,
-            messages=messages(),  # type: ignore[arg-type]
-        )
+        with sdk(base, "wrong") as wrong, pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        with sdk(base, "secret-1") as right:
+            r = right.chat.completions.create(
+                model=settings.served_name,
+                messages=messages(),  # type: ignore[arg-type]
+            )
         assert r.choices[0].message.content == TEXT
         assert requests.get(f"{base}/health", timeout=5).status_code == 200
 
@@ -197,8 +201,8 @@ def test_queue_full_is_rate_limit_error(slow_stack: Stack) -> None:
         # Keep the iterator alive: dropping it would close the connection (a disconnect).
         lines = holder.iter_lines()
         next(lines)  # the request is admitted and streaming
-        with pytest.raises(openai.RateLimitError) as info:
-            sdk(slow_stack.base_url).chat.completions.create(
+        with sdk(slow_stack.base_url) as c, pytest.raises(openai.RateLimitError) as info:
+            c.chat.completions.create(
                 model=slow_stack.settings.served_name,
                 messages=messages(),  # type: ignore[arg-type]
             )

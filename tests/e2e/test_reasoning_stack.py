@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,10 @@ def thinking_stack(
         yield running
 
 
-def test_reasoning_content_plain_and_streamed(thinking_stack: Stack) -> None:
-    client = openai.OpenAI(
-        base_url=f"{thinking_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=30
-    )
+def test_reasoning_content_plain_and_streamed(
+    thinking_stack: Stack, sdk_client: Callable[..., openai.OpenAI]
+) -> None:
+    client = sdk_client(f"{thinking_stack.base_url}/v1", timeout=30)
     messages: Any = [{"role": "user", "content": THINKING}]
     model = thinking_stack.settings.served_name
     plain = client.chat.completions.create(model=model, messages=messages)

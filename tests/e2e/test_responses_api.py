@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,9 @@ def sdk(base_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return sdk(stack.base_url)
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with sdk(stack.base_url) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +236,12 @@ def test_responses_belong_to_their_api_key(stack: Stack) -> None:
         web_workers=1,
         web_threads=8,
     )
-    with web_process(settings, stack.log_dir, name="web-responses-keys"):
+    with web_process(settings, stack.log_dir, name="web-responses-keys"), ExitStack() as stack_exit:
         url = f"http://{settings.host}:{settings.port}/v1"
         a, b, root = (
-            openai.OpenAI(base_url=url, api_key=k, max_retries=0, timeout=30)
+            stack_exit.enter_context(
+                openai.OpenAI(base_url=url, api_key=k, max_retries=0, timeout=30)
+            )
             for k in (alpha, beta, admin)
         )
         r = a.responses.create(model=settings.served_name, input="Mine.")
@@ -353,9 +358,10 @@ LONG = " ".join(f"word{i}" for i in range(30))  # ~2-3 s at 20 tokens/s
 
 
 @pytest.fixture()
-def slow(slow_stack: Stack) -> openai.OpenAI:
+def slow(slow_stack: Stack) -> Iterator[openai.OpenAI]:
     wait_for(lambda: in_flight(slow_stack.settings) == 0, 30, "an idle slow stack")
-    return sdk(slow_stack.base_url)
+    with sdk(slow_stack.base_url) as c:
+        yield c
 
 
 def test_background_create_poll_completed(slow: openai.OpenAI, slow_stack: Stack) -> None:

@@ -42,10 +42,13 @@ def client(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     settings = isolated_settings(
         "redis://unused", models_dir, web_workers=1, web_threads=8, lease_ttl_s=30.0
     )
-    with full_stack(settings, tmp_path_factory.mktemp("resp-llama"), engine="llamacpp") as s:
-        yield openai.OpenAI(
+    with (
+        full_stack(settings, tmp_path_factory.mktemp("resp-llama"), engine="llamacpp") as s,
+        openai.OpenAI(
             base_url=f"{s.base_url}/v1", api_key="unused", max_retries=0, timeout=180
-        )
+        ) as c,
+    ):
+        yield c
 
 
 class City(BaseModel):

@@ -62,10 +62,11 @@ def llama_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="module")
-def client(llama_stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(
+def client(llama_stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
         base_url=f"{llama_stack.base_url}/v1", api_key="unused", max_retries=0, timeout=180
-    )
+    ) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,11 @@ PARALLEL = call("get_weather", {"city": "Paris"}) + "\n" + call("get_time", {})
 
 
 @pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
         base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=30
-    )
+    ) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

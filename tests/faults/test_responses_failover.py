@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +59,21 @@ WAIT_S = 30.0  # bound of every wait
 class Web:
     url: str
     proc: Proc
+    clients: list[openai.OpenAI] = field(default_factory=list)
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(
+        """A client of this web process, closed by its fixture (``close``). One left to
+        the garbage collector is a cycle: its sockets may be finalized before the client
+        closes them, a ResourceWarning (an error here) in whatever test runs then."""
+        c = openai.OpenAI(
             base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
         )
+        self.clients.append(c)
+        return c
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
 
     def kill_group(self) -> None:
         """SIGKILL the gunicorn master and its workers: the group we started it in
@@ -105,14 +115,22 @@ def backbone(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             streamer_process(settings, logs),
             web_process(b_settings, logs, name="web-b") as b,
         ):
-            yield Backbone(settings, logs, Web(base(b_settings), b))
+            web_b = Web(base(b_settings), b)
+            try:
+                yield Backbone(settings, logs, web_b)
+            finally:
+                web_b.close()
 
 
 @pytest.fixture
 def web_a(backbone: Backbone) -> Iterator[Web]:
     a_settings = web_settings(backbone.settings)
     with web_process(a_settings, backbone.logs, name="web-a") as proc:
-        yield Web(base(a_settings), proc)
+        web = Web(base(a_settings), proc)
+        try:
+            yield web
+        finally:
+            web.close()
 
 
 def in_flight(settings: Settings) -> int:

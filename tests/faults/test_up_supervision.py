@@ -196,10 +196,10 @@ def group_members(pgid: int) -> set[int]:
 
 
 def chat(api: str, text: str) -> str:
-    client = openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=30)
-    reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=32
-    )
+    with openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=30) as client:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=32
+        )
     return reply.choices[0].message.content or ""
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -41,7 +42,7 @@ BATCH_LINE = (
 
 
 def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
-    tmp_path: Path, models_dir: Path
+    tmp_path: Path, models_dir: Path, sdk_client: Callable[..., openai.OpenAI]
 ) -> None:
     port, flower_port = free_port(), free_port()
     ports = ["--port", str(port), "--flower-port", str(flower_port)]
@@ -55,7 +56,7 @@ def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
 
         status, page = get(urls["chat"])
         assert status == 200 and b"<html" in page.lower()
-        client = openai.OpenAI(base_url=urls["api"], api_key="unused", max_retries=0, timeout=30)
+        client = sdk_client(urls["api"], timeout=30)
         assert [m.id for m in client.models.list().data] == [MODEL]
         reply = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hello relay"}], max_tokens=16
@@ -97,7 +98,7 @@ def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
         assert file_id in listed_files(urls["api"])  # the private Redis kept its data
         status, content = get(f"{urls['api']}/files/{file_id}/content")
         assert (status, content) == (200, BATCH_LINE)
-        client = openai.OpenAI(base_url=urls["api"], api_key="unused", max_retries=0, timeout=30)
+        client = sdk_client(urls["api"], timeout=30)
 
         def batch_done() -> Batch | None:
             found = client.batches.retrieve(batch.id)
