@@ -44,6 +44,10 @@ bench() {
 main() {
     log "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)," \
         "kernel $(uname -r), $($PY --version 2>&1)"
+    # Whether the control is one: a sandbox may accept an affinity it does not enforce
+    # (then the pairs differ in nothing), and a cgroup quota may cap the cores.
+    log "under taskset -c 0,1: $(taskset -c 0,1 nproc 2>&1) cores;" \
+        "cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo none)"
     log "installing $(ls "$CARRY"/whl/*.whl | wc -l) wheels into $SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$CARRY"/whl/*.whl || { log "install failed"; return 3; }
