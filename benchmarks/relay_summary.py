@@ -72,7 +72,11 @@ def main(argv: list[str]) -> int:
         return 2
     for name in argv:
         print(f"# {name}")
-        for run in objects(Path(name).read_text(errors="replace")):
+        path = Path(name)
+        if not path.is_file():  # a benchmark that never wrote (its run failed at once)
+            print("(no such file)")
+            continue
+        for run in objects(path.read_text(errors="replace")):
             text = line(run)
             if text is not None:
                 print(text)

@@ -151,4 +151,6 @@ def test_summary_command_prints_each_file_s_runs(
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"# {floor}"
     assert [x.split()[1] for x in out[1:]] == ["design", "hops"]
+    assert summary.main([str(tmp_path / "missing.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "(no such file)"
     assert summary.main([]) == 2
