@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The relay benchmarks on the device machine (16 cores), in one call of a few minutes.
+# The relay benchmarks on the device machine (16 cores), in one call of about 5 minutes
+# (4 min 23 s in a dry run on this machine's 2 cores: docs/benchmarks.md).
 #
 #   here, once (needs PyPI):  .venv/bin/python benchmarks/device_carry.py
 #   there:                    run(command="bash benchmarks/device_relay.sh",
-#                                 carry=[".carry"], timeout_s=420)
+#                                 carry=[".carry"], timeout_s=540)
 #
 # Why: issue 12's one unmet goal, the paced relay's added inter-token latency (p50
 # <= 2 ms at --rate 200), is above 2 ms on this 2-core machine, and the measured floor
@@ -13,7 +14,8 @@
 # that differs between the pair. Runs: the paced relay (64 requests x 256 tokens at 200
 # steps/s), the relay floor (the Redis hops alone, 8 and 64 requests per step), and on
 # all cores the paced relay read as the SSE route reads (--reader pump), the keep-up run
-# (--stage both) and the relay at 1, 2 and 4 streamers.
+# (--stage both) and the relay at 1, 2 and 4 streamers (paced at 200 and 50 steps/s,
+# and unpaced).
 #
 # Output, under $OUT (what comes back): log.txt (this log, with the summary at its end)
 # and each benchmark's JSON. ROUNDS (3) sets the pairs; PY (python3) the interpreter.
@@ -64,6 +66,13 @@ main() {
         log "round $round done"
     done
     bench keepup-all all "${relay[@]}" --stage both --rounds "$ROUNDS" --tokens 512
+    # Streamers in parallel split each step's decoding: paced, at 200 and 50 steps/s
+    # (at 50 two cores are 80 % idle here, and the latency was no lower: the path is
+    # serial work per step, session 18), and unpaced.
+    for rate in 200 50; do
+        bench streamers-all all "${relay[@]}" --stage relay --rate "$rate" --tokens 256 \
+            --reader pump --streamers 1,2,4
+    done
     bench streamers-all all "${relay[@]}" --stage relay --streamers 1,2,4 --tokens 512
     log "summary"
     "$PY" benchmarks/relay_summary.py "$OUT"/paced-*.json "$OUT"/floor-*.json \

@@ -83,6 +83,7 @@ RELAY_RUN = {
     "stage": "relay",
     "streamers": 1,
     "reader": "pump",
+    "engine_rate_per_request": 200.0,
     "requests": 64,
     "tokens_per_s": 9913,
     "cpu_us_per_token": {"worker": 43.3, "redis": 21.4, "streamer": 38.5},
@@ -94,6 +95,7 @@ RELAY_RUN = {
 WORKER_RUN = {
     "stage": "worker",
     "streamers": 0,
+    "engine_rate_per_request": "unlimited",
     "tokens_per_s": 20656,
     "cpu_us_per_token": {"worker": 26.2, "redis": 13.1},
     "cpu_us_per_token_total": 39.4,
@@ -129,8 +131,8 @@ def test_summary_reads_indented_runs_between_log_lines(summary: ModuleType, tmp_
     runs = list(summary.objects(text))
     assert runs == [WORKER_RUN, RELAY_RUN, KEEP_UP]
     lines = [summary.line(r) for r in runs]
-    assert lines[0].startswith("worker - str -       20656 tok/s  CPU µs/token 39.4 (worker 26.2")
-    assert lines[1].startswith("relay  1 str pump     9913 tok/s  CPU µs/token 103.1")
+    assert lines[0].startswith("worker - str -       max   20656 tok/s  CPU µs/token 39.4 (worker 26.2")
+    assert lines[1].startswith("relay  1 str pump  200/s    9913 tok/s  CPU µs/token 103.1")
     assert "added ITL p50 4.86 ms  p99 55.00 ms  keep-up in run 0.999" in lines[1]
     assert lines[2] == "keep-up vs worker-only [1.349] (median 1.349), in run 0.999"
 
