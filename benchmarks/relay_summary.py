@@ -55,10 +55,7 @@ def line(run: dict[str, Any]) -> str | None:
     reader = run.get("reader") or "-"
     rate = run.get("engine_rate_per_request", "unlimited")
     pace = "max" if rate == "unlimited" else f"{rate:g}/s"
-    head = (
-        f"{run['stage']:<6} {streamers} str {reader:<5} {pace:>5} "
-        f"{run['tokens_per_s']:>7} tok/s"
-    )
+    head = f"{run['stage']:<6} {streamers} str {reader:<5} {pace:>5} {run['tokens_per_s']:>7} tok/s"
     cpu = run.get("cpu_us_per_token", {})
     body = f"  CPU µs/token {run.get('cpu_us_per_token_total', sum(cpu.values())):.1f}"
     if cpu:

@@ -131,7 +131,7 @@ def test_summary_reads_indented_runs_between_log_lines(summary: ModuleType, tmp_
     runs = list(summary.objects(text))
     assert runs == [WORKER_RUN, RELAY_RUN, KEEP_UP]
     lines = [summary.line(r) for r in runs]
-    assert lines[0].startswith("worker - str -       max   20656 tok/s  CPU µs/token 39.4 (worker 26.2")
+    assert lines[0].startswith("worker - str -       max   20656 tok/s  CPU µs/token 39.4")
     assert lines[1].startswith("relay  1 str pump  200/s    9913 tok/s  CPU µs/token 103.1")
     assert "added ITL p50 4.86 ms  p99 55.00 ms  keep-up in run 0.999" in lines[1]
     assert lines[2] == "keep-up vs worker-only [1.349] (median 1.349), in run 0.999"
