@@ -52,7 +52,13 @@ from app.messages import OutputEvent, OutputKind, TokenDelta
 from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
-from broker.requests import PublishItem, RequestStore, encode_deltas, publish_stamp
+from broker.requests import (
+    KnownEpoch,
+    PublishItem,
+    RequestStore,
+    encode_deltas,
+    publish_stamp,
+)
 from broker.server import RedisServer
 from broker.streams import (
     OutputEntry,
@@ -94,6 +100,7 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
         _publish_hops(via, keys.steps(WORKER), [keys.tokens(r) for r in rids], steps, rate)
         return
     pending = None
+    known = KnownEpoch()  # as the engine thread keeps it
     logs = {rid: ChunkLog(phase=phase_of(rid)) for rid in rids}
     for step, payload in paced_steps(steps, rate):
         items = []
@@ -112,7 +119,9 @@ def publish_role(url: str, n: int, steps: int, rate: float, variant: str, go: An
                     prior=prior,
                 )
             )
-        sent = store.publish_begin(items, 600, via, worker_id=WORKER, stamp=publish_stamp())
+        sent = store.publish_begin(
+            items, 600, via, worker_id=WORKER, stamp=publish_stamp(), known=known
+        )
         if pending is not None:
             pending.statuses()
         pending = sent

@@ -91,6 +91,10 @@ class DirectConnection:
         self._client: Any = client
         self._conn: Any = None
         self._used = 0.0  # monotonic time of the last send
+        # Sockets used so far: what was learned from Redis over one (the publish's fence
+        # epoch) is trusted only while it is the same.
+        self.generation = 0
+        self._sock: Any = None
 
     def send(self, *commands: Sequence[Any]) -> None:
         """Send ``commands`` in one write; read their replies in order with ``reply``."""
@@ -117,6 +121,13 @@ class DirectConnection:
             raise
         callback = self._client.response_callbacks.get(command)
         return callback(response) if callback is not None else response
+
+    def connect(self) -> int:
+        """Make sure a connection is open (reconnecting as ``send`` would) and return
+        its generation: a caller can tell whether its next send goes over the
+        connection it last heard from."""
+        self._connection()
+        return self.generation
 
     def call(self, *args: Any) -> Any:
         """One command, one reply."""
@@ -163,9 +174,14 @@ class DirectConnection:
         self._used = now
         if self._conn is None:
             pool = self._client.connection_pool
-            conn = pool.connection_class(**pool.connection_kwargs)
+            # No health check: it would reconnect inside redis-py, in the middle of a
+            # send, unseen by ``generation``.
+            conn = pool.connection_class(**{**pool.connection_kwargs, "health_check_interval": 0})
             # Connect explicitly, as the pool does: sending on an unconnected connection
             # would skip a Sentinel connection's own connect() (the master lookup).
             conn.connect()
             self._conn = conn
+        if self._conn._sock is not self._sock:  # a new socket, however it came about
+            self._sock = self._conn._sock
+            self.generation += 1
         return self._conn

@@ -13,6 +13,8 @@
 {p}batchers         zset   batch driver ids scored by last heartbeat
 {p}new              stream new requests handed to streamers (consumer group)
 {p}new:epoch        string a random value, new at every takeover of hand-off entries
+{p}fence:epoch      string a value new at every resume, second claim and cancel: a worker's
+                           publish checks each lease and cancel key only when it changed
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
 {p}inflight:weights hash   request id -> "<choices> <owner>": what each admitted request
                            counts against the limit and whose per-key quota it uses
@@ -108,6 +110,13 @@ class Keys:
         streamer that saw it unchanged since it last checked which entries are its own
         writes without checking each entry's owner again (``OutputStreams``)."""
         return f"{self.prefix}new:epoch"
+
+    @property
+    def fence_epoch(self) -> str:
+        """Changed (to a value it never had) by everything that can fence a worker's
+        publish or cancel a request: a publish under the epoch it last checked
+        everything under skips the per-request checks (``scripts.PUBLISH``)."""
+        return f"{self.prefix}fence:epoch"
 
     def file(self, fid: str) -> str:
         return f"{self.prefix}file:{fid}"

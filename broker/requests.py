@@ -6,6 +6,7 @@ web tier creates requests, workers claim and publish, streamers read and resume.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -243,6 +244,8 @@ class RequestStore:
     def queue_cancel(self, pipe: Pipeline, rid: str) -> None:
         """``cancel(rid)``'s commands, added to ``pipe``."""
         pipe.set(self.keys.cancel(rid), "1", ex=self.stream_ttl_s)
+        # After the key: a publish that sees the new epoch sees the cancel too.
+        pipe.set(self.keys.fence_epoch, "x" + secrets.token_hex(8))
         pipe.publish(self.keys.cancel_channel, rid)
 
     def is_cancelled(self, rid: str) -> bool:
@@ -397,7 +400,12 @@ class RequestStore:
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float, load: str
     ) -> Any:
         return self._claim(
-            keys=[self.keys.request(rid), self.keys.lease(rid), self.keys.cancel(rid)],
+            keys=[
+                self.keys.request(rid),
+                self.keys.lease(rid),
+                self.keys.cancel(rid),
+                self.keys.fence_epoch,
+            ],
             args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, load],
         )
 
@@ -420,8 +428,8 @@ class RequestStore:
         """
         if not items:
             return []
-        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp)
-        return [PublishStatus(int(x)) for x in self._publish(keys=keys, args=args)]
+        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
+        return publish_reply(self._publish(keys=keys, args=args)).statuses
 
     def publish_begin(
         self,
@@ -430,12 +438,19 @@ class RequestStore:
         via: DirectConnection,
         worker_id: str | None = None,
         stamp: str | None = None,
+        known: KnownEpoch | None = None,
     ) -> PendingPublish:
         """``publish``, split in two: send it now, read its statuses later with the
-        result's ``statuses()``, so the engine can run its next step meanwhile."""
-        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp)
+        result's ``statuses()``, so the engine can run its next step meanwhile.
+
+        ``known``: the fence epoch this sender's publishes on ``via`` ran under, kept
+        up to date by ``statuses()``; while it is current the script skips checking
+        each request's lease and cancel key (``scripts.PUBLISH``)."""
+        generation = via.connect()
+        epoch = known.argument(generation) if known is not None else ""
+        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp, epoch)
         via.send_evalsha(self._publish, keys, args)
-        return PendingPublish(via, self._publish, keys, args)
+        return PendingPublish(via, self._publish, keys, args, known, generation)
 
     def _publish_args(
         self,
@@ -443,13 +458,15 @@ class RequestStore:
         lease_ttl_s: float,
         worker_id: str | None,
         stamp: str | None,
+        epoch: str,
     ) -> tuple[list[str], list[Any]]:
-        keys: list[str] = []
+        k = self.keys
+        keys: list[str] = [k.fence_epoch]
         # The publish time travels with each entry so the relay's added latency can be
         # measured to the microsecond (entry ids only carry milliseconds); it also names
         # the call, for ``landed``.
-        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, stamp or publish_stamp()]
-        k = self.keys
+        stamp = stamp or publish_stamp()
+        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, stamp, epoch]
         for it in items:
             rid = it.request_id
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
@@ -499,8 +516,42 @@ class RequestStore:
 
     def resume(self, rid: str) -> int | None:
         """If ``rid`` is running with an expired lease, requeue it; the new attempt."""
-        res = int(self._resume(keys=[self.keys.request(rid), self.keys.lease(rid)]))
+        keys = [self.keys.request(rid), self.keys.lease(rid), self.keys.fence_epoch]
+        res = int(self._resume(keys=keys))
         return None if res < 0 else res
+
+
+@dataclass(slots=True)
+class KnownEpoch:
+    """The fence epoch (``Keys.fence_epoch``) one sender's last publish ran under, and
+    the connection generation (``DirectConnection.generation``) it came over.
+
+    Trusted only on the same connection: a new one may be to a Redis that restarted
+    without its last writes (a claim's lease lost, then claimed again by another worker
+    under an epoch this sender already knows), so the first publish on it checks every
+    request again."""
+
+    generation: int = -1
+    value: str = ""
+
+    def argument(self, generation: int) -> str:
+        """The publish script's epoch argument for a call on ``generation``."""
+        return "e:" + self.value if generation == self.generation else ""
+
+    def learn(self, generation: int, value: str) -> None:
+        self.generation, self.value = generation, value
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReply:
+    statuses: list[PublishStatus]
+    epoch: str  # the fence epoch the call ran under
+
+
+def publish_reply(res: Any) -> PublishReply:
+    """``scripts.PUBLISH``'s reply, parsed."""
+    *statuses, epoch = res
+    return PublishReply([PublishStatus(int(x)) for x in statuses], _s(epoch))
 
 
 @dataclass(slots=True)
@@ -511,11 +562,15 @@ class PendingPublish:
     script: Any  # the registered publish script (reloaded if Redis lost it)
     keys: list[str]
     args: list[Any]
+    known: KnownEpoch | None = None  # updated from the reply
+    generation: int = 0  # ``via``'s when it was sent
 
     def statuses(self) -> list[PublishStatus]:
         """Read the reply (waits for it if Redis has not answered yet)."""
-        res = self.via.evalsha_reply(self.script, self.keys, self.args)
-        return [PublishStatus(int(x)) for x in res]
+        reply = publish_reply(self.via.evalsha_reply(self.script, self.keys, self.args))
+        if self.known is not None and self.via.generation == self.generation:
+            self.known.learn(self.generation, reply.epoch)
+        return reply.statuses
 
 
 def publish_stamp() -> str:

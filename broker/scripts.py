@@ -4,14 +4,23 @@ The lease is the fence. A worker may publish tokens for a request only while the
 key holds its own ``worker:attempt`` value; a resume bumps ``attempt``, so a worker that
 was presumed dead (or Celery's later redelivery of the original task) can never publish
 a second copy of the tokens.
+
+The fence epoch (``Keys.fence_epoch``) spares the publish checking every request's lease
+and cancel key at every step: it changes (to a value it never had) with everything that
+can fence a worker or cancel a request (a resume, a second claim of an attempt, a cancel),
+so a worker whose last publish checked everything, on the same connection, under the
+epoch that is still current knows nothing changed since (``PUBLISH``).
 """
 
 from __future__ import annotations
 
-# KEYS: req, lease, cancel          ARGV: attempt, lease_value, lease_ttl_ms, now[, load]
+# KEYS: req, lease, cancel, fence epoch    ARGV: attempt, lease_value, lease_ttl_ms, now[, load]
 # -> 'ok' | 'missing' | 'stale' | 'done' | 'held' | 'cancelled'; with load = '1', a claim
 #    that succeeds returns {'ok', body, again}: the worker's start is one round trip, not
 #    two; again = 1 when some attempt was claimed before (it may have published chunks)
+# A second claim (of a newer attempt, or of the same one by Celery's redelivery after
+# its lease expired) changes the fence epoch: the worker that held it before must check
+# its leases at its next publish.
 CLAIM = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
@@ -25,23 +34,28 @@ end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2])
 local again = 1 - redis.call('HSETNX', KEYS[1], 'claimed', ARGV[4])
+if again == 1 then redis.call('SET', KEYS[4], 'c' .. ARGV[4] .. ':' .. ARGV[2]) end
 if ARGV[5] == '1' then return {'ok', redis.call('HGET', KEYS[1], 'body'), again} end
 return 'ok'
 """
 
-# KEYS: req, lease                  ARGV: (none)
-# A running request whose lease expired goes back to queued with attempt + 1.
+# KEYS: req, lease, fence epoch     ARGV: (none)
+# A running request whose lease expired goes back to queued with attempt + 1, and the
+# fence epoch changes (to a value no other call sets: the request and its new attempt).
 # -> the new attempt, or -1 when there is nothing to resume.
 RESUME = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'running' then return -1 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'worker', '')
-return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('SET', KEYS[3], 'r' .. KEYS[1] .. ':' .. attempt)
+return attempt
 """
 
-# KEYS: per request i (4 each): lease, tokens, req, cancel; then, optionally, the
-#       worker's step stream
-# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), then per request (4 each):
+# KEYS: the fence epoch, then per request i (4 each): lease, tokens, req, cancel; then,
+#       optionally, the worker's step stream
+# ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), epoch ('' = unknown; else
+#       'e:' and the epoch this connection's last publish returned), then per request (4 each):
 #       lease_value, attempt, payload ('' = lease refresh only), flags + 16 x ordinal
 #       (flags: 1 first, 2 done, 4 keep the lease's TTL: the worker refreshes it only
 #       every fifth of a lease, 8 checkpoint; ordinal 0: the next after the token
@@ -64,23 +78,39 @@ return redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 # The token stream gets its TTL on an attempt's first publish and again on the last (an
 # EXPIRE on a stream not created yet does nothing: a first publish without tokens would
 # otherwise leave the stream without a TTL for ever).
-# -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested
+# Each request's lease and cancel key are checked only when the fence epoch is not the
+# one the worker knows (a GET and an EXISTS per request per step were two fifths of the
+# script's time at 64 requests: benchmarks/relay_floor.py). Nothing that can fence or
+# cancel a request leaves it as it was (CLAIM, RESUME, ``RequestStore.cancel``), and the
+# worker forgets it whenever its connection is new (Redis may have restarted without the
+# last writes: ``KnownEpoch``), so an unchanged epoch means every request's lease is still
+# the worker's own (or expired with no one else holding it: still its attempt) and none
+# was cancelled since the check. A missing epoch is created (from this call's time): a
+# Redis that lost it makes every worker check.
+# -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested;
+#    then the epoch the call ran under
 PUBLISH = """
 local out = {}
-local n = math.floor(#KEYS / 4)
+local n = math.floor((#KEYS - 1) / 4)
 local steps = nil
 local worker = nil
-if #KEYS > n * 4 then
+if #KEYS > 1 + n * 4 then
   steps = KEYS[#KEYS]
-  worker = ARGV[4 + n * 4]
+  worker = ARGV[5 + n * 4]
 end
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  epoch = 'p' .. ARGV[3]
+  redis.call('SET', KEYS[1], epoch)
+end
+local check = ARGV[4] ~= 'e:' .. epoch
 local lines = {}
 local marks = {}  -- the checkpoints, written once the step entry's id is known
-local prior = 4 + n * 4  -- the last prior chunks argument taken
+local prior = 5 + n * 4  -- the last prior chunks argument taken
 for i = 0, n - 1 do
-  local k = i * 4
+  local k = 1 + i * 4
   local lease, tok, req, cancel = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local a = 4 + i * 4
+  local a = 5 + i * 4
   local f = tonumber(ARGV[a + 3])
   local payload = ARGV[a + 2]
   local p = ''  -- its prior chunks (taken whether it is fenced or not: they are in order)
@@ -88,7 +118,7 @@ for i = 0, n - 1 do
     prior = prior + 1
     p = ARGV[prior]
   end
-  if redis.call('GET', lease) ~= ARGV[a] then
+  if check and redis.call('GET', lease) ~= ARGV[a] then
     out[i + 1] = 1
   else
     local flags = f % 4
@@ -114,7 +144,7 @@ for i = 0, n - 1 do
       out[i + 1] = 0
     else
       if not keep then redis.call('PEXPIRE', lease, ARGV[1]) end
-      out[i + 1] = redis.call('EXISTS', cancel) * 2
+      out[i + 1] = check and redis.call('EXISTS', cancel) * 2 or 0
     end
   end
 end
@@ -129,6 +159,7 @@ if #lines > 0 then
     if m[6] ~= 0 then redis.call('EXPIRE', m[1], ARGV[2]) end
   end
 end
+out[n + 1] = epoch
 return out
 """
 

@@ -41,6 +41,7 @@ from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection
 from broker.requests import (
     FencedTail,
+    KnownEpoch,
     PendingPublish,
     PublishItem,
     PublishStatus,
@@ -160,6 +161,9 @@ class EngineThread(threading.Thread):
         # This thread publishes once per step: on a connection of its own (broker/direct.py).
         self._direct = DirectConnection(store.redis)
         self._in_flight: _InFlight | None = None  # sent, reply not read yet
+        # The fence epoch the last publish on ``_direct`` ran under: while it stays the
+        # same, the publish skips checking each request's lease and cancel key.
+        self._epoch = KnownEpoch()
         self._unsure = False  # some request has a failed publish that may have run
         self._publishes = 0  # publish calls sent (``ChunkLog``'s clock)
         # Tails of fenced attempts not sealed yet (``_seal_fenced``): sealed in one round
@@ -422,7 +426,12 @@ class EngineThread(threading.Thread):
         stamp = publish_stamp()
         try:
             pending = self.store.publish_begin(
-                [p for _, p, _ in items], self.lease_ttl_s, self._direct, self.worker_id, stamp
+                [p for _, p, _ in items],
+                self.lease_ttl_s,
+                self._direct,
+                self.worker_id,
+                stamp,
+                known=self._epoch,
             )
         except redis.RedisError as exc:
             self._publish_failed(items, now, stamp, exc)

@@ -291,9 +291,9 @@ def test_a_lease_is_extended_every_fifth_of_it_not_every_step(
     sent: list[PublishItem] = []
     real = store.publish_begin
 
-    def spy(items: Any, *args: Any) -> Any:
+    def spy(items: Any, *args: Any, **kwargs: Any) -> Any:
         sent.extend(items)
-        return real(items, *args)
+        return real(items, *args, **kwargs)
 
     monkeypatch.setattr(store, "publish_begin", spy)
     thread = EngineThread(EchoEngine(tokens_per_second=200), store, lease_ttl_s=2.5)
@@ -332,16 +332,16 @@ def test_a_publish_whose_reply_was_lost_is_not_appended_twice(
     real = store.publish_begin
     calls: list[int] = []
 
-    def flaky(items: Any, *args: Any) -> Any:
+    def flaky(items: Any, *args: Any, **kwargs: Any) -> Any:
         mine = [p for p in items if p.request_id == rid]
         calls.append(1)
         hit = mine and (mine[0].done if which == "last" else len(calls) == 5)
         if not hit or getattr(flaky, "fired", False):
-            return real(items, *args)
+            return real(items, *args, **kwargs)
         flaky.fired = True  # type: ignore[attr-defined]
         if where == "unsent":
             raise redis.ConnectionError("simulated: connection refused")
-        pending = real(items, *args)
+        pending = real(items, *args, **kwargs)
         if where == "send":
             pending.statuses()  # it ran; the sender only saw an error
             raise redis.ConnectionError("simulated: broken pipe after the send")

@@ -1,0 +1,135 @@
+"""The publish's fence epoch (``Keys.fence_epoch``, ``scripts.PUBLISH``) on a real
+redis-server: a worker skips checking each request's lease and cancel key while the
+epoch is the one its last publish on the same connection ran under, and everything that
+can fence or cancel a request changes it, so nothing the per-request checks caught gets
+through: a resume, a second claim of the same attempt, a cancel, a Redis that lost the
+epoch, a new connection (to a Redis that may have restarted without its last writes)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from app.messages import TokenDelta
+from app.settings import Settings
+from broker.direct import DirectConnection
+from broker.requests import (
+    ClaimResult,
+    KnownEpoch,
+    PublishItem,
+    PublishStatus,
+    RequestStore,
+    encode_deltas,
+    lease_value,
+)
+from tests.stack import make_record
+
+pytestmark = pytest.mark.integration
+
+
+class Sender:
+    """One worker's publishes, as its engine thread sends them: on a connection of its
+    own, keeping the epoch each reply returns."""
+
+    def __init__(self, store: RequestStore, worker: str) -> None:
+        self.store, self.worker = store, worker
+        self.via = DirectConnection(store.redis)
+        self.known = KnownEpoch()
+        self.sent = 0
+
+    def publish(self, rids: list[str], attempt: int = 0) -> list[PublishStatus]:
+        self.sent += 1
+        payload = encode_deltas([TokenDelta(0, [self.sent])])
+        items = [
+            PublishItem(rid, lease_value(self.worker, attempt), attempt, payload, self.sent == 1)
+            for rid in rids
+        ]
+        pending = self.store.publish_begin(items, 30.0, self.via, self.worker, known=self.known)
+        return pending.statuses()
+
+
+def new_request(settings: Settings, store: RequestStore, worker: str) -> str:
+    record = make_record(settings, [list(range(100, 110))], max_tokens=10)
+    store.create(record)
+    assert store.claim(record.request_id, 0, worker, 30.0, time.time()) is ClaimResult.OK
+    return record.request_id
+
+
+def gets(client: redis.Redis) -> int:
+    stats: Any = client.info("commandstats")
+    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+
+
+def test_a_publish_under_the_known_epoch_checks_no_request(
+    settings: Settings, store: RequestStore, redis_client: redis.Redis
+) -> None:
+    rids = [new_request(settings, store, "wA") for _ in range(3)]
+    sender = Sender(store, "wA")
+    before = gets(redis_client)
+    assert sender.publish(rids) == [PublishStatus.OK] * 3
+    checked = gets(redis_client) - before  # the epoch's GET and each lease's
+    assert checked == 4
+    before = gets(redis_client)
+    assert sender.publish(rids) == [PublishStatus.OK] * 3
+    assert gets(redis_client) - before == 1  # the epoch's alone
+
+    # A lease that expired with no one resuming its request is still this attempt's:
+    # the worker goes on (its lease is gone, so the watchdog resumes it, which fences).
+    redis_client.delete(store.keys.lease(rids[0]))
+    assert sender.publish(rids) == [PublishStatus.OK] * 3
+    # On a new connection (Redis may have restarted without its last writes) it checks.
+    sender.via.close()
+    assert sender.publish(rids) == [PublishStatus.FENCED, PublishStatus.OK, PublishStatus.OK]
+
+
+def test_a_resume_fences_the_worker_that_held_the_request(
+    settings: Settings, store: RequestStore, redis_client: redis.Redis
+) -> None:
+    rid, other = new_request(settings, store, "wA"), new_request(settings, store, "wA")
+    old = Sender(store, "wA")
+    assert old.publish([rid, other]) == [PublishStatus.OK] * 2
+    assert old.publish([rid, other]) == [PublishStatus.OK] * 2  # under the known epoch
+    redis_client.delete(store.keys.lease(rid))  # wA stalled past its lease
+    assert store.resume(rid) == 1
+    assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
+    assert old.publish([rid, other]) == [PublishStatus.FENCED, PublishStatus.OK]
+    assert Sender(store, "wB").publish([rid], attempt=1) == [PublishStatus.OK]
+
+
+def test_a_second_claim_of_the_same_attempt_fences_the_first_worker(
+    settings: Settings, store: RequestStore, redis_client: redis.Redis
+) -> None:
+    """Celery redelivers the task of a worker whose lease expired before any watchdog
+    resumed the request: the same attempt, claimed again by another worker."""
+    rid = new_request(settings, store, "wA")
+    old = Sender(store, "wA")
+    assert old.publish([rid]) == [PublishStatus.OK]
+    assert old.publish([rid]) == [PublishStatus.OK]
+    redis_client.delete(store.keys.lease(rid))
+    assert store.claim(rid, 0, "wB", 30.0, time.time()) is ClaimResult.OK
+    assert old.publish([rid]) == [PublishStatus.FENCED]
+
+
+def test_a_cancel_is_reported_at_the_next_publish(
+    settings: Settings, store: RequestStore
+) -> None:
+    rid, other = new_request(settings, store, "wA"), new_request(settings, store, "wA")
+    sender = Sender(store, "wA")
+    assert sender.publish([rid, other]) == [PublishStatus.OK] * 2
+    assert sender.publish([rid, other]) == [PublishStatus.OK] * 2
+    store.cancel(rid)
+    assert sender.publish([rid, other]) == [PublishStatus.CANCEL, PublishStatus.OK]
+
+
+def test_a_redis_that_lost_the_epoch_makes_the_worker_check(
+    settings: Settings, store: RequestStore, redis_client: redis.Redis
+) -> None:
+    rid = new_request(settings, store, "wA")
+    sender = Sender(store, "wA")
+    assert sender.publish([rid]) == [PublishStatus.OK]
+    redis_client.delete(store.keys.fence_epoch, store.keys.lease(rid))
+    assert sender.publish([rid]) == [PublishStatus.FENCED]
+    assert redis_client.get(store.keys.fence_epoch)  # created again
