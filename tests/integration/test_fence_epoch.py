@@ -113,9 +113,7 @@ def test_a_second_claim_of_the_same_attempt_fences_the_first_worker(
     assert old.publish([rid]) == [PublishStatus.FENCED]
 
 
-def test_a_cancel_is_reported_at_the_next_publish(
-    settings: Settings, store: RequestStore
-) -> None:
+def test_a_cancel_is_reported_at_the_next_publish(settings: Settings, store: RequestStore) -> None:
     rid, other = new_request(settings, store, "wA"), new_request(settings, store, "wA")
     sender = Sender(store, "wA")
     assert sender.publish([rid, other]) == [PublishStatus.OK] * 2
