@@ -428,8 +428,8 @@ class RequestStore:
         """
         if not items:
             return []
-        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
-        return publish_reply(self._publish(keys=keys, args=args)).statuses
+        keys, args, order = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
+        return publish_reply(self._publish(keys=keys, args=args), order).statuses
 
     def publish_begin(
         self,
@@ -448,9 +448,9 @@ class RequestStore:
         each request's lease and cancel key (``scripts.PUBLISH``)."""
         generation = via.connect()
         epoch = known.argument(generation) if known is not None else ""
-        keys, args = self._publish_args(items, lease_ttl_s, worker_id, stamp, epoch)
+        keys, args, order = self._publish_args(items, lease_ttl_s, worker_id, stamp, epoch)
         via.send_evalsha(self._publish, keys, args)
-        return PendingPublish(via, self._publish, keys, args, known, generation)
+        return PendingPublish(via, self._publish, keys, args, order, known, generation)
 
     def _publish_args(
         self,
@@ -459,24 +459,48 @@ class RequestStore:
         worker_id: str | None,
         stamp: str | None,
         epoch: str,
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[list[str], list[Any], list[int]]:
+        """``scripts.PUBLISH``'s keys and arguments, and the items' indexes in the order
+        of its reply: those written out, then the plain ones (see the script), whose
+        step lines are written here, as the step entry holds them."""
         k = self.keys
         keys: list[str] = [k.fence_epoch]
+        plain_keys: list[str] = []
+        lines: list[bytes] = []
+        order: list[int] = []
+        plain: list[int] = []
+        each: list[Any] = []
+        for i, it in enumerate(items):
+            rid = it.request_id
+            if (
+                worker_id is not None
+                and it.payload
+                and it.ordinal
+                and not (it.first or it.done or it.refresh or it.checkpoint)
+                and it.lease_value == f"{worker_id}:{it.attempt}"
+            ):
+                plain_keys += [k.lease(rid), k.cancel(rid)]
+                lines.append(
+                    b"%s\n%d\n%d\n%b" % (k.tokens(rid).encode(), it.attempt, it.ordinal, it.payload)
+                )
+                plain.append(i)
+                continue
+            keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
+            flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
+            each += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4]
+            order.append(i)
+        keys += plain_keys
         # The publish time travels with each entry so the relay's added latency can be
         # measured to the microsecond (entry ids only carry milliseconds); it also names
         # the call, for ``landed``.
         stamp = stamp or publish_stamp()
         args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, stamp, epoch]
-        for it in items:
-            rid = it.request_id
-            keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
-            flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
-            args += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4]
+        args += [len(order), len(plain), b"\n".join(lines), *each]
         if worker_id is not None:
             keys.append(k.steps(worker_id))
             args.append(worker_id)
             args += [it.prior for it in items if it.checkpoint and it.payload]
-        return keys, args
+        return keys, args, order + plain
 
     def landed(
         self, calls: Sequence[tuple[str, int, str]], worker_id: str | None = None
@@ -548,10 +572,14 @@ class PublishReply:
     epoch: str  # the fence epoch the call ran under
 
 
-def publish_reply(res: Any) -> PublishReply:
-    """``scripts.PUBLISH``'s reply, parsed."""
-    *statuses, epoch = res
-    return PublishReply([PublishStatus(int(x)) for x in statuses], _s(epoch))
+def publish_reply(res: Any, order: Sequence[int]) -> PublishReply:
+    """``scripts.PUBLISH``'s reply, parsed: the statuses of the items whose indexes
+    ``order`` lists, in that order, put back in the items' order."""
+    *replied, epoch = res
+    statuses = [PublishStatus.OK] * len(order)
+    for i, x in zip(order, replied, strict=True):
+        statuses[i] = PublishStatus(int(x))
+    return PublishReply(statuses, _s(epoch))
 
 
 @dataclass(slots=True)
@@ -562,12 +590,14 @@ class PendingPublish:
     script: Any  # the registered publish script (reloaded if Redis lost it)
     keys: list[str]
     args: list[Any]
+    order: list[int]  # the items' indexes in the reply's order
     known: KnownEpoch | None = None  # updated from the reply
     generation: int = 0  # ``via``'s when it was sent
 
     def statuses(self) -> list[PublishStatus]:
         """Read the reply (waits for it if Redis has not answered yet)."""
-        reply = publish_reply(self.via.evalsha_reply(self.script, self.keys, self.args))
+        res = self.via.evalsha_reply(self.script, self.keys, self.args)
+        reply = publish_reply(res, self.order)
         if self.known is not None and self.via.generation == self.generation:
             self.known.learn(self.generation, reply.epoch)
         return reply.statuses

@@ -52,16 +52,18 @@ redis.call('SET', KEYS[3], 'r' .. KEYS[1] .. ':' .. attempt)
 return attempt
 """
 
-# KEYS: the fence epoch, then per request i (4 each): lease, tokens, req, cancel; then,
-#       optionally, the worker's step stream
+# KEYS: the fence epoch, then per request written out (4 each): lease, tokens, req,
+#       cancel; then per plain request (2 each): lease, cancel; then, optionally, the
+#       worker's step stream (always there with plain requests)
 # ARGV: lease_ttl_ms, stream_ttl_s, now (publish time, unix s), epoch ('' = unknown; else
-#       'e:' and the epoch this connection's last publish returned), then per request (4 each):
-#       lease_value, attempt, payload ('' = lease refresh only), flags + 16 x ordinal
-#       (flags: 1 first, 2 done, 4 keep the lease's TTL: the worker refreshes it only
-#       every fifth of a lease, 8 checkpoint; ordinal 0: the next after the token
-#       stream's last entry); then, with a step stream, the worker id and the prior
-#       chunks of each request with flag 8 and a payload, in order (only checkpoints
-#       carry them: one argument fewer to pack per request and step)
+#       'e:' and the epoch this connection's last publish returned), the number of
+#       requests written out, the number of plain ones, the plain requests' step lines
+#       (below), then per request written out (4 each): lease_value, attempt, payload
+#       ('' = lease refresh only), flags + 16 x ordinal (flags: 1 first, 2 done, 4 keep
+#       the lease's TTL: the worker refreshes it only every fifth of a lease, 8
+#       checkpoint; ordinal 0: the next after the token stream's last entry); then, with
+#       a step stream, the worker id and the prior chunks of each request written out
+#       with flag 8 and a payload, in order (only checkpoints carry them)
 # Each payload is a chunk of the request's tokens with its ordinal (n, 1-based, counted
 # over every attempt). Without a step stream every chunk is an entry of the request's
 # token stream. With one, the step stream gets one entry per call holding every chunk
@@ -87,16 +89,25 @@ return attempt
 # the worker's own (or expired with no one else holding it: still its attempt) and none
 # was cancelled since the check. A missing epoch is created (from this call's time): a
 # Redis that lost it makes every worker check.
-# -> per request: 0 published, 1 fenced (lease lost: stop generating), 2 cancel requested;
-#    then the epoch the call ran under
+# A plain request is one whose chunk needs nothing but its step line: a payload with its
+# ordinal, not its attempt's first or last, no checkpoint, no lease extension, its lease
+# value the worker's own (worker:attempt). Most requests are plain at most steps, and
+# the worker writes their step lines itself, joined as the step entry holds them: under
+# the known epoch the script only appends them, with no argument and no command per
+# request (the per-request arguments, about 8 each, were most of the publish's cost on
+# both sides: benchmarks/relay_floor.py). When the epoch changed, it checks each plain
+# request's lease (against worker:attempt, the attempt read from its line) and cancel
+# key, and leaves the lines of those fenced out.
+# -> per request written out, then per plain request: 0 published, 1 fenced (lease
+#    lost: stop generating), 2 cancel requested; then the epoch the call ran under
 PUBLISH = """
 local out = {}
-local n = math.floor((#KEYS - 1) / 4)
+local n, np = tonumber(ARGV[5]), tonumber(ARGV[6])
 local steps = nil
 local worker = nil
-if #KEYS > 1 + n * 4 then
+if #KEYS > 1 + n * 4 + np * 2 then
   steps = KEYS[#KEYS]
-  worker = ARGV[5 + n * 4]
+  worker = ARGV[8 + n * 4]
 end
 local epoch = redis.call('GET', KEYS[1])
 if not epoch then
@@ -106,11 +117,11 @@ end
 local check = ARGV[4] ~= 'e:' .. epoch
 local lines = {}
 local marks = {}  -- the checkpoints, written once the step entry's id is known
-local prior = 5 + n * 4  -- the last prior chunks argument taken
+local prior = 8 + n * 4  -- the last prior chunks argument taken
 for i = 0, n - 1 do
   local k = 1 + i * 4
   local lease, tok, req, cancel = KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local a = 5 + i * 4
+  local a = 8 + i * 4
   local f = tonumber(ARGV[a + 3])
   local payload = ARGV[a + 2]
   local p = ''  -- its prior chunks (taken whether it is fenced or not: they are in order)
@@ -148,9 +159,31 @@ for i = 0, n - 1 do
     end
   end
 end
-if #lines > 0 then
-  local sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 't', ARGV[3],
-    'd', table.concat(lines, '\\n'))
+local plain = ARGV[7]
+if np > 0 and check then
+  local parts = {}
+  for line in string.gmatch(plain, '[^\\n]+') do parts[#parts + 1] = line end
+  local kept = {}
+  local base = 1 + n * 4
+  for j = 0, np - 1 do
+    local q = j * 4
+    if redis.call('GET', KEYS[base + j * 2 + 1]) ~= worker .. ':' .. parts[q + 2] then
+      out[n + j + 1] = 1
+    else
+      for r = 1, 4 do kept[#kept + 1] = parts[q + r] end
+      out[n + j + 1] = redis.call('EXISTS', KEYS[base + j * 2 + 2]) * 2
+    end
+  end
+  plain = table.concat(kept, '\\n')
+else
+  for j = 1, np do out[n + j] = 0 end
+end
+local d = table.concat(lines, '\\n')
+if plain ~= '' then
+  if d == '' then d = plain else d = d .. '\\n' .. plain end
+end
+if d ~= '' then
+  local sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 't', ARGV[3], 'd', d)
   redis.call('EXPIRE', steps, ARGV[2])
   for _, m in ipairs(marks) do
     local fields = {'a', m[2], 't', ARGV[3], 'd', m[3], 'n', m[4], 'w', worker, 's', sid}
@@ -159,7 +192,7 @@ if #lines > 0 then
     if m[6] ~= 0 then redis.call('EXPIRE', m[1], ARGV[2]) end
   end
 end
-out[n + 1] = epoch
+out[n + np + 1] = epoch
 return out
 """
 
@@ -197,15 +230,17 @@ redis.call('XADD', KEYS[2], '*', unpack(fields))
 return 1
 """
 
-# KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry, then
-#       (with a consumer) the streamer's output step stream
+# KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry
+#       written out, then (with a consumer) the streamer's output step stream
 # ARGV: group, consumer ('' = none: no fence, no step stream), ttl_s, epoch ('' =
 #       unknown; else 'e:' and the epoch the streamer last checked its entries under),
-#       call stamp, number of entries, then per entry (5 each): hand-off entry id ('' =
-#       not fenced), flags + 16 x ordinal (flags: 1 first (set the TTL), 8 checkpoint;
-#       ordinal 0: the next after the stream's last entry, written as a checkpoint),
-#       encoded events, source (the token chunk ordinal they were decoded up to), publish
-#       time ('' = none); then the prior chunks of each entry with flag 8, in order
+#       call stamp, the number of entries written out, the plain entries' step lines
+#       (below), their hand-off entry ids (one space between each; '-' = not fenced),
+#       then per entry written out (5 each): hand-off entry id ('' = not fenced), flags +
+#       16 x ordinal (flags: 1 first (set the TTL), 8 checkpoint; ordinal 0: the next
+#       after the stream's last entry, written as a checkpoint), encoded events, source
+#       (the token chunk ordinal they were decoded up to), publish time ('' = none); then
+#       the prior chunks of each entry with flag 8, in order
 # A streamer writes a request's output only while it still owns the request's hand-off
 # entry: one that stalled (a pause, SIGSTOP) after it decoded and before this write must
 # not append stale text after the streamer that took the request over (XAUTOCLAIM moves
@@ -221,14 +256,21 @@ return 1
 # written, one line each: output stream key, source, ordinal, events (a web process's
 # hub reads one entry per write instead of one per request; docs/architecture.md),
 # and the call's stamp (c: how a streamer whose reply was lost finds out whether the
-# call ran), trimmed to about 256 entries. A chunk goes into the request's own output
-# stream only at a checkpoint (flag 8; every chunk without a step stream), which the
-# streamer asks for on a request's first write, its last, and at least once every
+# call ran), trimmed to about 256 entries. A plain entry (with a step stream, an
+# ordinal, neither the request's first nor a checkpoint: most of them, at most writes)
+# needs nothing but its step line, which the streamer writes itself, joined as the step
+# entry holds them: under the known epoch the script only appends them, with no key, no
+# argument and no command per entry (as ``PUBLISH`` does for plain requests); when the
+# epoch changed it checks each one's owner and leaves out the lines of those fenced.
+# A chunk goes into the request's own output stream only at a checkpoint (flag 8; every
+# chunk without a step stream), which the streamer asks for on a request's first write,
+# its last, and at least once every
 # ``broker.chunks.CHECKPOINT_STEPS`` writes: that entry holds the chunks since the last
 # checkpoint (p), its own (d, n, s), the streamer (w) and the step entry of its call
 # (i), and the publish time of its tokens (t, for the latency benchmarks). So the output
 # stream plus the step entries after its last entry's i hold every chunk.
-# -> the 1-based indexes of the entries not written (fenced)
+# -> the 1-based indexes of the entries not written (fenced), counting those written out
+#    first, then the plain ones
 WRITE_OUTPUTS = """
 local n = tonumber(ARGV[6])
 local owner = ARGV[2]
@@ -238,10 +280,10 @@ local check = steps and ARGV[4] ~= 'e:' .. (redis.call('GET', KEYS[2]) or '')
 local fenced = {}
 local lines = {}
 local marks = {}  -- the checkpoints, written once the step entry's id is known
-local prior = 6 + n * 5  -- the last prior chunks argument taken
+local prior = 8 + n * 5  -- the last prior chunks argument taken
 for i = 1, n do
   local key = KEYS[i + 2]
-  local a = 7 + (i - 1) * 5
+  local a = 9 + (i - 1) * 5
   local f = tonumber(ARGV[a + 1])
   local seq = math.floor(f / 16)
   local p = ''  -- its prior chunks (taken whether it is fenced or not: they are in order)
@@ -275,10 +317,34 @@ for i = 1, n do
     fenced[#fenced + 1] = i
   end
 end
+local plain = ARGV[7]
+if plain ~= '' and check then
+  local parts = {}
+  for line in string.gmatch(plain, '[^\\n]+') do parts[#parts + 1] = line end
+  local kept = {}
+  local j = 0
+  for hid in string.gmatch(ARGV[8], '%S+') do
+    local ours = true
+    if hid ~= '-' then
+      local pend = redis.call('XPENDING', KEYS[1], ARGV[1], hid, hid, 1)
+      if pend[1] and pend[1][2] ~= owner then ours = false end
+    end
+    if ours then
+      for r = 1, 4 do kept[#kept + 1] = parts[j * 4 + r] end
+    else
+      fenced[#fenced + 1] = n + j + 1
+    end
+    j = j + 1
+  end
+  plain = table.concat(kept, '\\n')
+end
+local d = table.concat(lines, '\\n')
+if plain ~= '' then
+  if d == '' then d = plain else d = d .. '\\n' .. plain end
+end
 local sid = nil
-if #lines > 0 then
-  sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 'c', ARGV[5],
-    'd', table.concat(lines, '\\n'))
+if d ~= '' then
+  sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 'c', ARGV[5], 'd', d)
   redis.call('EXPIRE', steps, ARGV[3])
 end
 for _, m in ipairs(marks) do

@@ -198,8 +198,8 @@ class OutputStreams:
         streamer has taken them over."""
         if not entries:
             return set()
-        keys, args = self._write_args(entries, owner or "", stamp)
-        return self._fenced_ids(entries, self._write_script(keys=keys, args=args))
+        keys, args, order = self._write_args(entries, owner or "", stamp)
+        return self._fenced_ids(entries, order, self._write_script(keys=keys, args=args))
 
     def write_then_read(
         self,
@@ -223,7 +223,7 @@ class OutputStreams:
         that has come back empty). If Redis lost the script (restarted), the write is
         redone with the script loaded before the read's reply is handed back.
         Returns the XREAD reply."""
-        keys, args = self._write_args(entries, owner, stamp)
+        keys, args, order = self._write_args(entries, owner, stamp)
         via.send(
             ("EVALSHA", self._write_script.sha, len(keys), *keys, *args),
             xread_command(streams, count=count, block_ms=block_ms),
@@ -233,7 +233,7 @@ class OutputStreams:
         except redis.ResponseError as exc:
             fenced = exc  # the read's reply follows all the same
         else:
-            on_written(self._fenced_ids(entries, fenced))
+            on_written(self._fenced_ids(entries, order, fenced))
         read = via.reply("XREAD")
         if isinstance(fenced, redis.exceptions.NoScriptError):
             on_written(self.write(entries, owner, stamp))
@@ -243,23 +243,41 @@ class OutputStreams:
 
     def _write_args(
         self, entries: Sequence[OutputEntry], owner: str, stamp: str
-    ) -> tuple[list[str], list[Any]]:
+    ) -> tuple[list[str], list[Any], list[int]]:
+        """``scripts.WRITE_OUTPUTS``'s keys and arguments, and the entries' indexes in
+        the order the script counts them: those written out, then the plain ones (see
+        the script), whose step lines are written here, as the step entry holds them."""
         keys = [self.keys.new_requests, self.keys.handoff_epoch]
-        keys += [self.keys.output(e.request_id) for e in entries]
+        each: list[Any] = []
+        lines: list[bytes] = []
+        handoffs: list[str] = []
+        order: list[int] = []
+        plain: list[int] = []
+        for i, e in enumerate(entries):
+            key = self.keys.output(e.request_id)
+            if owner and e.n and not (e.first or e.checkpoint):
+                lines.append(
+                    b"%s\n%s\n%d\n%b" % (key.encode(), e.source.encode(), e.n, e.encoded())
+                )
+                handoffs.append(e.handoff_id or "-")
+                plain.append(i)
+                continue
+            keys.append(key)
+            flags = (1 if e.first else 0) | (8 if e.checkpoint else 0) | e.n << 4
+            each += [e.handoff_id, flags, e.encoded(), e.source]
+            each.append(e.published if e.published is not None else "")
+            order.append(i)
         if owner:
             keys.append(self.keys.output_steps(owner))
         epoch = "" if self.fence_epoch is None else f"e:{self.fence_epoch}"
-        args: list[Any] = [GROUP, owner, self.ttl_s, epoch, stamp, len(entries)]
-        for e in entries:
-            flags = (1 if e.first else 0) | (8 if e.checkpoint else 0) | e.n << 4
-            args += [e.handoff_id, flags, e.encoded(), e.source]
-            args.append(e.published if e.published is not None else "")
+        args: list[Any] = [GROUP, owner, self.ttl_s, epoch, stamp, len(order)]
+        args += [b"\n".join(lines), " ".join(handoffs), *each]
         args += [e.prior for e in entries if e.checkpoint]
-        return keys, args
+        return keys, args, order + plain
 
     @staticmethod
-    def _fenced_ids(entries: Sequence[OutputEntry], fenced: Any) -> set[str]:
-        return {entries[int(i) - 1].request_id for i in fenced or []}
+    def _fenced_ids(entries: Sequence[OutputEntry], order: Sequence[int], fenced: Any) -> set[str]:
+        return {entries[order[int(i) - 1]].request_id for i in fenced or []}
 
     def landed(self, owner: str, stamp: str) -> bool:
         """Whether ``owner``'s write stamped ``stamp`` ran (its reply was lost): nothing

@@ -25,6 +25,7 @@ from broker.requests import (
     encode_deltas,
     lease_value,
 )
+from broker.streams import split_step
 from tests.stack import make_record
 
 pytestmark = pytest.mark.integration
@@ -32,23 +33,33 @@ pytestmark = pytest.mark.integration
 
 class Sender:
     """One worker's publishes, as its engine thread sends them: on a connection of its
-    own, keeping the epoch each reply returns."""
+    own, keeping the epoch each reply returns. A request's first publish is written out
+    (its attempt's first chunk, a lease extension); the ones after are plain (its step
+    line only, written by the worker: ``scripts.PUBLISH``)."""
 
     def __init__(self, store: RequestStore, worker: str) -> None:
         self.store, self.worker = store, worker
         self.via = DirectConnection(store.redis)
         self.known = KnownEpoch()
-        self.sent = 0
+        self.ordinals: dict[str, int] = {}
 
     def publish(self, rids: list[str], attempt: int = 0) -> list[PublishStatus]:
-        self.sent += 1
-        payload = encode_deltas([TokenDelta(0, [self.sent])])
-        items = [
-            PublishItem(rid, lease_value(self.worker, attempt), attempt, payload, self.sent == 1)
-            for rid in rids
-        ]
+        items = []
+        for rid in rids:
+            n = self.ordinals[rid] = self.ordinals.get(rid, 0) + 1
+            payload = encode_deltas([TokenDelta(0, [n])])
+            lease = lease_value(self.worker, attempt)
+            items.append(
+                PublishItem(rid, lease, attempt, payload, n == 1, refresh=n == 1, ordinal=n)
+            )
         pending = self.store.publish_begin(items, 30.0, self.via, self.worker, known=self.known)
         return pending.statuses()
+
+    def last_lines(self) -> list[tuple[str, int]]:
+        """(request id, ordinal) of each line of the last step entry it wrote."""
+        ((_eid, fields),) = self.store.redis.xrevrange(self.store.keys.steps(self.worker), count=1)
+        prefix = self.store.keys.tokens("")
+        return [(key.removeprefix(prefix), n) for key, _a, n, _p in split_step(fields[b"d"])]
 
 
 def new_request(settings: Settings, store: RequestStore, worker: str) -> str:
@@ -95,7 +106,10 @@ def test_a_resume_fences_the_worker_that_held_the_request(
     redis_client.delete(store.keys.lease(rid))  # wA stalled past its lease
     assert store.resume(rid) == 1
     assert store.claim(rid, 1, "wB", 30.0, time.time()) is ClaimResult.OK
-    assert old.publish([rid, other]) == [PublishStatus.FENCED, PublishStatus.OK]
+    newer = new_request(settings, store, "wA")  # written out: its first publish
+    statuses = old.publish([rid, newer, other])
+    assert statuses == [PublishStatus.FENCED, PublishStatus.OK, PublishStatus.OK]
+    assert sorted(old.last_lines()) == sorted([(newer, 1), (other, 3)])  # none of rid's
     assert Sender(store, "wB").publish([rid], attempt=1) == [PublishStatus.OK]
 
 
@@ -120,6 +134,7 @@ def test_a_cancel_is_reported_at_the_next_publish(settings: Settings, store: Req
     assert sender.publish([rid, other]) == [PublishStatus.OK] * 2
     store.cancel(rid)
     assert sender.publish([rid, other]) == [PublishStatus.CANCEL, PublishStatus.OK]
+    assert sorted(sender.last_lines()) == sorted([(rid, 3), (other, 3)])  # cancelled, not fenced
 
 
 def test_a_redis_that_lost_the_epoch_makes_the_worker_check(

@@ -96,3 +96,31 @@ def test_a_takeover_changes_the_epoch_a_writer_trusts(redis_client: redis.Redis)
     # A take-over that claims nothing leaves the epoch alone.
     assert handoff.take_over("s3", min_idle_ms=60_000) == []
     assert handoff.owners([])[1] == new_epoch
+
+
+def test_plain_entries_are_fenced_too(redis_client: redis.Redis) -> None:
+    """Most entries are written as step lines the streamer joins itself (an ordinal,
+    neither the request's first chunk nor a checkpoint: ``scripts.WRITE_OUTPUTS``'s
+    plain entries); when the hand-off epoch changed they are checked as the others are,
+    and a stale one's line is left out of the step entry."""
+    _keys, handoff, outputs, a_id, b_id = two_requests(redis_client, "s1")
+    outputs.fence_epoch = handoff.owners([a_id, b_id])[1]
+
+    def chunk(rid: str, handoff_id: str, text: str, n: int, mark: bool = False) -> OutputEntry:
+        event = OutputEvent(OutputKind.DELTA, 0, text)
+        mark = mark or n == 1
+        return OutputEntry(
+            rid, [event], str(n), n == 1, handoff_id=handoff_id, n=n, checkpoint=mark
+        )
+
+    assert outputs.write([chunk("a", a_id, "a1", 1), chunk("b", b_id, "b1", 1)], "s1") == set()
+    assert outputs.write([chunk("a", a_id, "a2", 2), chunk("b", b_id, "b2", 2)], "s1") == set()
+    handoff.touch("s1", [b_id])
+    time.sleep(0.1)
+    handoff.touch("s1", [b_id])
+    assert handoff.take_over("s2", min_idle_ms=50) == [(a_id, "a")]
+
+    stale = [chunk("b", b_id, "b3", 3), chunk("a", a_id, "a3-stale", 3)]
+    assert outputs.write(stale, "s1") == {"a"}
+    assert texts(outputs, "a") == ["a1", "a2"]
+    assert texts(outputs, "b") == ["b1", "b2", "b3"]
