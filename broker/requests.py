@@ -470,6 +470,10 @@ class RequestStore:
         order: list[int] = []
         plain: list[int] = []
         each: list[Any] = []
+        # Once per request per step, on the way to every token: the key prefixes are
+        # concatenated rather than built by ``Keys``' methods.
+        lease_p, cancel_p, tokens_p = k.lease(""), k.cancel(""), k.tokens("").encode()
+        own = f"{worker_id}:"
         for i, it in enumerate(items):
             rid = it.request_id
             if (
@@ -477,11 +481,12 @@ class RequestStore:
                 and it.payload
                 and it.ordinal
                 and not (it.first or it.done or it.refresh or it.checkpoint)
-                and it.lease_value == f"{worker_id}:{it.attempt}"
+                and it.lease_value == own + str(it.attempt)
             ):
-                plain_keys += [k.lease(rid), k.cancel(rid)]
+                plain_keys += [lease_p + rid, cancel_p + rid]
                 lines.append(
-                    b"%s\n%d\n%d\n%b" % (k.tokens(rid).encode(), it.attempt, it.ordinal, it.payload)
+                    b"%s%s\n%d\n%d\n%b"
+                    % (tokens_p, rid.encode(), it.attempt, it.ordinal, it.payload)
                 )
                 plain.append(i)
                 continue

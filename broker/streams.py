@@ -253,16 +253,18 @@ class OutputStreams:
         handoffs: list[str] = []
         order: list[int] = []
         plain: list[int] = []
+        # Once per request per write, on the way to every token: the step line is one
+        # formatting of the key's prefix and the request's fields.
+        prefix = self.keys.output("")
+        line_prefix = prefix.encode()
         for i, e in enumerate(entries):
-            key = self.keys.output(e.request_id)
             if owner and e.n and not (e.first or e.checkpoint):
-                lines.append(
-                    b"%s\n%s\n%d\n%b" % (key.encode(), e.source.encode(), e.n, e.encoded())
-                )
+                line = f"{e.request_id}\n{e.source}\n{e.n}\n".encode()
+                lines.append(line_prefix + line + e.encoded())
                 handoffs.append(e.handoff_id or "-")
                 plain.append(i)
                 continue
-            keys.append(key)
+            keys.append(prefix + e.request_id)
             flags = (1 if e.first else 0) | (8 if e.checkpoint else 0) | e.n << 4
             each += [e.handoff_id, flags, e.encoded(), e.source]
             each.append(e.published if e.published is not None else "")

@@ -220,8 +220,9 @@ class Streamer:
         streams: dict[str, str] = {self.keys.new_requests: self._handoff_cursor}
         by_key: dict[str, Tracked] = {}
         steps: dict[str, str] = {}
+        prefix = self.keys.tokens("")  # once per request per cycle: no method call each
         for rid, t in self.tracked.items():
-            key = self.keys.tokens(rid)
+            key = prefix + rid
             by_key[key] = t
             if t.step is None or t.watch:
                 streams[key] = t.cursor
