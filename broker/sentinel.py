@@ -208,7 +208,9 @@ def sentinel_client(
     # No retries per sentinel: redis-py's default (3, with backoff) would spend seconds
     # on a dead sentinel before asking the next one, on every reconnect.
     sentinel_kwargs = {**spec.sentinel_kwargs(), "retry": Retry(NoBackoff(), 0)}
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    # Typed from redis 8.2 on, untyped before: called through Any, so both check clean.
+    sentinel_class: Any = Sentinel
+    sentinel = sentinel_class(
         list(spec.sentinels), min_other_sentinels=0, sentinel_kwargs=sentinel_kwargs
     )
     pool = SentinelBlockingConnectionPool(  # type: ignore[no-untyped-call]
