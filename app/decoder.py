@@ -377,10 +377,11 @@ class RequestDecoder:
         if delta.cached_tokens is not None:
             self._cached_tokens = delta.cached_tokens
         decoder = self._choices[choice]
-        if decoder.done:
+        # Its fields, not its properties: this runs once per request per step.
+        if decoder._done:
             return []
         logprobs = delta.logprobs
-        before = decoder.completion_tokens
+        before = decoder._n
         if logprobs is None or self._texts is None:
             text = decoder.step(delta.token_ids)
             entries = None
@@ -396,7 +397,7 @@ class RequestDecoder:
             tokens = decoder.completion_tokens - before
             parsed = self._parse(self._parsers[choice], decoder, text, tokens)
             return self._events(choice, decoder, parsed, entries, delta.error_code)
-        if entries is None and not decoder.done:
+        if entries is None and not decoder._done:
             # The common case: text only, no allocation beyond the event itself.
             return [OutputEvent(OutputKind.DELTA, choice, text)] if text else []
         return self._events(choice, decoder, (text, "", None), entries, delta.error_code)

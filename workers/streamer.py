@@ -474,7 +474,8 @@ class Streamer:
         if follow is not None:  # read what follows from its worker's step stream
             start = as_str(follow.get(b"s") or below_ms(t.cursor))
             self._follow_step(t, self.keys.steps(as_str(follow[b"w"])), start)
-        if t.choices.all_done:
+        done = t.choices.all_done
+        if done:
             events.append(self._usage_event(t))
         if not events:
             return None
@@ -482,7 +483,7 @@ class Streamer:
             t,
             events,
             first=not t.wrote_output,
-            terminal=t.choices.all_done,
+            terminal=done,
             published=entries[-1][1].get(b"t"),
         )
         t.wrote_output = True

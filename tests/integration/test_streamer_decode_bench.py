@@ -1,0 +1,31 @@
+"""``benchmarks/streamer_decode.py`` times the streamer's real decode: every request's
+chunk of every timed step becomes an output entry."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    saved = list(sys.path)  # the benchmark adds its folders too: none may outlive this
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import streamer_decode
+    finally:
+        sys.path[:] = saved
+    return streamer_decode
+
+
+def test_every_request_of_every_step_is_decoded(bench: ModuleType, models_dir: Path) -> None:
+    out = bench.measure(models_dir, 4, 30)
+    assert out["outputs"] == 4 * 30
+    assert 0 < out["step_us_p10"] <= out["step_us_p50"]
