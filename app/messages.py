@@ -253,7 +253,9 @@ class OutputEvent:
     tool_calls: list[ToolCallDelta] | None = None
 
     def encode(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"k": self.kind.value}
+        # The member itself, not ``.value`` (an enum property, a fifth of this call): a
+        # str enum serializes as its value, with orjson and json alike.
+        out: dict[str, Any] = {"k": self.kind}
         if self.choice is not None:
             out["c"] = self.choice
         if self.text:
