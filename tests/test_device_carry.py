@@ -4,23 +4,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load(name: str) -> ModuleType:
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return __import__(name)
-    finally:
-        sys.path[:] = saved
+from tests.benchmark_modules import load
 
 
 @pytest.fixture(scope="module")

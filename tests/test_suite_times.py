@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.benchmark_modules import load
 
 
 @pytest.fixture(scope="module")
 def suite_times() -> ModuleType:
-    saved = list(sys.path)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import suite_times as module
-    finally:
-        sys.path[:] = saved
-    return module
+    return load("suite_times")
 
 
 def junit(path: Path, cases: dict[str, tuple[float, str]]) -> Path:

@@ -3,26 +3,18 @@ the production scripts (``design``) and through plain step entries (``hops``).""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.benchmark_modules import load
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def floor() -> ModuleType:
-    saved = list(sys.path)  # the benchmark adds its folders too: none may outlive this
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import relay_floor
-    finally:
-        sys.path[:] = saved
-    return relay_floor
+    return load("relay_floor")
 
 
 @pytest.mark.parametrize("variant", ["design", "hops"])

@@ -3,26 +3,19 @@ chunk of every timed step becomes an output entry."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.benchmark_modules import load
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    saved = list(sys.path)  # the benchmark adds its folders too: none may outlive this
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import streamer_decode
-    finally:
-        sys.path[:] = saved
-    return streamer_decode
+    return load("streamer_decode")
 
 
 def test_every_request_of_every_step_is_decoded(bench: ModuleType, models_dir: Path) -> None:
