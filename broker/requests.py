@@ -25,7 +25,7 @@ from broker.celery_app import send_generate
 from broker.chunks import Chunk, encode_prior, expand
 from broker.direct import DirectConnection
 from broker.keys import Keys
-from broker.streams import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed
+from broker.streams import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_line
 
 
 class ClaimResult(str, Enum):
@@ -472,8 +472,7 @@ class RequestStore:
         each: list[Any] = []
         # Once per request per step, on the way to every token: the key prefixes are
         # concatenated rather than built by ``Keys``' methods.
-        lease_p, cancel_p, tokens_p = k.lease(""), k.cancel(""), k.tokens("").encode()
-        own = f"{worker_id}:"
+        lease_p, cancel_p, tokens_p = k.lease(""), k.cancel(""), k.tokens("")
         for i, it in enumerate(items):
             rid = it.request_id
             if (
@@ -481,13 +480,10 @@ class RequestStore:
                 and it.payload
                 and it.ordinal
                 and not (it.first or it.done or it.refresh or it.checkpoint)
-                and it.lease_value == own + str(it.attempt)
+                and it.lease_value == lease_value(worker_id, it.attempt)
             ):
                 plain_keys += [lease_p + rid, cancel_p + rid]
-                lines.append(
-                    b"%s%s\n%d\n%d\n%b"
-                    % (tokens_p, rid.encode(), it.attempt, it.ordinal, it.payload)
-                )
+                lines.append(step_line(tokens_p + rid, it.attempt, it.ordinal, it.payload))
                 plain.append(i)
                 continue
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]

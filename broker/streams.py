@@ -253,14 +253,10 @@ class OutputStreams:
         handoffs: list[str] = []
         order: list[int] = []
         plain: list[int] = []
-        # Once per request per write, on the way to every token: the step line is one
-        # formatting of the key's prefix and the request's fields.
-        prefix = self.keys.output("")
-        line_prefix = prefix.encode()
+        prefix = self.keys.output("")  # concatenated, once per request per write
         for i, e in enumerate(entries):
             if owner and e.n and not (e.first or e.checkpoint):
-                line = f"{e.request_id}\n{e.source}\n{e.n}\n".encode()
-                lines.append(line_prefix + line + e.encoded())
+                lines.append(step_line(prefix + e.request_id, e.source, e.n, e.encoded()))
                 handoffs.append(e.handoff_id or "-")
                 plain.append(i)
                 continue
@@ -449,6 +445,13 @@ def below_ms(entry_id: str) -> str:
     that reads all of another stream's entries from that millisecond on."""
     ms = int(entry_id.partition("-")[0])
     return f"{ms - 1}-18446744073709551615" if ms > 0 else "0-0"
+
+
+def step_line(key: str, second: str | int, n: int, payload: bytes) -> bytes:
+    """One chunk's four lines in a step entry (``split_step`` reads them back): the
+    worker and the streamer write the lines of their plain chunks themselves (the
+    scripts write the others, in the same form)."""
+    return f"{key}\n{second}\n{n}\n".encode() + payload
 
 
 def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
