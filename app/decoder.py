@@ -342,6 +342,24 @@ class RequestDecoder:
     def all_done(self) -> bool:
         return self._open == 0
 
+    def plain_decoder(self) -> Decoder | None:
+        """The one Decoder of a request whose deltas need nothing but their text: one
+        choice, no logprobs, no parsers; None otherwise.
+
+        Why: the streamer decodes every request at every engine step, and for most
+        requests ``feed`` builds a ``TokenDelta`` and an ``OutputEvent`` only to carry a
+        few characters. It steps this Decoder itself instead (``Decoder.step`` on the
+        delta's token ids: the same text, the same stops) and calls ``ended`` when the
+        step ends the choice, which gives the events ``feed`` would have given."""
+        if len(self._choices) != 1 or self._parsers is not None or self._texts is not None:
+            return None
+        return self._choices[0]
+
+    def ended(self, text: str) -> list[OutputEvent]:
+        """The events of a plain request (``plain_decoder``) whose Decoder's ``step``
+        just ended its choice, releasing ``text``: what ``feed`` returns for that step."""
+        return self._events(0, self._choices[0], (text, "", None), None)
+
     @property
     def completion_tokens(self) -> int:
         return sum(d.completion_tokens for d in self._choices)

@@ -6,8 +6,8 @@ Why: in the paced relay run (``relay.py --stage relay --rate 200``) the streamer
 of a step's 64 requests is the largest part of the chain each step goes through in turn
 (docs/benchmarks.md, issue 12 session 19). This times exactly that code, the real
 ``Streamer`` taking a worker step entry's lines (``_take_steps``) and decoding each
-request's chunk into its output entry (``_decode_entries``: the delta codec, the
-Decoder, the event codec, the chunk log), with the bundled model's tokenizer, one token
+request's chunk into its output entry (``_decode_all``: for these plain requests the
+Decoder, the text chunk's codec and the chunk log), with the bundled model's tokenizer, one token
 per request per step, and prints the p10 and p50 of a step's decode in µs and per
 request. A private redis-server is started only because a ``Streamer`` is built with a
 client; nothing is read or written during the timing.
@@ -67,9 +67,9 @@ def measure(models_dir: Path, requests: int, steps: int) -> dict[str, float]:
             got: dict[str, list[object]] = {}
             t0 = time.perf_counter()
             streamer._take_steps(step_key, entries, by_key, got, {})
-            made = [streamer._decode_entries(streamer.tracked[rid], c) for rid, c in got.items()]
+            made = streamer._decode_all(got)
             elapsed = time.perf_counter() - t0
-            outputs += sum(out is not None for out in made)
+            outputs += len(made.outputs)
             streamer._writes += 1
             return elapsed
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from orjson import loads
 from tokenizers import Tokenizer
 
 from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
@@ -65,6 +66,7 @@ from broker.streams import (
     RequestHandoff,
     below_ms,
     encode_events,
+    encode_text,
     step_entries,
 )
 from workers.backoff import Backoff
@@ -262,33 +264,41 @@ class Streamer:
             ends[rid] = max(t.n, _ordinal(entries[-1][1]))
         for key, entries in read_steps:  # after the requests' own streams (their gaps)
             self._take_steps(key, entries, by_key, got, ends)
-        outputs: list[OutputEntry] = []
-        ended: list[Tracked] = []
-        failed: list[Tracked] = []
-        cancels: list[str] = []
+        c = self._decode_all(got)
+        if c.outputs:
+            self._restage_due(c.outputs)
+        if c.outputs or c.ended or c.failed or c.cancels:
+            # Written by the next read's round trip, or by whatever talks to Redis first.
+            self._append_commit(c)
+
+    def _decode_all(self, got: dict[str, list[Any]]) -> Commit:
+        """Every request's new chunks of this cycle (``got``: request id -> its token
+        entries and step lines) decoded into this cycle's commit. A request with one
+        step line and a plain decoder (most, at most steps) takes ``_decode_plain``."""
+        c = Commit([], [], [], [])
+        now = self.clock()
         for rid, entries in got.items():
             t = self.tracked.get(rid)
             if t is None:  # dropped meanwhile (taken over)
                 continue
             try:
-                out = self._decode_entries(t, entries)
+                if t.plain is not None and len(entries) == 1 and entries[0][0] is None:
+                    out = self._decode_plain(t, entries[0][1], now)
+                else:
+                    out = self._decode_entries(t, entries)
             except BACKBONE_ERRORS:
                 raise
             except Exception:
                 logger.exception("request %s: failed while decoding; ending it", rid)
-                outputs.append(self._fail(t, REQUEST_FAULT, 500))
-                failed.append(t)
-                cancels.append(rid)  # no worker should spend more on it
+                c.outputs.append(self._fail(t, REQUEST_FAULT, 500))
+                c.failed.append(t)
+                c.cancels.append(rid)  # no worker should spend more on it
                 continue
             if t.choices.all_done:
-                ended.append(t)
+                c.ended.append(t)
             if out is not None:
-                outputs.append(out)
-        if outputs:
-            self._restage_due(outputs)
-        if outputs or ended or failed or cancels:
-            # Written by the next read's round trip, or by whatever talks to Redis first.
-            self._append_commit(Commit(outputs, ended, failed, cancels))
+                c.outputs.append(out)
+        return c
 
     def _append_commit(self, c: Commit) -> None:
         """Queue ``c``, numbered as the next write (its outputs were staged for it)."""
@@ -351,7 +361,7 @@ class Streamer:
                 if n != last + 1:
                     t.watch = True
                     continue
-                got.setdefault(rid, []).append((None, {b"d": payload, b"t": published, b"n": n}))
+                got.setdefault(rid, []).append((None, (n, payload, published)))
                 ends[rid] = n
                 t.step = key
 
@@ -443,16 +453,71 @@ class Streamer:
         for t in (*c.ended, *c.failed):  # ending is idempotent: safe to redo after an outage
             self.tracked.pop(t.record.request_id, None)
 
+    def _decode_plain(
+        self, t: Tracked, line: tuple[int, bytes, bytes | None], now: float
+    ) -> OutputEntry | None:
+        """``_decode_entries`` for one step line of a request with a plain decoder
+        (``Tracked.plain``), which ``_take_steps`` found to be its next chunk.
+
+        Why: the streamer's decode of a step's requests is the largest part of the
+        chain each step's tokens go through (docs/benchmarks.md, issue 12). For a chunk
+        that is one delta of token ids for choice 0, this steps the Decoder directly and
+        writes the text's chunk (``encode_text``) with no ``TokenDelta``, no event and no
+        call per layer: the same text and the same output, about half the time. Any
+        other chunk, an ended choice, and a first or last output take the general path
+        (``_events_output``)."""
+        n, payload, published = line
+        try:
+            deltas = loads(payload)
+        except Exception as exc:
+            raise RequestFault(f"malformed token chunk {n}") from exc
+        dec = t.plain
+        if (
+            dec is None
+            or dec.done
+            or type(deltas) is not list
+            or len(deltas) != 1
+            or type(delta := deltas[0]) is not dict
+            or len(delta) != 2
+            or delta.get("c") != 0
+            or type(ids := delta.get("t")) is not list
+        ):
+            return self._decode_entries(t, [(None, line)])
+        if ids and t.first_token_at is None:
+            t.first_token_at = now
+        try:
+            text = dec.step(ids)
+        except Exception:
+            events = self._choice_fault(t, 0)
+        else:
+            if dec.done:
+                events = t.choices.ended(text)
+            elif not text:
+                t.n = n
+                t.progress_at = now
+                return None
+            elif t.mark_next or not t.wrote_output:
+                events = [OutputEvent(OutputKind.DELTA, 0, text)]
+            else:  # the plain chunk: not a checkpoint unless its log says it is due
+                t.n = n
+                t.progress_at = now
+                chunk = encode_text(text)
+                n_out, mark, prior = t.out.stage(chunk, self._writes, False)
+                t.out_source = str(n)
+                return t.staged(n_out, mark, prior, chunk, None, False, published)
+        t.n = n
+        t.progress_at = now
+        return self._events_output(t, events, published)
+
     def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
-        """One request's new token entries and step lines (id None) -> its output entry
-        for this cycle. Chunks it has are skipped by their ordinals."""
+        """One request's new token entries and step lines (id None, then the line's
+        ordinal, payload and publish time) -> its output entry for this cycle. Chunks it
+        has are skipped by their ordinals."""
         events: list[OutputEvent] = []
         follow: dict[bytes, Any] | None = None  # the last token entry naming its worker
         for eid, fields in entries:
             try:
-                chunks = (
-                    [(int(fields[b"n"]), fields[b"d"])] if eid is None else entry_chunks(fields)
-                )
+                chunks = [fields[:2]] if eid is None else entry_chunks(fields)
             except Exception as exc:
                 raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
             for n, payload in chunks:
@@ -474,18 +539,21 @@ class Streamer:
         if follow is not None:  # read what follows from its worker's step stream
             start = as_str(follow.get(b"s") or below_ms(t.cursor))
             self._follow_step(t, self.keys.steps(as_str(follow[b"w"])), start)
+        eid, fields = entries[-1]
+        return self._events_output(t, events, fields[2] if eid is None else fields.get(b"t"))
+
+    def _events_output(
+        self, t: Tracked, events: list[OutputEvent], published: bytes | None
+    ) -> OutputEntry | None:
+        """``t``'s output entry for this cycle's ``events`` (None when there are none),
+        with its usage event when they end it. ``published``: the worker's publish time
+        of the last chunk they were decoded from."""
         done = t.choices.all_done
         if done:
             events.append(self._usage_event(t))
         if not events:
             return None
-        out = self._output(
-            t,
-            events,
-            first=not t.wrote_output,
-            terminal=done,
-            published=entries[-1][1].get(b"t"),
-        )
+        out = self._output(t, events, first=not t.wrote_output, terminal=done, published=published)
         t.wrote_output = True
         return out
 

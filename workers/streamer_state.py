@@ -12,7 +12,7 @@ import redis
 from kombu.exceptions import OperationalError
 from tokenizers import Tokenizer
 
-from app.decoder import RequestDecoder
+from app.decoder import Decoder, RequestDecoder
 from app.messages import OutputEvent
 from app.records import RequestRecord
 from broker.chunks import ChunkLog
@@ -82,6 +82,12 @@ class Tracked:
     last_sent: float = 0.0
     no_worker_since: float | None = None
     claimed_by_worker: float | None = None  # when a worker first started it (queue time)
+    # Its Decoder when its chunks are decoded by the plain path (one choice, no
+    # logprobs, no parsers: ``RequestDecoder.plain_decoder``), else None.
+    plain: Decoder | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = self.choices.plain_decoder()
 
     def staged(
         self,
