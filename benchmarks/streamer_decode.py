@@ -53,7 +53,7 @@ def measure(models_dir: Path, requests: int, steps: int) -> dict[str, float]:
             t.step = step_key
             streamer.tracked[record.request_id] = t
         ids = tokenizer.encode(TEXT).ids
-        by_key = {streamer.keys.tokens(rid): t for rid, t in streamer.tracked.items()}
+        by_key = {streamer.keys.tokens(rid).encode(): t for rid, t in streamer.tracked.items()}
         outputs = 0  # output entries the timed steps produced (one per request per step)
 
         def one(step: int) -> float:

@@ -476,6 +476,15 @@ def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
     ]
 
 
+def step_columns(raw: bytes) -> tuple[list[bytes], list[int], list[bytes]]:
+    """``split_step`` by columns: the stream keys (bytes, not decoded), the ordinals and
+    the payloads. Why: a streamer splits every line of every worker step, one per
+    request per engine step; columns cost no tuple and no decoded key per line."""
+    parts = raw.split(b"\n")
+    end = len(parts) - len(parts) % 4
+    return parts[0:end:4], [int(n) for n in parts[2:end:4]], parts[3:end:4]
+
+
 def step_entries(
     key: str, entries: list[Any]
 ) -> Iterator[tuple[dict[bytes, Any], list[tuple[str, str, int, bytes]]]]:
@@ -489,6 +498,19 @@ def step_entries(
             logger.error("malformed step entry %s in %s", _s(eid), key)
             continue
         yield fields, items
+
+
+def step_entry_columns(
+    key: str, entries: list[Any]
+) -> Iterator[tuple[dict[bytes, Any], tuple[list[bytes], list[int], list[bytes]]]]:
+    """``step_entries`` by columns (``step_columns``); a malformed entry is skipped alike."""
+    for eid, fields in entries:
+        try:
+            columns = step_columns(fields[b"d"])
+        except Exception:
+            logger.error("malformed step entry %s in %s", _s(eid), key)
+            continue
+        yield fields, columns
 
 
 def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:

@@ -67,7 +67,7 @@ from broker.streams import (
     below_ms,
     encode_events,
     encode_text,
-    step_entries,
+    step_entry_columns,
 )
 from workers.backoff import Backoff
 from workers.service_main import run_service
@@ -220,12 +220,13 @@ class Streamer:
 
     def _read_and_decode(self) -> None:
         streams: dict[str, str] = {self.keys.new_requests: self._handoff_cursor}
-        by_key: dict[str, Tracked] = {}
+        # Token stream key (bytes, as replies hold it) -> its request.
+        by_key: dict[bytes, Tracked] = {}
         steps: dict[str, str] = {}
         prefix = self.keys.tokens("")  # once per request per cycle: no method call each
         for rid, t in self.tracked.items():
             key = prefix + rid
-            by_key[key] = t
+            by_key[key.encode()] = t
             if t.step is None or t.watch:
                 streams[key] = t.cursor
             if t.step is not None:
@@ -256,7 +257,7 @@ class Streamer:
             if key in steps:
                 read_steps.append((key, entries))
                 continue
-            t = by_key.get(key)
+            t = by_key.get(key_raw if isinstance(key_raw, bytes) else key.encode())
             if t is None or not entries:
                 continue
             rid = t.record.request_id
@@ -338,7 +339,7 @@ class Streamer:
         self,
         key: str,
         entries: list[Any],
-        by_key: dict[str, Tracked],
+        by_key: dict[bytes, Tracked],
         got: dict[str, list[Any]],
         ends: dict[str, int],
     ) -> None:
@@ -348,9 +349,9 @@ class Streamer:
         stream was trimmed past us) the request reads its own token stream as well,
         where a checkpoint holds what it missed (broker/chunks.py)."""
         self._step_cursors[key] = as_str(entries[-1][0])
-        for fields, items in step_entries(key, entries):
+        for fields, (tok_keys, ordinals, payloads) in step_entry_columns(key, entries):
             published = fields.get(b"t")
-            for tok_key, _attempt, n, payload in items:
+            for tok_key, n, payload in zip(tok_keys, ordinals, payloads, strict=True):
                 t = by_key.get(tok_key)
                 if t is None:
                     continue

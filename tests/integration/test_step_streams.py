@@ -25,7 +25,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
-from broker.streams import OutputStreams, below_ms, split_step
+from broker.streams import OutputStreams, below_ms, split_step, step_columns
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers import streamer as streamer_module
@@ -256,3 +256,8 @@ def test_below_ms_and_split_step() -> None:
         ("tr:tok:a", "1-0", 1, b"[[0,[5]]]"),
         ("tr:tok:b", "1-1", 4, b"[]"),
     ]
+    # The streamer's columns: the same lines, keys not decoded.
+    assert step_columns(raw) == ([b"tr:tok:a", b"tr:tok:b"], [1, 4], [b"[[0,[5]]]", b"[]"])
+    assert step_columns(raw + b"\ntr:tok:c") == step_columns(raw)  # a partial line: left out
+    with pytest.raises(ValueError):
+        step_columns(b"tr:tok:a\n1-0\nx\n[]")

@@ -76,7 +76,7 @@ def run_both(
         t.step = step_key
         streamer.tracked[rec.request_id] = t
         pair.append(t)
-    by_key = {streamer.keys.tokens(rid): t for rid, t in streamer.tracked.items()}
+    by_key = {streamer.keys.tokens(rid).encode(): t for rid, t in streamer.tracked.items()}
     plain_path = 0
     real_plain = streamer._decode_plain
 
