@@ -75,6 +75,16 @@ def encode_text(text: str) -> bytes:
 
 
 def decode_events(raw: str | bytes) -> list[OutputEvent]:
+    # Most chunks are one text delta of choice 0 (``encode_text``): a web process reads
+    # every one it relays, so its text is read without the list, the dict and the call.
+    if type(raw) is bytes and raw.startswith(_TEXT_HEAD) and raw.endswith(b"}]"):
+        try:
+            text = orjson.loads(raw[len(_TEXT_HEAD) : -2])
+        except orjson.JSONDecodeError:
+            pass  # more than one event after all
+        else:
+            if type(text) is str:
+                return [OutputEvent(OutputKind.DELTA, 0, text)]
     return [OutputEvent.decode(x) for x in orjson.loads(raw)]
 
 
@@ -1037,24 +1047,25 @@ class OutputHub:
         a gap (its buffer filled, the step stream was trimmed past it) the subscription
         reads the stream itself again (``reload``), where a checkpoint holds the rest."""
         self._step_cursors[key] = _s(entries[-1][0])
-        lines: list[tuple[_Follow, str, int, bytes]] = []
-        for _fields, items in step_entries(key, entries):
-            for okey, _source, n, payload in items:
-                f = self._follow.get(okey)
-                if f is not None and f.steps == key:
-                    lines.append((f, okey, n, payload))
-        if not lines:
-            return
-        with self._lock:  # once per read, not per line: this is the hot path
-            subs_of = {okey: tuple(self._subs.get(okey, ())) for _f, okey, _n, _p in lines}
-        for f, okey, n, payload in lines:
-            for sub in subs_of[okey]:
-                if sub.reload:
-                    continue  # reads the stream itself next, then the tail
-                before = sub.n
-                if not self._hand(sub, n, payload, okey):
-                    sub.reload = True
-                elif sub.n != before:
-                    f.at = now
-                    self.stepped += 1
-                    handed.append(sub)
+        follow, subs_of = self._follow, self._subs
+        for _fields, (okeys, ordinals, payloads) in step_entry_columns(key, entries):
+            # One pass: each line is handed as soon as it is split, not after every
+            # line of the step was (a step's first lines reach their readers sooner).
+            for okey_b, n, payload in zip(okeys, ordinals, payloads, strict=True):
+                okey = okey_b.decode()
+                f = follow.get(okey)
+                if f is None or f.steps != key:
+                    continue
+                # No lock: one dict lookup and one copy of its list, each a single step
+                # that the lock's holders (subscribe, unsubscribe) cannot split. A
+                # subscription added meanwhile reads its stream itself first anyway.
+                for sub in tuple(subs_of.get(okey, ())):
+                    if sub.reload:
+                        continue  # reads the stream itself next, then the tail
+                    before = sub.n
+                    if not self._hand(sub, n, payload, okey):
+                        sub.reload = True
+                    elif sub.n != before:
+                        f.at = now
+                        self.stepped += 1
+                        handed.append(sub)

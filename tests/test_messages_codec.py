@@ -18,6 +18,7 @@ from app.messages import (
     TokenDelta,
     TokenLogprob,
 )
+from broker.streams import decode_events, encode_events, encode_text
 
 EVENTS = [
     OutputEvent(OutputKind.DELTA, 0, "hello"),  # the short path: kind, choice, text
@@ -69,3 +70,28 @@ def test_any_text_event_comes_back_as_it_went(
 def test_a_malformed_event_raises(raw: dict[str, Any]) -> None:
     with pytest.raises(Exception):  # noqa: B017 - any error: the hub ends that request
         OutputEvent.decode(raw)
+
+
+@given(text=st.text(min_size=1, max_size=12))
+def test_a_text_chunk_is_the_events_codec_of_its_text_delta(text: str) -> None:
+    """``encode_text`` (the streamer's plain chunk) writes what ``encode_events`` writes
+    for the one text delta, and ``decode_events`` (with its short path) reads it back."""
+    event = OutputEvent(OutputKind.DELTA, 0, text)
+    assert encode_text(text) == encode_events([event])
+    assert decode_events(encode_text(text)) == [event]
+
+
+@given(
+    events=st.lists(
+        st.sampled_from(EVENTS)
+        | st.builds(OutputEvent, st.just(OutputKind.DELTA), st.just(0), st.text(max_size=6)),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_chunk_comes_back_as_it_went(events: list[OutputEvent]) -> None:
+    """Chunks that start as a text chunk does (a text delta of choice 0) but hold more
+    events, or end in ``}]``, take the general path, and come back whole."""
+    raw = encode_events(events)
+    assert decode_events(raw) == events
+    assert decode_events(raw.decode()) == events
