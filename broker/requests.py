@@ -428,8 +428,8 @@ class RequestStore:
         """
         if not items:
             return []
-        keys, args, order = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
-        return publish_reply(self._publish(keys=keys, args=args), order).statuses
+        keys, args, order, plain = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
+        return publish_reply(self._publish(keys=keys, args=args), order, plain).statuses
 
     def publish_begin(
         self,
@@ -448,9 +448,9 @@ class RequestStore:
         each request's lease and cancel key (``scripts.PUBLISH``)."""
         generation = via.connect()
         epoch = known.argument(generation) if known is not None else ""
-        keys, args, order = self._publish_args(items, lease_ttl_s, worker_id, stamp, epoch)
+        keys, args, order, plain = self._publish_args(items, lease_ttl_s, worker_id, stamp, epoch)
         via.send_evalsha(self._publish, keys, args)
-        return PendingPublish(via, self._publish, keys, args, order, known, generation)
+        return PendingPublish(via, self._publish, keys, args, order, plain, known, generation)
 
     def _publish_args(
         self,
@@ -459,10 +459,10 @@ class RequestStore:
         worker_id: str | None,
         stamp: str | None,
         epoch: str,
-    ) -> tuple[list[str], list[Any], list[int]]:
-        """``scripts.PUBLISH``'s keys and arguments, and the items' indexes in the order
-        of its reply: those written out, then the plain ones (see the script), whose
-        step lines are written here, as the step entry holds them."""
+    ) -> tuple[list[str], list[Any], list[int], int]:
+        """``scripts.PUBLISH``'s keys and arguments, the items' indexes in the order of
+        its reply: those written out, then the plain ones (see the script), whose step
+        lines are written here, as the step entry holds them; and how many are plain."""
         k = self.keys
         keys: list[str] = [k.fence_epoch]
         plain_keys: list[str] = []
@@ -501,7 +501,7 @@ class RequestStore:
             keys.append(k.steps(worker_id))
             args.append(worker_id)
             args += [it.prior for it in items if it.checkpoint and it.payload]
-        return keys, args, order + plain
+        return keys, args, order + plain, len(plain)
 
     def landed(
         self, calls: Sequence[tuple[str, int, str]], worker_id: str | None = None
@@ -573,12 +573,16 @@ class PublishReply:
     epoch: str  # the fence epoch the call ran under
 
 
-def publish_reply(res: Any, order: Sequence[int]) -> PublishReply:
+def publish_reply(res: Any, order: Sequence[int], plain: int) -> PublishReply:
     """``scripts.PUBLISH``'s reply, parsed: the statuses of the items whose indexes
-    ``order`` lists, in that order, put back in the items' order."""
+    ``order`` lists, in that order, put back in the items' order. The last ``plain`` of
+    them are the plain items, whose statuses the reply holds only when the script
+    checked them; otherwise each was published."""
     *replied, epoch = res
+    if len(replied) not in (len(order), len(order) - plain):
+        raise ValueError(f"publish replied {len(replied)} statuses for {len(order)} items")
     statuses = [PublishStatus.OK] * len(order)
-    for i, x in zip(order, replied, strict=True):
+    for i, x in zip(order, replied, strict=False):
         statuses[i] = PublishStatus(int(x))
     return PublishReply(statuses, _s(epoch))
 
@@ -592,13 +596,14 @@ class PendingPublish:
     keys: list[str]
     args: list[Any]
     order: list[int]  # the items' indexes in the reply's order
+    plain: int  # how many of them (the last) are plain
     known: KnownEpoch | None = None  # updated from the reply
     generation: int = 0  # ``via``'s when it was sent
 
     def statuses(self) -> list[PublishStatus]:
         """Read the reply (waits for it if Redis has not answered yet)."""
         res = self.via.evalsha_reply(self.script, self.keys, self.args)
-        reply = publish_reply(res, self.order)
+        reply = publish_reply(res, self.order, self.plain)
         if self.known is not None and self.via.generation == self.generation:
             self.known.learn(self.generation, reply.epoch)
         return reply.statuses

@@ -98,8 +98,10 @@ return attempt
 # both sides: benchmarks/relay_floor.py). When the epoch changed, it checks each plain
 # request's lease (against worker:attempt, the attempt read from its line) and cancel
 # key, and leaves the lines of those fenced out.
-# -> per request written out, then per plain request: 0 published, 1 fenced (lease
-#    lost: stop generating), 2 cancel requested; then the epoch the call ran under
+# -> per request written out, then per plain request when they were checked (the epoch
+#    changed; unchecked, every one is published): 0 published, 1 fenced (lease lost:
+#    stop generating), 2 cancel requested; then the epoch the call ran under. (Leaving
+#    the plain ones out when unchecked took a fifth of the call's time: 64 zeros.)
 PUBLISH = """
 local out = {}
 local n, np = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -175,8 +177,6 @@ if np > 0 and check then
     end
   end
   plain = table.concat(kept, '\\n')
-else
-  for j = 1, np do out[n + j] = 0 end
 end
 local d = table.concat(lines, '\\n')
 if plain ~= '' then
@@ -192,7 +192,7 @@ if d ~= '' then
     if m[6] ~= 0 then redis.call('EXPIRE', m[1], ARGV[2]) end
   end
 end
-out[n + np + 1] = epoch
+out[#out + 1] = epoch
 return out
 """
 

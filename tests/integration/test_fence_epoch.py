@@ -24,6 +24,7 @@ from broker.requests import (
     RequestStore,
     encode_deltas,
     lease_value,
+    publish_reply,
 )
 from broker.streams import split_step
 from tests.stack import make_record
@@ -146,3 +147,26 @@ def test_a_redis_that_lost_the_epoch_makes_the_worker_check(
     redis_client.delete(store.keys.fence_epoch, store.keys.lease(rid))
     assert sender.publish([rid]) == [PublishStatus.FENCED]
     assert redis_client.get(store.keys.fence_epoch)  # created again
+
+
+def test_a_reply_without_the_unchecked_plain_statuses() -> None:
+    """Unchecked (the epoch the sender knew), the script leaves out the plain items'
+    statuses: each was published. Any other count is a broken reply."""
+    order = [2, 0, 1, 3]  # item 2 written out, then the plain items 0, 1 and 3
+    short = publish_reply([b"2", b"e1"], order, plain=3)
+    assert short.statuses == [
+        PublishStatus.OK,
+        PublishStatus.OK,
+        PublishStatus.CANCEL,
+        PublishStatus.OK,
+    ]
+    assert short.epoch == "e1"
+    full = publish_reply([0, 1, 0, 2, b"e2"], order, plain=3)
+    assert full.statuses == [
+        PublishStatus.FENCED,
+        PublishStatus.OK,
+        PublishStatus.OK,
+        PublishStatus.CANCEL,
+    ]
+    with pytest.raises(ValueError):
+        publish_reply([0, 1, b"e3"], order, plain=3)
