@@ -25,7 +25,7 @@ from broker.celery_app import send_generate
 from broker.chunks import Chunk, encode_prior, expand
 from broker.direct import DirectConnection
 from broker.keys import Keys
-from broker.streams import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_line
+from broker.streams import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_head
 
 
 class ClaimResult(str, Enum):
@@ -145,6 +145,13 @@ def lease_value(worker_id: str, attempt: int) -> str:
     return f"{worker_id}:{attempt}"
 
 
+# A plain publish item's parts (``RequestStore._plain_parts_of``): worker id, attempt,
+# lease value, (lease key, cancel key), step line head.
+_PlainParts = tuple[str, int, str, tuple[str, str], bytes]
+# Kept for this many requests at most (a worker holds far fewer at once).
+PLAIN_PARTS_KEPT = 4096
+
+
 class RequestStore:
     """Typed access to request records and their token streams."""
 
@@ -158,6 +165,7 @@ class RequestStore:
         self._seal = client.register_script(scripts.SEAL)
         self._refresh_leases = client.register_script(scripts.REFRESH_LEASES)
         self._admit = client.register_script(scripts.ADMIT)
+        self._plain_parts: dict[str, _PlainParts] = {}  # request id -> ``_plain_parts_of``
 
     # -- web tier -----------------------------------------------------------------
     def create(self, record: RequestRecord) -> None:
@@ -472,7 +480,7 @@ class RequestStore:
         each: list[Any] = []
         # Once per request per step, on the way to every token: the key prefixes are
         # concatenated rather than built by ``Keys``' methods.
-        lease_p, cancel_p, tokens_p = k.lease(""), k.cancel(""), k.tokens("")
+        known = self._plain_parts
         for i, it in enumerate(items):
             rid = it.request_id
             if (
@@ -480,12 +488,17 @@ class RequestStore:
                 and it.payload
                 and it.ordinal
                 and not (it.first or it.done or it.refresh or it.checkpoint)
-                and it.lease_value == lease_value(worker_id, it.attempt)
             ):
-                plain_keys += [lease_p + rid, cancel_p + rid]
-                lines.append(step_line(tokens_p + rid, it.attempt, it.ordinal, it.payload))
-                plain.append(i)
-                continue
+                parts = known.get(rid)
+                if parts is None or parts[0] != worker_id or parts[1] != it.attempt:
+                    parts = self._plain_parts_of(rid, worker_id, it.attempt)
+                if it.lease_value == parts[2]:
+                    plain_keys += parts[3]
+                    lines.append(b"%s%d\n%s" % (parts[4], it.ordinal, it.payload))
+                    plain.append(i)
+                    continue
+            elif it.done:
+                known.pop(rid, None)
             keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
             flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
             each += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4]
@@ -502,6 +515,25 @@ class RequestStore:
             args.append(worker_id)
             args += [it.prior for it in items if it.checkpoint and it.payload]
         return keys, args, order + plain, len(plain)
+
+    def _plain_parts_of(self, rid: str, worker_id: str, attempt: int) -> _PlainParts:
+        """What a plain item of ``rid``'s ``attempt`` published by ``worker_id`` needs in
+        the publish's arguments, built once per attempt, not per step: its expected
+        lease value, its lease and cancel keys, and its step line's head
+        (``step_head``). Forgotten at the attempt's last publish, or all at once when
+        more than ``PLAIN_PARTS_KEPT`` are kept (attempts that ended elsewhere)."""
+        if len(self._plain_parts) >= PLAIN_PARTS_KEPT:
+            self._plain_parts.clear()
+        k = self.keys
+        parts = (
+            worker_id,
+            attempt,
+            lease_value(worker_id, attempt),
+            (k.lease(rid), k.cancel(rid)),
+            step_head(k.tokens(rid), attempt),
+        )
+        self._plain_parts[rid] = parts
+        return parts
 
     def landed(
         self, calls: Sequence[tuple[str, int, str]], worker_id: str | None = None

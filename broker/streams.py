@@ -474,6 +474,13 @@ def step_line(key: str, second: str | int, n: int, payload: bytes) -> bytes:
     return f"{key}\n{second}\n{n}\n".encode() + payload
 
 
+def step_head(key: str, second: str | int) -> bytes:
+    """The first two of a chunk's four lines: ``step_line(key, second, n, payload)`` is
+    ``b"%s%d\\n%s" % (step_head(key, second), n, payload)``. What a writer that formats
+    one stream's lines at every step keeps (the worker, per request attempt)."""
+    return f"{key}\n{second}\n".encode()
+
+
 def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
     """A step stream entry's ``d``: (stream key, entry id, ordinal, payload) for every
     entry the call appended: a worker's publish (token streams, ``Keys.steps``) or a

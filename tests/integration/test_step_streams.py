@@ -25,7 +25,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
-from broker.streams import OutputStreams, below_ms, split_step, step_columns
+from broker.streams import OutputStreams, below_ms, split_step, step_columns, step_head, step_line
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers import streamer as streamer_module
@@ -261,3 +261,40 @@ def test_below_ms_and_split_step() -> None:
     assert step_columns(raw + b"\ntr:tok:c") == step_columns(raw)  # a partial line: left out
     with pytest.raises(ValueError):
         step_columns(b"tr:tok:a\n1-0\nx\n[]")
+
+
+def test_step_head_is_step_lines_start() -> None:
+    for key, second, n, payload in [("tr:tok:a", 0, 5, b"[]"), ("tr:o:東京", "12", 1, b"x")]:
+        assert step_line(key, second, n, payload) == b"%s%d\n%s" % (
+            step_head(key, second),
+            n,
+            payload,
+        )
+
+
+def test_the_publish_keeps_each_attempts_plain_parts(redis_client: redis.Redis) -> None:
+    """The worker's publish builds a plain item's keys and line head once per attempt:
+    its lines are ``step_line``'s, a new attempt or worker gets its own, a lease that is
+    not the worker's is written out, and an attempt's last publish forgets them."""
+    keys = Keys("tp:")
+    store = RequestStore(redis_client, keys)
+
+    def item(attempt: int, ordinal: int, lease: str = "", done: bool = False) -> PublishItem:
+        lease = lease or lease_value("w1", attempt)
+        return PublishItem("r1", lease, attempt, b"[5]", refresh=False, ordinal=ordinal, done=done)
+
+    def plain_lines(items: list[PublishItem], worker: str = "w1") -> tuple[list[bytes], list[str]]:
+        key_list, args, _order, plain = store._publish_args(items, 30.0, worker, "1.5", "")
+        return (args[6].split(b"\n") if plain else []), key_list
+
+    lines, key_list = plain_lines([item(0, 7)])
+    assert b"\n".join(lines) == step_line(keys.tokens("r1"), 0, 7, b"[5]")
+    assert key_list[-3:-1] == [keys.lease("r1"), keys.cancel("r1")]
+    assert b"\n".join(plain_lines([item(0, 8)])[0]) == step_line(keys.tokens("r1"), 0, 8, b"[5]")
+    assert b"\n".join(plain_lines([item(1, 9)])[0]) == step_line(keys.tokens("r1"), 1, 9, b"[5]")
+    assert plain_lines([item(1, 10, lease="w2:1")])[0] == []  # not the worker's lease
+    lease_w2 = lease_value("w2", 1)
+    assert plain_lines([item(1, 10, lease=lease_w2)], worker="w2")[0]  # another worker's own
+    assert "r1" in store._plain_parts
+    plain_lines([item(1, 11, done=True)])
+    assert "r1" not in store._plain_parts
