@@ -145,6 +145,7 @@ class OutputLog:
 # How often a reader reads a stream again when it changed under it.
 READ_LOG_TRIES = 5
 L = TypeVar("L")
+P = TypeVar("P")  # what a step entry's lines are parsed into
 
 
 # A chunk read from a step stream: ordinal, the line's second field (a token chunk's
@@ -508,26 +509,26 @@ def step_entries(
     """The fields and lines (``split_step``) of each entry read from step stream ``key``.
     A malformed entry is logged and skipped: a bug upstream, and the streams in it find
     their gap."""
-    for eid, fields in entries:
-        try:
-            items = split_step(fields[b"d"])
-        except Exception:
-            logger.error("malformed step entry %s in %s", _s(eid), key)
-            continue
-        yield fields, items
+    return _parsed_steps(key, entries, split_step)
 
 
 def step_entry_columns(
     key: str, entries: list[Any]
 ) -> Iterator[tuple[dict[bytes, Any], tuple[list[bytes], list[int], list[bytes]]]]:
     """``step_entries`` by columns (``step_columns``); a malformed entry is skipped alike."""
+    return _parsed_steps(key, entries, step_columns)
+
+
+def _parsed_steps(
+    key: str, entries: list[Any], parse: Callable[[bytes], P]
+) -> Iterator[tuple[dict[bytes, Any], P]]:
     for eid, fields in entries:
         try:
-            columns = step_columns(fields[b"d"])
+            parsed = parse(fields[b"d"])
         except Exception:
             logger.error("malformed step entry %s in %s", _s(eid), key)
             continue
-        yield fields, columns
+        yield fields, parsed
 
 
 def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:
