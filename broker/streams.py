@@ -145,7 +145,6 @@ class OutputLog:
 # How often a reader reads a stream again when it changed under it.
 READ_LOG_TRIES = 5
 L = TypeVar("L")
-P = TypeVar("P")  # what a step entry's lines are parsed into
 
 
 # A chunk read from a step stream: ordinal, the line's second field (a token chunk's
@@ -503,32 +502,19 @@ def step_columns(raw: bytes) -> tuple[list[bytes], list[int], list[bytes]]:
     return parts[0:end:4], [int(n) for n in parts[2:end:4]], parts[3:end:4]
 
 
-def step_entries(
-    key: str, entries: list[Any]
-) -> Iterator[tuple[dict[bytes, Any], list[tuple[str, str, int, bytes]]]]:
-    """The fields and lines (``split_step``) of each entry read from step stream ``key``.
-    A malformed entry is logged and skipped: a bug upstream, and the streams in it find
-    their gap."""
-    return _parsed_steps(key, entries, split_step)
-
-
 def step_entry_columns(
     key: str, entries: list[Any]
 ) -> Iterator[tuple[dict[bytes, Any], tuple[list[bytes], list[int], list[bytes]]]]:
-    """``step_entries`` by columns (``step_columns``); a malformed entry is skipped alike."""
-    return _parsed_steps(key, entries, step_columns)
-
-
-def _parsed_steps(
-    key: str, entries: list[Any], parse: Callable[[bytes], P]
-) -> Iterator[tuple[dict[bytes, Any], P]]:
+    """The fields and lines (``step_columns``) of each entry read from step stream
+    ``key``. A malformed entry is logged and skipped: a bug upstream, and the streams in
+    it find their gap."""
     for eid, fields in entries:
         try:
-            parsed = parse(fields[b"d"])
+            columns = step_columns(fields[b"d"])
         except Exception:
             logger.error("malformed step entry %s in %s", _s(eid), key)
             continue
-        yield fields, parsed
+        yield fields, columns
 
 
 def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:

@@ -491,23 +491,21 @@ class Streamer:
         except Exception:
             events = self._choice_fault(t, 0)
         else:
+            events = None
+        t.n = n
+        t.progress_at = now
+        if events is None:
             if dec.done:
                 events = t.choices.ended(text)
             elif not text:
-                t.n = n
-                t.progress_at = now
                 return None
             elif t.mark_next or not t.wrote_output:
                 events = [OutputEvent(OutputKind.DELTA, 0, text)]
             else:  # the plain chunk: not a checkpoint unless its log says it is due
-                t.n = n
-                t.progress_at = now
                 chunk = encode_text(text)
                 n_out, mark, prior = t.out.stage(chunk, self._writes, False)
                 t.out_source = str(n)
                 return t.staged(n_out, mark, prior, chunk, None, False, published)
-        t.n = n
-        t.progress_at = now
         return self._events_output(t, events, published)
 
     def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
