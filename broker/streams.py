@@ -547,7 +547,7 @@ class Pumped(enum.Enum):
 
 # Queued by a pump that stopped after taking its entry: wakes a reader blocked in
 # ``take``, which then behaves as if its wait had timed out.
-_WAKE: tuple[str, list[OutputEvent], int] = ("", [], 0)
+_WAKE: tuple[str, list[OutputEvent] | bytes, int] = ("", [], 0)
 
 
 @dataclass(slots=True, eq=False)
@@ -573,7 +573,7 @@ class Subscription:
     request_id: str
     key: str
     n: int  # the ordinal of the last chunk handed over (0: none)
-    entries: queue.SimpleQueue[tuple[str, list[OutputEvent], int]]
+    entries: queue.SimpleQueue[tuple[str, list[OutputEvent] | bytes, int]]
     notify: threading.Event | None = None  # set on every entry (one wait for many streams)
     on_drop: Callable[[], None] | None = None
     buffered: int = 0
@@ -588,12 +588,20 @@ class Subscription:
     reload: bool = True
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def put(self, eid: str, events: list[OutputEvent], size: int) -> None:
-        """Hand an entry to the reader: to its pump if it has one, else to its queue."""
+    def put(self, eid: str, chunk: list[OutputEvent] | bytes, size: int) -> None:
+        """Hand an entry to the reader: to its pump if it has one, else to its queue.
+
+        ``chunk``: its events, or the chunk as read (``encode_events``), decoded where it
+        is read: by the pump, or on the reader's own thread in ``take``. Why: a reader
+        that waits is woken only once the hub's thread lets go of the GIL, after it has
+        handed every line of the step it read, so the hub's share of each line (the
+        decode was a quarter of it) delays every queued reader's first line."""
         with self._count_lock:
             pump = self.pump
             if pump is not None:
-                verdict = pump(eid, events)
+                if isinstance(chunk, bytes):
+                    chunk = _hub_events(chunk, eid, self.key)
+                verdict = pump(eid, chunk)
                 if verdict is Pumped.TAKEN:
                     self.taken_at = time.monotonic()
                     return
@@ -605,7 +613,7 @@ class Subscription:
             self.buffered += size
             # Under the lock: a pump started between the count and the put would
             # deliver later entries ahead of this one.
-            self.entries.put((eid, events, size))
+            self.entries.put((eid, chunk, size))
 
     def start_pump(self, pump: Callable[[str, list[OutputEvent]], Pumped]) -> bool:
         """Let the hub deliver entries through ``pump`` until it declines one or
@@ -631,11 +639,11 @@ class Subscription:
             entry = self.entries.get(timeout=max(timeout_s, 0.0))
         if entry is _WAKE:
             raise queue.Empty
-        eid, events, size = entry
+        eid, chunk, size = entry
         with self._count_lock:
             self.buffered -= size
             self.taken_at = time.monotonic()
-        return eid, events
+        return eid, _hub_events(chunk, eid, self.key) if isinstance(chunk, bytes) else chunk
 
     def full(self, limit: int | None) -> bool:
         return limit is not None and self.buffered >= limit
@@ -974,7 +982,7 @@ class OutputHub:
             )
         eid = str(n)
         sub.n = n
-        sub.put(eid, _hub_events(raw, eid, key), len(raw))
+        sub.put(eid, raw, len(raw))
         return True
 
     def _take_entries(

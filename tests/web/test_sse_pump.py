@@ -26,7 +26,7 @@ from werkzeug.test import EnvironBuilder
 from app.messages import OutputEvent, OutputKind
 from app.settings import Settings
 from broker.run import Runner
-from broker.streams import Pumped, Subscription
+from broker.streams import MALFORMED_OUTPUT, Pumped, Subscription, encode_events
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 from web.app import create_app
 from web.head_first import RESPONSE_KEY
@@ -353,6 +353,24 @@ def test_a_pump_never_overtakes_queued_entries() -> None:
     assert sub.start_pump(lambda eid, events: taken.append(eid) or Pumped.TAKEN)  # type: ignore[func-returns-value]
     sub.put("2-0", ev("b"), 1)
     assert taken == ["2-0"] and sub.entries.empty() and sub.buffered == 0
+
+
+def test_a_chunk_handed_as_read_is_decoded_where_it_is_taken() -> None:
+    """The hub hands a chunk's bytes (``Subscription.put``): a pump gets its events, a
+    queued one is decoded by ``take`` on the reader's thread, a malformed one ends its
+    stream there (``MALFORMED_OUTPUT``), and the buffered count is the bytes'."""
+    sub = subscription()
+    both = [*ev("a"), OutputEvent(OutputKind.DELTA, 1, "b")]
+    raw = encode_events(both)
+    sub.put("1", raw, len(raw))
+    assert sub.buffered == len(raw) and not sub.entries.empty()
+    assert sub.take(None) == ("1", both) and sub.buffered == 0
+    sub.put("2", b"[{nope", 6)
+    assert sub.take(None) == ("2", [MALFORMED_OUTPUT])
+    pumped: list[tuple[str, list[OutputEvent]]] = []
+    assert sub.start_pump(lambda eid, events: pumped.append((eid, events)) or Pumped.TAKEN)  # type: ignore[func-returns-value]
+    sub.put("3", encode_events(ev("c")), 9)
+    assert pumped == [("3", ev("c"))]
 
 
 def test_a_declined_entry_and_every_later_one_reach_the_queue_in_order() -> None:
