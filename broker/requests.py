@@ -436,7 +436,7 @@ class RequestStore:
         """
         if not items:
             return []
-        keys, args, order, plain = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
+        keys, args, order, plain, _ = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
         return publish_reply(self._publish(keys=keys, args=args), order, plain).statuses
 
     def publish_begin(
@@ -456,9 +456,13 @@ class RequestStore:
         each request's lease and cancel key (``scripts.PUBLISH``)."""
         generation = via.connect()
         epoch = known.argument(generation) if known is not None else ""
-        keys, args, order, plain = self._publish_args(items, lease_ttl_s, worker_id, stamp, epoch)
+        keys, args, order, plain, plain_keys = self._publish_args(
+            items, lease_ttl_s, worker_id, stamp, epoch
+        )
         via.send_evalsha(self._publish, keys, args)
-        return PendingPublish(via, self._publish, keys, args, order, plain, known, generation)
+        return PendingPublish(
+            via, self._publish, keys, args, order, plain, known, generation, plain_keys
+        )
 
     def _publish_args(
         self,
@@ -467,10 +471,13 @@ class RequestStore:
         worker_id: str | None,
         stamp: str | None,
         epoch: str,
-    ) -> tuple[list[str], list[Any], list[int], int]:
+    ) -> tuple[list[str], list[Any], list[int], int, list[str]]:
         """``scripts.PUBLISH``'s keys and arguments, the items' indexes in the order of
         its reply: those written out, then the plain ones (see the script), whose step
-        lines are written here, as the step entry holds them; and how many are plain."""
+        lines are written here, as the step entry holds them; how many are plain; and
+        their keys. Those are in the call's keys only without an ``epoch`` expected: under
+        one the script needs them only if the epoch changed, and then asks for them
+        (``PendingPublish.statuses`` sends the call again with them)."""
         k = self.keys
         keys: list[str] = [k.fence_epoch]
         plain_keys: list[str] = []
@@ -503,7 +510,8 @@ class RequestStore:
             flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
             each += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4]
             order.append(i)
-        keys += plain_keys
+        if not epoch:
+            keys += plain_keys
         # The publish time travels with each entry so the relay's added latency can be
         # measured to the microsecond (entry ids only carry milliseconds); it also names
         # the call, for ``landed``.
@@ -514,7 +522,7 @@ class RequestStore:
             keys.append(k.steps(worker_id))
             args.append(worker_id)
             args += [it.prior for it in items if it.checkpoint and it.payload]
-        return keys, args, order + plain, len(plain)
+        return keys, args, order + plain, len(plain), plain_keys
 
     def _plain_parts_of(self, rid: str, worker_id: str, attempt: int) -> _PlainParts:
         """What a plain item of ``rid``'s ``attempt`` published by ``worker_id`` needs in
@@ -603,6 +611,8 @@ class KnownEpoch:
 class PublishReply:
     statuses: list[PublishStatus]
     epoch: str  # the fence epoch the call ran under
+    # The call ran nothing: the epoch changed, and it left the plain items' keys out.
+    recheck: bool = False
 
 
 def publish_reply(res: Any, order: Sequence[int], plain: int) -> PublishReply:
@@ -611,6 +621,8 @@ def publish_reply(res: Any, order: Sequence[int], plain: int) -> PublishReply:
     them are the plain items, whose statuses the reply holds only when the script
     checked them; otherwise each was published."""
     *replied, epoch = res
+    if replied == [b"recheck"]:
+        return PublishReply([], _s(epoch), recheck=True)
     if len(replied) not in (len(order), len(order) - plain):
         raise ValueError(f"publish replied {len(replied)} statuses for {len(order)} items")
     statuses = [PublishStatus.OK] * len(order)
@@ -631,11 +643,21 @@ class PendingPublish:
     plain: int  # how many of them (the last) are plain
     known: KnownEpoch | None = None  # updated from the reply
     generation: int = 0  # ``via``'s when it was sent
+    plain_keys: list[str] = field(default_factory=list)  # when left out of ``keys``
 
     def statuses(self) -> list[PublishStatus]:
-        """Read the reply (waits for it if Redis has not answered yet)."""
+        """Read the reply (waits for it if Redis has not answered yet). A call that
+        asks for the plain items' keys (the epoch changed since the last) is sent again
+        with them, now: it ran nothing."""
         res = self.via.evalsha_reply(self.script, self.keys, self.args)
         reply = publish_reply(res, self.order, self.plain)
+        if reply.recheck:
+            # Before the step stream key, the last (there is one: plain items need it).
+            self.keys = [*self.keys[:-1], *self.plain_keys, self.keys[-1]]
+            self.plain_keys = []
+            self.via.send_evalsha(self.script, self.keys, self.args)
+            res = self.via.evalsha_reply(self.script, self.keys, self.args)
+            reply = publish_reply(res, self.order, self.plain)
         if self.known is not None and self.via.generation == self.generation:
             self.known.learn(self.generation, reply.epoch)
         return reply.statuses

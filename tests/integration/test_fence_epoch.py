@@ -149,6 +149,47 @@ def test_a_redis_that_lost_the_epoch_makes_the_worker_check(
     assert redis_client.get(store.keys.fence_epoch)  # created again
 
 
+def evalshas(client: redis.Redis) -> int:
+    stats: Any = client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_the_plain_keys_are_sent_only_when_the_epoch_changed(
+    settings: Settings, store: RequestStore, redis_client: redis.Redis
+) -> None:
+    """Under the epoch it knows, the worker leaves its plain items' lease and cancel
+    keys out of the call; when the epoch changed, the script writes nothing and asks for
+    them, and the call is sent again with them: one more round trip, the same outcome."""
+    rid, other = new_request(settings, store, "wA"), new_request(settings, store, "wA")
+    sender = Sender(store, "wA")
+    assert sender.publish([rid, other]) == [PublishStatus.OK] * 2  # written out: keyed
+
+    def plain_publish(rids: list[str]) -> tuple[list[PublishStatus], list[str], int]:
+        items = []
+        for r in rids:
+            n = sender.ordinals[r] = sender.ordinals[r] + 1
+            payload = encode_deltas([TokenDelta(0, [n])])
+            items.append(PublishItem(r, lease_value("wA", 0), 0, payload, refresh=False, ordinal=n))
+        before = evalshas(redis_client)
+        pending = store.publish_begin(items, 30.0, sender.via, "wA", known=sender.known)
+        sent = list(pending.keys)
+        return pending.statuses(), sent, evalshas(redis_client) - before
+
+    statuses, sent, calls = plain_publish([rid, other])
+    assert statuses == [PublishStatus.OK] * 2 and calls == 1
+    assert sent == [store.keys.fence_epoch, store.keys.steps("wA")]
+    assert sorted(sender.last_lines()) == sorted([(rid, 2), (other, 2)])
+
+    redis_client.delete(store.keys.lease(rid))  # wA stalled past its lease
+    assert store.resume(rid) == 1  # a new epoch
+    statuses, sent, calls = plain_publish([rid, other])
+    assert statuses == [PublishStatus.FENCED, PublishStatus.OK] and calls == 2
+    assert sorted(sender.last_lines()) == [(other, 3)]  # none of rid's, nothing twice
+    assert len(redis_client.xrange(store.keys.steps("wA"))) == 3
+    # The new epoch is known now (the fenced request is no longer published).
+    assert plain_publish([other])[::2] == ([PublishStatus.OK], 1)
+
+
 def test_a_reply_without_the_unchecked_plain_statuses() -> None:
     """Unchecked (the epoch the sender knew), the script leaves out the plain items'
     statuses: each was published. Any other count is a broken reply."""
