@@ -33,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -68,6 +69,37 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def host_pace_us(reps: int = 7) -> list[float]:
+    """The time (µs, median of ``reps``) each CPU of this machine takes right now for a
+    fixed piece of pure-Python work of the relay's kind (JSON chunks, dict lookups):
+    this process is moved to each CPU in turn, then let go again.
+
+    Why: this shared machine's two CPUs each run the same code at a speed that changes
+    by up to 2x from one minute to the next, and not together (session 21: one at ~950
+    µs while the other went from 550 to 900), which is what moves the paced relay's
+    added latency between the "calm" and "slow" hours of earlier sessions; reporting the
+    CPUs' pace next to each figure tells a slower commit from a slower host."""
+    chunks = [orjson.dumps([{"k": "delta", "c": 0, "t": f"tok{i}"}]) for i in range(64)]
+    allowed = os.sched_getaffinity(0)
+    paces = []
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                seen: dict[bytes, int] = {}
+                for _ in range(20):
+                    for i, raw in enumerate(chunks):
+                        event = orjson.loads(raw)[0]
+                        seen[raw] = seen.get(raw, 0) + len(event["t"]) + i
+                times.append(time.perf_counter() - start)
+            paces.append(round(statistics.median(times) * 1e6, 1))
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return paces
 
 
 def run(
@@ -117,6 +149,7 @@ def run(
                 # first event: the hub's XREAD waits on streams that have no entry yet.
                 hub = OutputHub(client, keys, block_ms=1000)
                 subs = {r.request_id: hub.subscribe(r.request_id, notify=ready) for r in records}
+            pace_before = host_pace_us()
             calls0 = command_stats(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             burned0 = cpu_seconds(burner.pid) if stage == "worker" and burn > 0 else 0.0
@@ -146,6 +179,7 @@ def run(
             burned = cpu_seconds(burner.pid) - burned0 if stage == "worker" and burn > 0 else 0.0
             client_cpu = time.process_time() - client0
             calls = command_stats(client)
+            pace_after = host_pace_us()
             published: list[float] = []  # the worker's publish time of each output entry
             if stage == "relay":  # after the counts: reads of its own
                 hub_latencies(client, keys, received, lat, ttft_added, published)
@@ -163,6 +197,9 @@ def run(
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }
         out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
+        # Each CPU's pace just before and after the run (``host_pace_us``): compare
+        # figures from different hours by it.
+        out["host_pace_us"] = {"before": pace_before, "after": pace_after}
         if burned:
             out["burner_cores"] = round(burned / elapsed, 2)  # not in the totals
         # This process reads the outputs (as a web process would) or polls the records:
