@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import queue
+import select
 import statistics
 import subprocess
 import sys
@@ -71,35 +72,87 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+_PACE_CHUNKS = [orjson.dumps([{"k": "delta", "c": 0, "t": f"tok{i}"}]) for i in range(64)]
+
+
+def _pace_work(rounds: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds this CPU takes for ``rounds`` passes of fixed pure-Python work of the
+    relay's kind (64 JSON chunks decoded, dict lookups), by ``clock``."""
+    start = clock()
+    seen: dict[bytes, int] = {}
+    for _ in range(rounds):
+        for i, raw in enumerate(_PACE_CHUNKS):
+            event = orjson.loads(raw)[0]
+            seen[raw] = seen.get(raw, 0) + len(event["t"]) + i
+    return clock() - start
+
+
 def host_pace_us(reps: int = 7) -> list[float]:
-    """The time (µs, median of ``reps``) each CPU of this machine takes right now for a
-    fixed piece of pure-Python work of the relay's kind (JSON chunks, dict lookups):
-    this process is moved to each CPU in turn, then let go again.
+    """Each CPU's time (µs, median of ``reps``) for 20 rounds of ``_pace_work`` right
+    now: this process is moved to each CPU in turn, then let go again.
 
     Why: this shared machine's two CPUs each run the same code at a speed that changes
-    by up to 2x from one minute to the next, and not together (session 21: one at ~950
+    by up to 2x from one second to the next, and not together (session 21: one at ~950
     µs while the other went from 550 to 900), which is what moves the paced relay's
     added latency between the "calm" and "slow" hours of earlier sessions; reporting the
-    CPUs' pace next to each figure tells a slower commit from a slower host."""
-    chunks = [orjson.dumps([{"k": "delta", "c": 0, "t": f"tok{i}"}]) for i in range(64)]
+    CPUs' pace next to each figure tells a slower commit from a slower host. ``pace_probe``
+    samples it during a run."""
     allowed = os.sched_getaffinity(0)
     paces = []
     try:
         for cpu in sorted(allowed):
             os.sched_setaffinity(0, {cpu})
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                seen: dict[bytes, int] = {}
-                for _ in range(20):
-                    for i, raw in enumerate(chunks):
-                        event = orjson.loads(raw)[0]
-                        seen[raw] = seen.get(raw, 0) + len(event["t"]) + i
-                times.append(time.perf_counter() - start)
+            times = [_pace_work(20) for _ in range(reps)]
             paces.append(round(statistics.median(times) * 1e6, 1))
     finally:
         os.sched_setaffinity(0, allowed)
     return paces
+
+
+def probe_main() -> None:
+    """``--probe``: every 20 ms, on the next CPU in turn, one round of ``_pace_work`` to
+    warm up and one timed by this thread's CPU clock (so the relay's own processes,
+    which may hold that CPU, do not count; a CPU slowed by its neighbours does), until
+    stdin closes; then each CPU's samples (µs, scaled to ``host_pace_us``'s 20 rounds)
+    as JSON on stdout. About 1 % of a core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    samples: dict[int, list[float]] = {cpu: [] for cpu in cpus}
+    print("ready", flush=True)
+    k = 0
+    while not select.select([sys.stdin], [], [], 0.02)[0]:
+        cpu = cpus[k % len(cpus)]
+        k += 1
+        os.sched_setaffinity(0, {cpu})
+        _pace_work(1)
+        samples[cpu].append(_pace_work(1, time.thread_time) * 20e6)
+    print(json.dumps({str(cpu): v for cpu, v in samples.items()}), flush=True)
+
+
+@contextmanager
+def pace_probe(out: dict[str, list[float]]) -> Iterator[None]:
+    """Sample each CPU's pace during the block (``probe_main``, in a process of its own);
+    ``out`` gets each CPU's p10, p50 and p90 in µs at the end, and ``slow_share``: the
+    share of samples over 1.5x the fastest tenth's (this machine's CPUs run either at
+    full speed or at about half, session 21)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--probe"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()  # its imports done: nothing of its start overlaps the block
+    try:
+        yield
+    finally:
+        got, _ = proc.communicate(b"", timeout=30)
+        every: list[float] = []
+        for cpu, values in json.loads(got or b"{}").items():
+            if values:
+                out[f"cpu{cpu}"] = [round(percentile(values, q), 1) for q in (0.1, 0.5, 0.9)]
+                every += values
+        if every:
+            fast = percentile(every, 0.1)
+            out["slow_share"] = [round(sum(v > 1.5 * fast for v in every) / len(every), 2)]
 
 
 def run(
@@ -149,6 +202,9 @@ def run(
                 # first event: the hub's XREAD waits on streams that have no entry yet.
                 hub = OutputHub(client, keys, block_ms=1000)
                 subs = {r.request_id: hub.subscribe(r.request_id, notify=ready) for r in records}
+            in_run: dict[str, list[float]] = {}
+            probing = ExitStack()
+            probing.enter_context(pace_probe(in_run))
             pace_before = host_pace_us()
             calls0 = command_stats(client)
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
@@ -175,6 +231,7 @@ def run(
             else:
                 delivered, received = read_through_hub(hub, subs, ready, t0, ttft, pump=pump)
             elapsed = time.time() - t0
+            probing.close()
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
             burned = cpu_seconds(burner.pid) - burned0 if stage == "worker" and burn > 0 else 0.0
             client_cpu = time.process_time() - client0
@@ -197,9 +254,9 @@ def run(
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }
         out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
-        # Each CPU's pace just before and after the run (``host_pace_us``): compare
-        # figures from different hours by it.
-        out["host_pace_us"] = {"before": pace_before, "after": pace_after}
+        # Each CPU's pace just before and after the run (``host_pace_us``) and during it
+        # (``pace_probe``: p10, p50, p90): compare figures from different hours by it.
+        out["host_pace_us"] = {"before": pace_before, "after": pace_after, "in_run": in_run}
         if burned:
             out["burner_cores"] = round(burned / elapsed, 2)  # not in the totals
         # This process reads the outputs (as a web process would) or polls the records:
@@ -365,6 +422,9 @@ def hub_latencies(
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--probe"]:
+        probe_main()
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512)
