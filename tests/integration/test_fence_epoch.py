@@ -70,9 +70,10 @@ def new_request(settings: Settings, store: RequestStore, worker: str) -> str:
     return record.request_id
 
 
-def gets(client: redis.Redis) -> int:
+def calls(client: redis.Redis, command: str = "get") -> int:
+    """How many times Redis ran ``command`` so far (scripts' own commands included)."""
     stats: Any = client.info("commandstats")
-    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
 def test_a_publish_under_the_known_epoch_checks_no_request(
@@ -80,13 +81,13 @@ def test_a_publish_under_the_known_epoch_checks_no_request(
 ) -> None:
     rids = [new_request(settings, store, "wA") for _ in range(3)]
     sender = Sender(store, "wA")
-    before = gets(redis_client)
+    before = calls(redis_client)
     assert sender.publish(rids) == [PublishStatus.OK] * 3
-    checked = gets(redis_client) - before  # the epoch's GET and each lease's
+    checked = calls(redis_client) - before  # the epoch's GET and each lease's
     assert checked == 4
-    before = gets(redis_client)
+    before = calls(redis_client)
     assert sender.publish(rids) == [PublishStatus.OK] * 3
-    assert gets(redis_client) - before == 1  # the epoch's alone
+    assert calls(redis_client) - before == 1  # the epoch's alone
 
     # A lease that expired with no one resuming its request is still this attempt's:
     # the worker goes on (its lease is gone, so the watchdog resumes it, which fences).
@@ -149,11 +150,6 @@ def test_a_redis_that_lost_the_epoch_makes_the_worker_check(
     assert redis_client.get(store.keys.fence_epoch)  # created again
 
 
-def evalshas(client: redis.Redis) -> int:
-    stats: Any = client.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
-
-
 def test_the_plain_keys_are_sent_only_when_the_epoch_changed(
     settings: Settings, store: RequestStore, redis_client: redis.Redis
 ) -> None:
@@ -170,20 +166,20 @@ def test_the_plain_keys_are_sent_only_when_the_epoch_changed(
             n = sender.ordinals[r] = sender.ordinals[r] + 1
             payload = encode_deltas([TokenDelta(0, [n])])
             items.append(PublishItem(r, lease_value("wA", 0), 0, payload, refresh=False, ordinal=n))
-        before = evalshas(redis_client)
+        before = calls(redis_client, "evalsha")
         pending = store.publish_begin(items, 30.0, sender.via, "wA", known=sender.known)
         sent = list(pending.keys)
-        return pending.statuses(), sent, evalshas(redis_client) - before
+        return pending.statuses(), sent, calls(redis_client, "evalsha") - before
 
-    statuses, sent, calls = plain_publish([rid, other])
-    assert statuses == [PublishStatus.OK] * 2 and calls == 1
+    statuses, sent, runs = plain_publish([rid, other])
+    assert statuses == [PublishStatus.OK] * 2 and runs == 1
     assert sent == [store.keys.fence_epoch, store.keys.steps("wA")]
     assert sorted(sender.last_lines()) == sorted([(rid, 2), (other, 2)])
 
     redis_client.delete(store.keys.lease(rid))  # wA stalled past its lease
     assert store.resume(rid) == 1  # a new epoch
-    statuses, sent, calls = plain_publish([rid, other])
-    assert statuses == [PublishStatus.FENCED, PublishStatus.OK] and calls == 2
+    statuses, sent, runs = plain_publish([rid, other])
+    assert statuses == [PublishStatus.FENCED, PublishStatus.OK] and runs == 2
     assert sorted(sender.last_lines()) == [(other, 3)]  # none of rid's, nothing twice
     assert len(redis_client.xrange(store.keys.steps("wA"))) == 3
     # The new epoch is known now (the fenced request is no longer published).
