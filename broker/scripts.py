@@ -126,7 +126,7 @@ if not epoch then
 end
 local check = ARGV[4] ~= 'e:' .. epoch
 if check and np > 0 and not keyed then
-  return {'recheck', epoch}  -- nothing written: sent again with the keys
+  return {'recheck', epoch}  -- nothing written (but a lost epoch): sent again with the keys
 end
 local lines = {}
 local marks = {}  -- the checkpoints, written once the step entry's id is known
