@@ -599,8 +599,7 @@ class Subscription:
         with self._count_lock:
             pump = self.pump
             if pump is not None:
-                if isinstance(chunk, bytes):
-                    chunk = _hub_events(chunk, eid, self.key)
+                chunk = self._events(eid, chunk)
                 verdict = pump(eid, chunk)
                 if verdict is Pumped.TAKEN:
                     self.taken_at = time.monotonic()
@@ -643,7 +642,12 @@ class Subscription:
         with self._count_lock:
             self.buffered -= size
             self.taken_at = time.monotonic()
-        return eid, _hub_events(chunk, eid, self.key) if isinstance(chunk, bytes) else chunk
+        return eid, self._events(eid, chunk)
+
+    def _events(self, eid: str, chunk: list[OutputEvent] | bytes) -> list[OutputEvent]:
+        """A handed entry's events: decoded here, by whoever reads it, when the hub
+        handed the chunk's bytes (``put``)."""
+        return _hub_events(chunk, eid, self.key) if isinstance(chunk, bytes) else chunk
 
     def full(self, limit: int | None) -> bool:
         return limit is not None and self.buffered >= limit
