@@ -6,7 +6,8 @@ Why: a relay.py run prints a long indented object per stage (every Redis command
 count and cost), a relay_floor.py run one line per variant; a device-machine call
 (benchmarks/device_relay.sh) returns only a log's tail, so this boils each run down
 to the figures issue 12 asks about: delivered tok/s, CPU µs per token, added ITL
-p50 / p99 and keep-up for relay runs, ITL p50 / p90 and CPU per line for floor runs.
+p50 / p99, keep-up and the host's slow share for relay runs, ITL p50 / p90 and CPU
+per line for floor runs.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def line(run: dict[str, Any]) -> str | None:
         body += f"  added ITL p50 {added['itl_p50']:.2f} ms  p99 {added['itl_p99']:.2f} ms"
     if "keep_up_in_run" in run:
         body += f"  keep-up in run {run['keep_up_in_run']}"
+    share = run.get("host_pace_us", {}).get("in_run", {}).get("slow_share")
+    if share:  # the share of the probe's samples that found a CPU at about half speed
+        body += f"  slow CPU {share[0]:.0%}"
     return head + body
 
 

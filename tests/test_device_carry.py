@@ -81,6 +81,7 @@ RELAY_RUN = {
     "redis_calls_per_token": {"evalsha": 0.042},
     "added_latency_ms": {"ttft_p50": 11.3, "ttft_p99": 154.3, "itl_p50": 4.86, "itl_p99": 55.0},
     "keep_up_in_run": 0.999,
+    "host_pace_us": {"before": [510.0], "after": [520.0], "in_run": {"slow_share": [0.25]}},
 }
 WORKER_RUN = {
     "stage": "worker",
@@ -123,7 +124,8 @@ def test_summary_reads_indented_runs_between_log_lines(summary: ModuleType, tmp_
     lines = [summary.line(r) for r in runs]
     assert lines[0].startswith("worker - str -       max   20656 tok/s  CPU µs/token 39.4")
     assert lines[1].startswith("relay  1 str pump  200/s    9913 tok/s  CPU µs/token 103.1")
-    assert "added ITL p50 4.86 ms  p99 55.00 ms  keep-up in run 0.999" in lines[1]
+    assert "added ITL p50 4.86 ms  p99 55.00 ms  keep-up in run 0.999  slow CPU 25%" in lines[1]
+    assert "slow CPU" not in lines[0]
     assert lines[2] == "keep-up vs worker-only [1.349] (median 1.349), in run 0.999"
 
 
