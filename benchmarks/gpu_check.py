@@ -218,6 +218,140 @@ def _run(engine: Any, jobs: list[Any]) -> tuple[dict[str, list[int]], float, int
     return ids, time.perf_counter() - t0, peak
 
 
+def _finishes(engine: Any, job: Any, cancel_after: int | None = None) -> tuple[list[int], str]:
+    """Run one job alone: its ids and its finish (``cancel_after``: cancel it once it has
+    that many tokens)."""
+    engine.submit(job)
+    ids: list[int] = []
+    finish = ""
+    cancelled = False
+    while engine.has_work():
+        for step in engine.step():
+            ids += step.delta.token_ids
+            if step.delta.finish is not None:
+                finish = step.delta.finish.value
+        if cancel_after is not None and not cancelled and len(ids) >= cancel_after:
+            engine.cancel(job.job_id)
+            cancelled = True
+    return ids, finish
+
+
+def exercise(
+    engine: Any, make_job: Any, prompt_ids: list[int], reference: list[int]
+) -> dict[str, Any]:
+    """The engine's paths the greedy runs do not take, once each, on one prompt whose
+    greedy ``reference`` is known: a logit bias that bans the first greedy token (it must
+    change), a stop token id taken from the reference (the choice must end on it, with
+    ``eos``), and a cancel mid-request (``cancelled``, and the engine runs the next job)."""
+    from app.messages import SamplingParams
+
+    out: dict[str, Any] = {}
+    first = reference[0]
+    ids, finish = _finishes(
+        engine,
+        make_job(
+            "bias", prompt_ids, sampling=SamplingParams(temperature=0.0, logit_bias={first: -100})
+        ),
+    )
+    out["logit_bias"] = {"banned": first, "first": ids[:1], "finish": finish}
+    out["logit_bias"]["ok"] = bool(ids) and ids[0] != first
+    # A token whose first place in the reference is past the start: it must end there.
+    at = next((k for k in range(3, len(reference)) if reference[k] not in reference[:k]), None)
+    if at is None:
+        out["stop_token"] = {"ok": None, "why": "no fresh token in the reference"}
+    else:
+        stop = reference[at]
+        ids, finish = _finishes(
+            engine, make_job("stop", prompt_ids, stop_token_ids=frozenset({stop}))
+        )
+        out["stop_token"] = {
+            "stop_id": stop,
+            "tokens": len(ids),
+            "finish": finish,
+            "ok": ids == reference[: at + 1] and finish == "eos",
+        }
+    ids, finish = _finishes(engine, make_job("cancel", prompt_ids), cancel_after=4)
+    after, _ = _finishes(engine, make_job("after-cancel", prompt_ids))
+    out["cancel"] = {
+        "tokens_before_end": len(ids),
+        "finish": finish,
+        "next_job_equal": after == reference,
+        "ok": finish == "cancelled" and len(ids) < len(reference) and after == reference,
+    }
+    return out
+
+
+def check(
+    engine: Any,
+    prompts: list[list[int]],
+    make_job: Any,
+    *,
+    min_exact: float,
+    min_prefix: int,
+    decode: Any,
+) -> dict[str, Any]:
+    """The check proper, on a loaded ``engine``: each prompt alone (the greedy
+    reference), then all at once, compared token by token; then ``exercise``.
+    ``make_job(tag, prompt_ids, **fields)`` builds a greedy ``EngineJob``."""
+    reference: dict[int, list[int]] = {}
+    ref_s = 0.0
+    for i, p in enumerate(prompts):  # one request in flight at a time: batch size 1
+        ids, secs, _ = _run(engine, [make_job(f"ref-{i}", p)])
+        reference[i] = ids[f"ref-{i}"]
+        ref_s += secs
+    jobs = [make_job(f"batch-{i}", p) for i, p in enumerate(prompts)]
+    batched, batch_s, peak = _run(engine, jobs)
+
+    rows = []
+    for i in range(len(prompts)):
+        a, b = reference[i], batched[f"batch-{i}"]
+        common = next(
+            (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        rows.append(
+            {
+                "request": i,
+                "tokens": len(b),
+                "exact": a == b,
+                "text_equal": decode(a) == decode(b),
+                "common_prefix": common,
+            }
+        )
+    batch_tokens = sum(r["tokens"] for r in rows)
+    ref_tokens = sum(len(v) for v in reference.values())
+    exact = sum(r["exact"] for r in rows) / len(rows)
+    short = [r for r in rows if not r["exact"] and r["common_prefix"] < min_prefix]
+    try:
+        paths = exercise(engine, make_job, prompts[0], reference[0])
+    except Exception as exc:  # recorded: the greedy result above still stands
+        paths = {"error": f"{type(exc).__name__}: {exc}"}
+    paths_ok = all(v.get("ok") is not False for v in paths.values() if isinstance(v, dict))
+    return {
+        "passed": exact >= min_exact and not short and "error" not in paths and paths_ok,
+        "requests": len(rows),
+        "exact_fraction": exact,
+        "max_batch_reached": peak,
+        "batched_tokens_per_s": batch_tokens / batch_s,
+        "batched_seconds": batch_s,
+        "reference_tokens_per_s": ref_tokens / ref_s,
+        "paths": paths,
+        "rows": rows,
+        "sample": decode(batched["batch-0"]),
+    }
+
+
+def _versions() -> dict[str, str]:
+    import exllamav2
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "exllamav2": exllamav2.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", type=Path, help="llama GGUF file (default: bundled SmolLM2)")
@@ -227,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-tokens", type=int, default=32 * 1024)
     parser.add_argument("--min-exact", type=float, default=0.9, help="fraction exactly equal")
     parser.add_argument("--min-prefix", type=int, default=16, help="tokens every one must share")
+    parser.add_argument(
+        "--allow-unpaged",
+        action="store_true",
+        help="run unpaged (one sequence at a time) when flash-attn is missing, as "
+        "TOKENRELAY_EXLLAMAV2_ALLOW_UNPAGED does; the mode is in the result",
+    )
     args = parser.parse_args(argv)
 
     missing = _gpu_missing()
@@ -253,71 +393,50 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     engine = ExLlamaV2Engine.from_model_dir(
-        model_dir, cache_tokens=args.cache_tokens, max_batch_size=args.requests
+        model_dir,
+        cache_tokens=args.cache_tokens,
+        max_batch_size=args.requests,
+        allow_unpaged=args.allow_unpaged,
     )
     load_s = time.perf_counter() - t0
-    greedy = SamplingParams(temperature=0.0)
 
-    def job(tag: str, i: int, prompt: str) -> EngineJob:
+    def make_job(job_id: str, prompt_ids: list[int], **fields: Any) -> EngineJob:
+        fields.setdefault("sampling", SamplingParams(temperature=0.0))
         return EngineJob(
-            job_id=f"{tag}-{i}",
-            prompt_ids=tokenizer.encode(prompt, add_special_tokens=False).ids,
+            job_id=job_id,
+            prompt_ids=list(prompt_ids),
             choices=[ChoiceJob(0, args.max_tokens)],
-            sampling=greedy,
             eos_token_ids=frozenset({eos}),
+            **fields,
         )
 
-    prompts = _prompts(args.requests)
-    reference: dict[int, list[int]] = {}
-    ref_s = 0.0
-    for i, p in enumerate(prompts):  # one request in flight at a time: batch size 1
-        ids, secs, _ = _run(engine, [job("ref", i, p)])
-        reference[i] = ids[f"ref-{i}"]
-        ref_s += secs
-    batched, batch_s, peak = _run(engine, [job("batch", i, p) for i, p in enumerate(prompts)])
-    engine.close()
-
-    rows = []
-    for i in range(len(prompts)):
-        a, b = reference[i], batched[f"batch-{i}"]
-        common = next(
-            (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-        )
-        rows.append(
-            {
-                "request": i,
-                "tokens": len(b),
-                "exact": a == b,
-                "text_equal": tokenizer.decode(a) == tokenizer.decode(b),
-                "common_prefix": common,
-            }
-        )
-    batch_tokens = sum(r["tokens"] for r in rows)
-    ref_tokens = sum(len(v) for v in reference.values())
-    exact = sum(r["exact"] for r in rows) / len(rows)
-    short = [r for r in rows if not r["exact"] and r["common_prefix"] < args.min_prefix]
-    passed = exact >= args.min_exact and not short
+    prompts = [tokenizer.encode(p, add_special_tokens=False).ids for p in _prompts(args.requests)]
     summary = {
-        "passed": passed,
-        "requests": len(rows),
-        "exact_fraction": exact,
-        "max_batch_reached": peak,
-        "batched_tokens_per_s": batch_tokens / batch_s,
-        "batched_seconds": batch_s,
-        "reference_tokens_per_s": ref_tokens / ref_s,
-        "capacity": args.requests,
+        "mode": engine.mode,
+        "capacity_asked": args.requests,
+        "capacity": engine.capacity,
+        **check(
+            engine,
+            prompts,
+            make_job,
+            min_exact=args.min_exact,
+            min_prefix=args.min_prefix,
+            decode=tokenizer.decode,
+        ),
         "convert_seconds": convert_s,
         "load_seconds": load_s,
-        "rows": rows,
-        "sample": tokenizer.decode(batched["batch-0"]),
+        "versions": _versions(),
     }
+    engine.close()
+    passed = summary["passed"]
     print(
-        f"{len(rows)} requests, max batch {peak}: {summary['batched_tokens_per_s']:.0f} tok/s "
+        f"{summary['requests']} requests, {summary['mode']}, max batch "
+        f"{summary['max_batch_reached']}: {summary['batched_tokens_per_s']:.0f} tok/s "
         f"batched vs {summary['reference_tokens_per_s']:.0f} tok/s one at a time; "
-        f"{exact:.0%} exactly equal to the greedy reference; "
-        f"{'PASS' if passed else 'FAIL'}"
+        f"{summary['exact_fraction']:.0%} exactly equal to the greedy reference; "
+        f"paths {json.dumps(summary['paths'])}; {'PASS' if passed else 'FAIL'}"
     )
-    for r in rows:
+    for r in summary["rows"]:
         if not r["exact"]:
             print(f"  request {r['request']}: diverges after {r['common_prefix']} tokens")
     if os.environ.get("OUT"):
