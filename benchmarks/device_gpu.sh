@@ -7,6 +7,10 @@
 #   then at once:  run(command="bash benchmarks/device_gpu.sh second", carry=[".gpu/b"],
 #               timeout_s=420)
 #
+# Session 22 (docs/benchmarks.md, "GPU"): the first call 10 s (plus the machine's start),
+# the compile 154 s on 16 cores; 15 minutes of device time did not reach the check's
+# result (one relay call before it, and a rebuild this script now avoids).
+#
 # Why two: at most 64 MiB travel with a call, and the bundled GGUF alone is 94 MiB, so it
 # goes in two parts (.gpu/a, .gpu/b). The first call installs the wheels (what gpu_check
 # imports that the device image lacks, from benchmarks/device_carry.py's set, and
@@ -24,8 +28,13 @@ OUT=${OUT:-$(mktemp -d)}
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/tokenrelay-site}
 STATE=${STATE:-/tmp/tokenrelay-gpu}
-COMPILE_WAIT_S=${COMPILE_WAIT_S:-270}
-CHECK_S=${CHECK_S:-110}
+COMPILE_WAIT_S=${COMPILE_WAIT_S:-200}
+CHECK_S=${CHECK_S:-150}
+# The H200's arch, as exllamav2 itself sets it when the variable is unset (ext.py). Every
+# process that imports exllamav2 must see the same list: torch's JIT keys the build on
+# its flags, and a different list rebuilds the whole extension (2.5 min; session 22's
+# check timed out so, its import having no list while the compile had "9.0").
+ARCHS=${ARCHS:-9.0+PTX}
 export PYTHONUNBUFFERED=1
 
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
@@ -63,8 +72,7 @@ first() {
     log "installing $(ls .gpu/a/whl/*.whl | wc -l) wheels into $SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .gpu/a/whl/*.whl || return 3
-    # One arch (the H200's), every core: the default would build for what torch lists.
-    setsid bash -c "cd '$PWD' && export PYTHONPATH='$SITE' TORCH_CUDA_ARCH_LIST=9.0 \
+    setsid bash -c "cd '$PWD' && export PYTHONPATH='$SITE' TORCH_CUDA_ARCH_LIST='$ARCHS' \
         MAX_JOBS=$(nproc); start=\$(date +%s); $PY -c 'import exllamav2, exllamav2.ext' \
         >'$STATE/compile.log' 2>&1; rc=\$?; echo \"compile rc=\$rc in \$(( \$(date +%s) \
         - start )) s\" >>'$STATE/compile.log'; echo \$rc >'$STATE/compile.rc'" \
@@ -94,7 +102,9 @@ second() {
         return 4
     fi
     log "gpu_check"
-    PYTHONPATH="$SITE" timeout "$CHECK_S" "$PY" -m benchmarks.gpu_check --allow-unpaged \
+    # Unpaged, the "batched" run is one sequence at a time too: 16 requests say as much.
+    PYTHONPATH="$SITE" TORCH_CUDA_ARCH_LIST="$ARCHS" timeout "$CHECK_S" "$PY" \
+        -m benchmarks.gpu_check --allow-unpaged --requests "${REQUESTS:-16}" \
         --gguf "$STATE/model.gguf" --work-dir "$STATE/work"
     log "gpu_check rc=$?"
 }
