@@ -365,7 +365,19 @@ class PromptBuilder:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt text (special-token text in it becomes special ids)."""
-        return self._with_bos(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text, in one call.
+
+        Why ``encode_batch_fast``: the same ids as ``Tokenizer.encode`` without the
+        offsets, which only ``encode_with_part`` needs: less CPU on a chat prompt (15-20 %
+        called back to back, ~4 % with other work between calls, as in a server;
+        tokenizing is a fifth of the web tier's work per request start, issue 12), and it
+        releases the GIL while it runs, so the web's other request threads go on
+        meanwhile; several texts (a completions prompt list) are tokenized in parallel."""
+        encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [self._with_bos(e.ids) for e in encodings]
 
     def encode_with_part(self, text: str, part: str) -> tuple[list[int], list[int]]:
         """``encode(text)``, and the ids of ``part`` (its last occurrence in ``text``).
@@ -375,6 +387,8 @@ class PromptBuilder:
         and one ends where it ends), those tokens are its ids and spell it back byte for
         byte, with no second tokenization (half of a chat start's tokenizing). Otherwise
         (a token across its edge) ``part`` is tokenized on its own."""
+        # ``encode`` for the offsets (``encode_batch`` would release the GIL, but costs
+        # ~2.5 % more CPU here: its thread pool's hand-offs).
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         offsets = enc.offsets
         start = text.rfind(part) if part else -1
@@ -388,7 +402,7 @@ class PromptBuilder:
         ):
             part_ids = enc.ids[inside[0] : inside[-1] + 1]
         else:
-            part_ids = self.tokenizer.encode(part, add_special_tokens=False).ids
+            part_ids = self.tokenizer.encode_batch_fast([part], add_special_tokens=False)[0].ids
         return self._with_bos(enc.ids), part_ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:

@@ -246,7 +246,8 @@ class RecordBuilder:
         for p in req.prompts:
             if isinstance(p, str):
                 self.check_prompt_chars(p, "prompt")
-        prompts = [p if isinstance(p, list) else self.prompts.encode(p) for p in req.prompts]
+        texts = iter(self.prompts.encode_many([p for p in req.prompts if isinstance(p, str)]))
+        prompts = [p if isinstance(p, list) else next(texts) for p in req.prompts]
         vocab = self.card.vocab_size
         for ids in prompts:
             if vocab is not None and any(not 0 <= t < vocab for t in ids):

@@ -224,6 +224,25 @@ def test_bos_added_only_when_asked_and_missing(
     assert with_bos.encode("") == [bos]
 
 
+def test_encode_gives_the_tokenizers_own_ids_and_many_keep_their_order(
+    builder: PromptBuilder, smollm_tokenizer: Tokenizer
+) -> None:
+    # encode runs encode_batch_fast (no offsets, the GIL released): the ids must be
+    # Tokenizer.encode's, special-token text and all.
+    texts = [
+        EXPECTED,
+        "héllo, wörld! 🙂 end.",
+        "<|im_start|>user\nx<|im_end|>\n",
+        "  spaces  \n\n",
+        "",
+        " ".join(f"w{i}" for i in range(300)),
+    ]
+    own = [smollm_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [builder.encode(t) for t in texts] == own
+    assert builder.encode_many(texts) == own
+    assert builder.encode_many([]) == []
+
+
 def test_prepared_dir_exists(smollm_card: ModelCard) -> None:
     assert isinstance(smollm_card.path, Path) and (smollm_card.path / "tokenizer.json").is_file()
 

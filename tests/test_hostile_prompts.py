@@ -22,7 +22,8 @@ EIGHT_MB = "word " * (8 * 1024 * 1024 // 5)
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting the characters it is asked to encode."""
+    """The real tokenizer, counting the characters it is asked to encode (by either call
+    PromptBuilder makes)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -31,6 +32,10 @@ class CountingTokenizer:
     def encode(self, text: str, **kw: Any) -> Any:
         self.encoded_chars += len(text)
         return self.inner.encode(text, **kw)
+
+    def encode_batch_fast(self, texts: list[str], **kw: Any) -> Any:
+        self.encoded_chars += sum(len(t) for t in texts)
+        return self.inner.encode_batch_fast(texts, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
