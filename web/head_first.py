@@ -125,6 +125,8 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
     #: Set by ``web.__main__`` from settings before gunicorn forks the workers.
     header_timeout_s = 10.0
     body_timeout_s = 30.0
+    #: The WSGI app: gunicorn's ``load_wsgi`` sets it, ``load_wsgi`` below wraps it.
+    wsgi: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -301,7 +301,7 @@ class HistogramTally:
         buckets = getattr(child, "_buckets", None)
         total = getattr(child, "_sum", None)
         self._bulk = bounds is not None and buckets is not None and total is not None
-        self._bounds: list[float] = list(bounds) if self._bulk else []
+        self._bounds: list[float] = list(bounds) if bounds is not None and self._bulk else []
         self._counts = [0] * len(self._bounds)
         self._sum = 0.0
         self._pending = 0

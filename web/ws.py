@@ -535,7 +535,7 @@ def register(sock: Sock) -> None:
 
     # exempt: the app-wide Bearer check would refuse a browser's ?api_key= before the
     # upgrade, where the page cannot see why; this view checks the key itself.
-    @sock.route(WS_PATH)
+    @sock.route(WS_PATH)  # type: ignore[untyped-decorator]
     @exempt
     def chat_socket(ws: Any) -> None:
         settings = settings_of(current_app)

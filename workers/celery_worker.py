@@ -124,7 +124,7 @@ def build_app(settings: Settings) -> Celery:
     state: dict[str, WorkerRuntime] = {}
     celery_app.steps["worker"].add(engine_info_step(state))
 
-    @celery_app.task(name=GENERATE_TASK, bind=True)
+    @celery_app.task(name=GENERATE_TASK, bind=True)  # type: ignore[untyped-decorator]
     def generate(self: Any, request_id: str, attempt: int = 0) -> dict[str, Any]:
         runtime = state.get("runtime")
         if runtime is None:
@@ -161,7 +161,7 @@ def build_app(settings: Settings) -> Celery:
 
     worker_init.connect(_start, weak=False)
     worker_shutdown.connect(_stop, weak=False)
-    celery_app.tokenrelay_state = state  # type: ignore[attr-defined]
+    celery_app.tokenrelay_state = state
     return celery_app
 
 

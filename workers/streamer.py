@@ -257,12 +257,12 @@ class Streamer:
             if key in steps:
                 read_steps.append((key, entries))
                 continue
-            t = by_key.get(key_raw if isinstance(key_raw, bytes) else key.encode())
-            if t is None or not entries:
+            owner = by_key.get(key_raw if isinstance(key_raw, bytes) else key.encode())
+            if owner is None or not entries:
                 continue
-            rid = t.record.request_id
+            rid = owner.record.request_id
             got[rid] = entries
-            ends[rid] = max(t.n, _ordinal(entries[-1][1]))
+            ends[rid] = max(owner.n, _ordinal(entries[-1][1]))
         for key, entries in read_steps:  # after the requests' own streams (their gaps)
             self._take_steps(key, entries, by_key, got, ends)
         c = self._decode_all(got)
@@ -486,6 +486,7 @@ class Streamer:
             return self._decode_entries(t, [(None, line)])
         if ids and t.first_token_at is None:
             t.first_token_at = now
+        events: list[OutputEvent] | None
         try:
             text = dec.step(ids)
         except Exception:

@@ -533,7 +533,8 @@ class ExLlamaV2Engine(Engine):
             delta = TokenDelta(c.index, [], finish=EngineFinish.ERROR, error="the engine failed")
         c.generated += delta.token_ids
         c.left -= len(delta.token_ids)
-        failed = c.grammar is not None and c.grammar.error is not None
+        grammar_error = c.grammar.error if c.grammar is not None else None
+        failed = grammar_error is not None
         if delta.finish is EngineFinish.LENGTH and c.left > 0 and not failed:
             # A segment's end, not the choice's: continue it (module docstring of
             # exllamav2_jobs). Its cached_tokens describe the prompt, so they are kept.
@@ -550,7 +551,7 @@ class ExLlamaV2Engine(Engine):
                 # The filter ended the job on a grammar error (it never raises into
                 # the generator): the request's constraint failed, a 400.
                 delta.finish = EngineFinish.ERROR
-                delta.error = c.grammar.error
+                delta.error = grammar_error
                 delta.error_code = 400
             c.done = True
             c.exl_job = None
