@@ -21,7 +21,10 @@ rounds, and their range), TTFT p50/p95, the gap between content chunks p50/p95 (
 client receives them: a server that coalesces tokens shows fewer, wider gaps, hence the
 tokens-per-chunk column), the server's CPU µs per token (tokenrelay's also per process),
 the CPU the rest of the machine burnt meanwhile (% of one core: the noise to read the
-row with), and the ratios tokenrelay/peer.
+row with), the share of a pace probe's samples that found a CPU at about half speed
+(``relay.py``'s ``pace_probe``: this machine's CPUs switch between full and half speed,
+and a pair's ratio moves with it; per run in the progress lines), and the ratios
+tokenrelay/peer.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.prepare import BUNDLED_GGUF, prepare_bundled_model
 from benchmarks.llamacpp_engine import QUESTIONS
-from benchmarks.relay import TICK, cpu_burner, cpu_seconds, percentile
+from benchmarks.relay import TICK, cpu_burner, cpu_seconds, pace_probe, percentile
 from benchmarks.sse_clients import tree_cpu
 from broker.server import free_port
 from tests.stack import Proc, wait_for
@@ -361,6 +364,9 @@ class Measurement:
     client_cpu_us_per_token: float
     foreign_cpu_pct: float  # CPU busy outside this server and the client: the noise
     burner_cores: float = 0.0  # what the control's burner used (not in the other figures)
+    # The share of the pace probe's samples that found a CPU at about half speed
+    # (benchmarks/relay.py ``pace_probe``): a pair's ratio moves with it (issue 12).
+    slow_share: float | None = None
 
     @property
     def ok(self) -> list[Sample]:
@@ -406,6 +412,7 @@ class Measurement:
             "client_cpu_us_per_token": round(self.client_cpu_us_per_token, 1),
             "foreign_cpu_pct": round(self.foreign_cpu_pct, 1),
             **({"burner_cores": round(self.burner_cores, 3)} if self.burner_cores else {}),
+            "slow_cpu_share": self.slow_share,
         }
 
 
@@ -420,16 +427,19 @@ def measure(
 ) -> Measurement:
     """``n_requests`` requests, ``concurrency`` at a time, with the CPU they cost."""
     bodies = [request_body(server.model, i, tag, max_tokens) for i in range(n_requests)]
+    pace: dict[str, list[float]] = {}
     with ExitStack() as stack:
         burner = stack.enter_context(cpu_burner(server.burn)) if server.burn else None
-        cpu0, client0, busy0 = server.cpu(), time.process_time(), machine_busy()
-        burned0 = cpu_seconds(burner.pid) if burner else 0.0
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            samples = list(pool.map(lambda b: stream_chat(server.base_url, b), bodies))
-        elapsed = time.perf_counter() - t0
-        cpu1, client1, busy1 = server.cpu(), time.process_time(), machine_busy()
-        burned = cpu_seconds(burner.pid) - burned0 if burner else 0.0
+        # The CPUs' pace while the requests run (~1 % of a core, counted as foreign).
+        with pace_probe(pace):
+            cpu0, client0, busy0 = server.cpu(), time.process_time(), machine_busy()
+            burned0 = cpu_seconds(burner.pid) if burner else 0.0
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                samples = list(pool.map(lambda b: stream_chat(server.base_url, b), bodies))
+            elapsed = time.perf_counter() - t0
+            cpu1, client1, busy1 = server.cpu(), time.process_time(), machine_busy()
+            burned = cpu_seconds(burner.pid) - burned0 if burner else 0.0
     ours = sum(cpu1.values()) - sum(cpu0.values()) + client1 - client0 + burned
     per_token = 1e6 / max(sum(s.tokens for s in samples if not s.error), 1)
     return Measurement(
@@ -442,6 +452,7 @@ def measure(
         client_cpu_us_per_token=(client1 - client0) * per_token,
         foreign_cpu_pct=max(0.0, 100 * (busy1 - busy0 - ours) / elapsed),
         burner_cores=burned / elapsed,
+        slow_share=pace["slow_share"][0] if "slow_share" in pace else None,
     )
 
 
@@ -463,12 +474,14 @@ class Summary:
     cpu: float
     foreign: float
     failed: int
+    slow: float | None  # the runs' median slow-CPU share
 
     @classmethod
     def of(cls, runs: list[Measurement]) -> Summary:
         rates = [r.tok_s for r in runs]
         ttft = [t for r in runs for t in r.ttft]
         gaps = [g for r in runs for g in r.gaps]
+        shares = [r.slow_share for r in runs if r.slow_share is not None]
         return cls(
             tok_s=statistics.median(rates),
             tok_s_min=min(rates),
@@ -481,6 +494,7 @@ class Summary:
             cpu=statistics.median(sum(r.cpu_us_per_token.values()) for r in runs),
             foreign=statistics.median(r.foreign_cpu_pct for r in runs),
             failed=sum(len(r.samples) - len(r.ok) for r in runs),
+            slow=statistics.median(shares) if shares else None,
         )
 
 
@@ -497,8 +511,8 @@ def report(results: list[Measurement], concurrencies: list[int], names: list[str
     }
     lines = [
         "| server | conc | tok/s (range) | TTFT p50 / p95 ms | gap p50 / p95 ms "
-        "| tok/chunk | server CPU µs/tok | foreign CPU % | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| tok/chunk | server CPU µs/tok | foreign CPU % | slow CPU share | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in concurrencies:
         for n in names:
@@ -506,7 +520,8 @@ def report(results: list[Measurement], concurrencies: list[int], names: list[str
             lines.append(
                 f"| {n} | {c} | {s.tok_s:.0f} ({s.tok_s_min:.0f}–{s.tok_s_max:.0f}) "
                 f"| {ms(s.ttft_p50)} / {ms(s.ttft_p95)} | {ms(s.gap_p50)} / {ms(s.gap_p95)} "
-                f"| {s.tok_chunk:.2f} | {s.cpu:.0f} | {s.foreign:.0f} | {s.failed} |"
+                f"| {s.tok_chunk:.2f} | {s.cpu:.0f} | {s.foreign:.0f} "
+                f"| {'–' if s.slow is None else f'{s.slow:.2f}'} | {s.failed} |"
             )
     peers = [n for n in names if n != TOKENRELAY]
     if peers:

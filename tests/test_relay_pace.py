@@ -1,10 +1,12 @@
 """``benchmarks/relay.py``'s host pace: one figure per CPU, and the process let go again
-(a benchmark that left itself pinned to one CPU would measure a one-core machine)."""
+(a benchmark that left itself pinned to one CPU would measure a one-core machine); and
+``benchmarks/peer.py``'s runs, which carry the share of slow samples too."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from tests.benchmark_modules import load
 
@@ -28,3 +30,20 @@ def test_the_pace_probe_samples_each_cpu_during_its_block() -> None:
         p10, p50, p90 = out[cpu]
         assert 0 < p10 <= p50 <= p90
     assert 0 <= out["slow_share"][0] <= 1
+
+
+def test_the_peer_benchmark_reports_each_run_s_slow_share(monkeypatch: Any) -> None:
+    peer = load("peer")
+
+    def fake_stream(base_url: str, body: bytes) -> Any:
+        time.sleep(0.15)
+        return peer.Sample(ttft=0.05, gaps=[0.01] * 9, tokens=10, chunks=10)
+
+    monkeypatch.setattr(peer, "stream_chat", fake_stream)
+    server = peer.Server("tokenrelay", "http://127.0.0.1:1", {"self": os.getpid()})
+    run = peer.measure(server, 2, 4, 10, "t")
+    assert run.tokens == 40 and run.slow_share is not None and 0 <= run.slow_share <= 1
+    assert run.brief()["slow_cpu_share"] == run.slow_share
+    table = peer.report([run], [2], ["tokenrelay"])
+    assert "slow CPU share" in table.splitlines()[0]
+    assert f"| {run.slow_share:.2f} | 0 |" in table.splitlines()[2]
