@@ -122,16 +122,6 @@ class DirectConnection:
         callback = self._client.response_callbacks.get(command)
         return callback(response) if callback is not None else response
 
-    def ready(self, timeout_s: float) -> bool:
-        """Whether a reply (or the connection's end) is there to read within
-        ``timeout_s``, without reading it. False when nothing was sent."""
-        if self._conn is None or self._conn._sock is None:  # (can_read would connect)
-            return False
-        try:
-            return bool(self._conn.can_read(timeout=timeout_s))
-        except Exception:
-            return True  # broken: reading says how
-
     def connect(self) -> int:
         """Make sure a connection is open (reconnecting as ``send`` would) and return
         its generation: a caller can tell whether its next send goes over the

@@ -18,7 +18,6 @@ time belong to a dead streamer and are claimed by a live one (XAUTOCLAIM).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import queue
@@ -195,12 +194,6 @@ def read_checkpointed(
     raise RuntimeError(f"{key} kept changing while read")
 
 
-# After a failed read: how long the write sent with it may take to answer before it
-# counts as unknown (the caller then asks Redis whether it landed, as after any write
-# whose reply was lost). Short: the read may have failed because Redis stopped.
-WRITTEN_REPLY_WAIT_S = 0.2
-
-
 class OutputStreams:
     """Write and read per-request output streams."""
 
@@ -238,72 +231,35 @@ class OutputStreams:
         block_ms: int,
         on_written: Callable[[set[str]], None],
         via: DirectConnection,
-        write_via: DirectConnection | None = None,
         stamp: str = "",
     ) -> Any:
         """``write(entries, owner, stamp)`` and then a blocking XREAD of ``streams``,
-        sent together: the outputs are in Redis as soon as they would have been written
-        alone, and the caller sleeps once per cycle, not once for the write and once
-        for the read.
+        sent as one round trip: a streamer's steady cycle costs one wake-up instead of
+        two, and the outputs are in Redis as soon as they would have been written alone.
 
-        With ``write_via`` (a second connection of the caller's thread) the write goes
-        there and its reply is read after the read's: it arrives while the read blocks
-        and waits in the socket's buffer, so the caller is not woken for it. Without
-        it, both go over ``via`` in one send and the write's reply (which comes first)
-        wakes the caller once more: measured, 0.7-0.8 fewer sleeps per token for a
-        streamer at one stream, though no less CPU (docs/benchmarks.md, issue 12).
-
-        Either way ``on_written`` gets the fenced request ids as soon as the write's
-        reply is read, also when the read fails: if the connection breaks while the read
-        blocks, the caller still knows its entries are written (and must not write them
-        again into a Redis that has come back empty). If Redis lost the script
-        (restarted), the write is redone with the script loaded before the read's reply
-        is handed back. Returns the XREAD reply."""
+        The write's reply is read before the read's, and ``on_written`` gets the fenced
+        request ids at once: if the connection breaks while the read blocks, the caller
+        still knows its entries are written (and must not write them again into a Redis
+        that has come back empty). If Redis lost the script (restarted), the write is
+        redone with the script loaded before the read's reply is handed back.
+        Returns the XREAD reply."""
         keys, args, order = self._write_args(entries, owner, stamp)
-        write = ("EVALSHA", self._write_script.sha, len(keys), *keys, *args)
-        read_cmd = xread_command(streams, count=count, block_ms=block_ms)
-        if write_via is None:
-            via.send(write, read_cmd)
-            fenced = self._written_reply(via, entries, order, on_written)
-            read = via.reply("XREAD")
+        via.send(
+            ("EVALSHA", self._write_script.sha, len(keys), *keys, *args),
+            xread_command(streams, count=count, block_ms=block_ms),
+        )
+        try:
+            fenced: Any = via.reply("EVALSHA")
+        except redis.ResponseError as exc:
+            fenced = exc  # the read's reply follows all the same
         else:
-            # The write first: Redis usually reads both sockets in one pass, and the
-            # write's outputs must not wait behind the read's reply.
-            write_via.send(write)
-            try:
-                via.send(read_cmd)
-                read = via.reply("XREAD")
-            except BaseException:
-                # The read failed (Redis gone?): whether the write ran is still worth
-                # knowing, and its reply may be in the buffer already.
-                with contextlib.suppress(Exception):
-                    if write_via.ready(WRITTEN_REPLY_WAIT_S):
-                        self._written_reply(write_via, entries, order, on_written)
-                    else:  # its reply must not be taken for the next call's
-                        write_via.close()
-                raise
-            fenced = self._written_reply(write_via, entries, order, on_written)
+            on_written(self._fenced_ids(entries, order, fenced))
+        read = via.reply("XREAD")
         if isinstance(fenced, redis.exceptions.NoScriptError):
             on_written(self.write(entries, owner, stamp))
         elif isinstance(fenced, Exception):
             raise fenced
         return read
-
-    def _written_reply(
-        self,
-        via: DirectConnection,
-        entries: Sequence[OutputEntry],
-        order: Sequence[int],
-        on_written: Callable[[set[str]], None],
-    ) -> Any:
-        """The write's reply from ``via``, passed to ``on_written`` when it is one; a
-        reply error is returned (a read sent after it still has its reply to come)."""
-        try:
-            fenced: Any = via.reply("EVALSHA")
-        except redis.ResponseError as exc:
-            return exc
-        on_written(self._fenced_ids(entries, order, fenced))
-        return fenced
 
     def _write_args(
         self, entries: Sequence[OutputEntry], owner: str, stamp: str

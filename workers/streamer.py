@@ -125,11 +125,8 @@ class Streamer:
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(client, keys, ttl_s=settings.stream_ttl_s)
         self.handoff = RequestHandoff(client, keys)
-        # The loop's read, and the write sent with it, go on connections of their own:
-        # the write's reply waits in its socket while the read blocks (one wake-up per
-        # cycle, not two: ``OutputStreams.write_then_read``).
+        # The loop's read (and the write it carries) go on a connection of their own.
         self.direct = DirectConnection(client)
-        self.write_direct = DirectConnection(client)
         self.workers = worker_registry(client, keys)
         self.registry = streamer_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.tracked: dict[str, Tracked] = {}
@@ -387,7 +384,6 @@ class Streamer:
             block_ms=self._block_ms(),
             on_written=lambda taken: self._mark_written(fresh, taken),
             via=self.direct,
-            write_via=self.write_direct,
             stamp=fresh.stamp,
         )
         self._flush()  # ends what the write ended (no write left to do)

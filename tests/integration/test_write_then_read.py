@@ -1,13 +1,14 @@
-"""``OutputStreams.write_then_read`` with the write on a connection of its own (the
-streamer's steady cycle), against a real redis-server: the outputs land, the fenced ids
-reach the caller, and a read that fails still says whether the write ran, without
-leaving a reply behind for the next call on the write's connection."""
+"""``OutputStreams.write_then_read`` (the streamer's steady cycle: its output write
+sent with its next blocking read) against a real redis-server: the outputs land while
+the read still blocks, the fenced ids reach the caller, and a read that fails still
+says whether the write ran, so the streamer never writes the same chunks twice."""
 
 from __future__ import annotations
 
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,9 +30,16 @@ def client(redis_server: RedisServer) -> redis.Redis:
     return redis_client(redis_server.url)
 
 
+@pytest.fixture
+def s(client: redis.Redis) -> Iterator[Setup]:
+    setup = Setup(client)
+    yield setup
+    setup.via.close()
+
+
 class Setup:
     """Requests "a" and "b" handed off to streamer "s1", under a prefix of their own,
-    and the streamer's two connections (read, write)."""
+    and the streamer's connection."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
@@ -42,8 +50,7 @@ class Setup:
         client.xadd(self.keys.new_requests, {"r": "b"})
         (self.a_id, _), (self.b_id, _) = handoff.claim_new("s1")
         self.outputs = OutputStreams(client, self.keys, ttl_s=60)
-        self.read_via = DirectConnection(client)
-        self.write_via = DirectConnection(client)
+        self.via = DirectConnection(client)
         self.input = self.keys.tokens("a")  # what the read waits on
         self.written: list[set[str]] = []
         client.script_load(WRITE_OUTPUTS)  # as in a streamer's steady cycle
@@ -64,8 +71,7 @@ class Setup:
             count=16,
             block_ms=block_ms,
             on_written=self.written.append,
-            via=self.read_via,
-            write_via=self.write_via,
+            via=self.via,
             stamp=stamp,
         )
 
@@ -86,9 +92,8 @@ def kill_named(client: redis.Redis, name: str) -> None:
 
 
 def test_written_before_the_read_returns_and_the_fenced_ids_come_back(
-    client: redis.Redis,
+    client: redis.Redis, s: Setup
 ) -> None:
-    s = Setup(client)
     # The read blocks until its input gets an entry; the outputs are there meanwhile.
     seen: list[list[str]] = []
     later(0.3, lambda: (seen.append(s.texts("a")), client.xadd(s.input, {"x": "1"})))
@@ -103,27 +108,26 @@ def test_written_before_the_read_returns_and_the_fenced_ids_come_back(
     assert s.texts("a") == ["one"] and s.texts("b") == ["one", "two"]
 
 
-def test_a_failed_read_still_tells_that_the_write_ran(client: redis.Redis) -> None:
-    s = Setup(client)
-    s.read_via.call("CLIENT", "SETNAME", "wtr-read")
+def test_a_failed_read_still_tells_that_the_write_ran(client: redis.Redis, s: Setup) -> None:
+    s.via.call("CLIENT", "SETNAME", "wtr-read")
     later(0.3, lambda: kill_named(client, "wtr-read"))
     with pytest.raises(redis.ConnectionError):
         s.call("one")
     assert s.written == [set()]  # known written: not to be written again
     assert s.texts("a") == ["one"]
-    assert s.write_via.call("PING") in (True, b"PONG")  # no reply left behind
-    s.call("two", block_ms=50)  # both connections serve the next cycle
+    assert s.via.call("PING") in (True, b"PONG")  # reconnected, no reply left behind
+    s.call("two", block_ms=50)  # the next cycle goes on
     assert s.texts("b") == ["one", "two"]
 
 
-def test_a_write_not_answered_when_the_read_fails_is_left_unknown(client: redis.Redis) -> None:
-    """Redis holds the write (a client pause for writes) while the read fails: the
-    caller is not told it ran, and the write's connection is dropped, so its late
-    reply is never taken for the next call's. Whether it ran after all is then Redis's
-    to say (``landed``: the streamer asks before writing it again)."""
-    s = Setup(client)
-    s.read_via.call("CLIENT", "SETNAME", "wtr-read")
-    s.write_via.call("PING")  # connected before the pause
+def test_a_write_not_answered_when_the_read_fails_is_left_unknown(
+    client: redis.Redis, s: Setup
+) -> None:
+    """Redis holds the write (a client pause for writes) when the connection is lost:
+    the caller is not told it ran, and no late reply is taken for the next call's.
+    Whether it ran after all is then Redis's to say (``landed``: the streamer asks
+    before writing it again)."""
+    s.via.call("CLIENT", "SETNAME", "wtr-read")
     client.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
     try:
         later(0.2, lambda: kill_named(client, "wtr-read"))
@@ -132,13 +136,12 @@ def test_a_write_not_answered_when_the_read_fails_is_left_unknown(client: redis.
         assert s.written == []
     finally:
         client.execute_command("CLIENT", "UNPAUSE")
-    assert s.write_via.call("PING") in (True, b"PONG")
+    assert s.via.call("PING") in (True, b"PONG")
     time.sleep(0.1)
     assert s.outputs.landed("s1", "7") == (s.texts("a") == ["one"])
 
 
-def test_a_lost_script_is_loaded_and_the_write_redone(client: redis.Redis) -> None:
-    s = Setup(client)
+def test_a_lost_script_is_loaded_and_the_write_redone(client: redis.Redis, s: Setup) -> None:
     client.script_flush()
     later(0.2, lambda: client.xadd(s.input, {"x": "1"}))
     reply = s.call("one")
