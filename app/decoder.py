@@ -261,6 +261,7 @@ class RequestDecoder:
     __slots__ = (
         "_cached_tokens",
         "_choices",
+        "_n",
         "_open",
         "_parsers",
         "_prompt_tokens",
@@ -332,7 +333,9 @@ class RequestDecoder:
         )
         self._open = len(self._choices)
         self._prompt_tokens = sum(len(p) for p in prompts)
-        self._cached_tokens: int | None = None
+        self._n = n
+        # Per prompt index: the prompt tokens the engine took from its prefix cache.
+        self._cached_tokens: dict[int, int] = {}
 
     @property
     def choices(self) -> Sequence[Decoder]:
@@ -380,8 +383,8 @@ class RequestDecoder:
             "completion_tokens": completion,
             "total_tokens": self._prompt_tokens + completion,
         }
-        if self._cached_tokens is not None:
-            out["prompt_tokens_details"] = {"cached_tokens": self._cached_tokens}
+        if self._cached_tokens:
+            out["prompt_tokens_details"] = {"cached_tokens": sum(self._cached_tokens.values())}
         reasoning = self.reasoning_tokens
         if reasoning is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
@@ -393,7 +396,8 @@ class RequestDecoder:
         if not 0 <= choice < len(self._choices):
             raise ValueError(f"choice {choice} out of range for n={len(self._choices)}")
         if delta.cached_tokens is not None:
-            self._cached_tokens = delta.cached_tokens
+            # Every choice of a prompt reports the same count: one per prompt is counted.
+            self._cached_tokens[choice // self._n] = delta.cached_tokens
         decoder = self._choices[choice]
         # Its fields, not its properties: this runs once per request per step.
         if decoder._done:

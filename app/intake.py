@@ -37,7 +37,7 @@ from app.protocol import (
     to_sampling_params,
     to_stop_conditions,
 )
-from app.records import QueueName, RequestRecord
+from app.records import QueueName, RequestRecord, cache_scope
 from app.responses_api import (
     ResponsesRequest,
     parse_responses_request,
@@ -347,9 +347,14 @@ FUNCTIONS_NOT_SUPPORTED = (
 class Intake:
     """Request bodies -> ``PreparedRequest`` for the one model this process serves."""
 
-    def __init__(self, builder: RecordBuilder, limits: Limits) -> None:
+    def __init__(
+        self, builder: RecordBuilder, limits: Limits, *, cache_per_key: bool = False
+    ) -> None:
+        """``cache_per_key``: requests of different API keys never share cached prompt
+        prefixes (``Settings.prefix_cache_per_key``)."""
         self.builder = builder
         self.limits = limits
+        self.cache_per_key = cache_per_key
 
     @classmethod
     def for_model(
@@ -370,7 +375,7 @@ class Intake:
             new_id=new_id,
             echo=settings.engine == "echo",
         )
-        return cls(builder, limits)
+        return cls(builder, limits, cache_per_key=settings.prefix_cache_per_key)
 
     @property
     def model_name(self) -> str:
@@ -413,8 +418,9 @@ class Intake:
         else:
             req = parse_completion_request(body, **self.limits.parse_args())
             record = self.builder.completion(req, queue=queue, request_id=request_id)
-        if owner:
-            record = record.model_copy(update={"owner": owner})
+        scope = cache_scope(req.cache_salt, owner if self.cache_per_key else "")
+        if owner or scope:
+            record = record.model_copy(update={"owner": owner, "cache_scope": scope})
         return PreparedRequest(endpoint, record, shape_of(record), stream=bool(req.stream))
 
     def _prepare_responses(

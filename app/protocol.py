@@ -102,6 +102,13 @@ class _GenerationRequest(RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="vLLM's: requests reuse each other's cached prompt prefixes only when "
+        "their salts are equal (or both absent).",
+    )
     skip_special_tokens: bool = Field(
         default=True,
         description="vLLM's: leave special tokens (e.g. EOS) out of the text and logprobs.",

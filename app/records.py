@@ -11,6 +11,7 @@ only the record itself, which web, workers and streamers all read.
 
 from __future__ import annotations
 
+import hashlib
 from enum import Enum
 from typing import Literal
 
@@ -67,6 +68,9 @@ class RequestRecord(BaseModel):
     # Who may resume or replay the stream: the hash of the API key that made it ("" when
     # no keys are configured), as files and batches record theirs.
     owner: str = ""
+    # Whose cached prompt prefixes it may reuse on a worker (``cache_scope``): "" shares
+    # with every request of the model that has no scope either.
+    cache_scope: str = ""
 
     @property
     def give_up_at(self) -> float:
@@ -92,3 +96,16 @@ class RequestRecord(BaseModel):
     @classmethod
     def decode(cls, raw: str | bytes) -> RequestRecord:
         return cls.model_validate_json(raw)
+
+
+def cache_scope(cache_salt: str | None, key: str = "") -> str:
+    """The prefix-cache scope of a request: a digest of its ``cache_salt`` (vLLM's
+    request field) and, where a deployment isolates API keys, the key's hash.
+
+    Requests reuse each other's cached KV only within one scope, so a tenant who sets a
+    salt (or every key, with ``TOKENRELAY_PREFIX_CACHE_PER_KEY``) cannot learn from
+    timing which prompts others sent. A digest, so that neither reaches the workers."""
+    if not cache_salt and not key:
+        return ""
+    raw = f"{len(cache_salt or '')}:{cache_salt or ''}:{key}".encode()
+    return hashlib.sha256(raw).hexdigest()[:32]

@@ -82,6 +82,18 @@ class Settings(BaseSettings):
     llamacpp_n_ctx: int = Field(
         default=8192, ge=256, description="llama.cpp context shared by all active sequences."
     )
+    prefix_cache: bool = Field(
+        default=True,
+        description="Keep the KV of finished requests so that a later prompt with the same "
+        "start (a chat's next turn, a shared system prompt) prefills only the rest "
+        "(llama.cpp engine; exllamav2 always reuses pages by hash).",
+    )
+    prefix_cache_per_key: bool = Field(
+        default=False,
+        description="Requests of different API keys never reuse each other's cached "
+        "prompt prefixes, so cross-tenant timing cannot tell what others sent (a request's "
+        "cache_salt isolates it as well).",
+    )
     exllamav2_cache_tokens: int = Field(
         default=65536, ge=256, description="Paged KV cache size of the exllamav2 engine, tokens."
     )

@@ -230,6 +230,8 @@ class WorkerRuntime:
                     stop_token_ids=frozenset(stop.stop_token_ids),
                     min_tokens=stop.min_tokens,
                     echo_ids=record.echo_ids[p] if record.echo_ids else None,
+                    # The model too: a cached prefix is never reused across models.
+                    cache_scope=f"{record.model}\n{record.cache_scope}",
                 )
             )
         return WorkItem(

@@ -150,7 +150,8 @@ def run_all(engine: LlamaCppEngine, *jobs: EngineJob) -> Run:
         engine.submit(j)
     run = advance(engine, Run())
     assert not engine.has_work()
-    assert engine._kv_used == 0 and len(engine._free_ids) == engine.capacity
+    assert engine.kv_pinned == 0 and engine.running_sequences == 0
+    engine.check_kv()
     return run
 
 
@@ -310,7 +311,8 @@ def test_a_grammar_failing_mid_run_ends_only_its_choice_with_a_400(
     assert run["x", 1].finishes == [EngineFinish.EOS]
     validate(json.loads(builder.tokenizer.decode(run["x", 1].tokens)), PERSON)
     assert run["plain", 0].finishes
-    assert engine._kv_used == 0 and len(engine._free_ids) == engine.capacity
+    assert engine.kv_pinned == 0 and engine.running_sequences == 0
+    engine.check_kv()
 
 
 def test_echo_ignores_constraints() -> None:

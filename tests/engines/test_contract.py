@@ -64,6 +64,7 @@ class Choice:
     first_step: int | None = None
     had_logprobs: bool = False
     after_finish: int = 0  # deltas seen after the finish (must stay 0)
+    cached: int | None = None  # the prompt tokens the engine said it took from a cache
 
 
 @dataclass
@@ -94,6 +95,8 @@ def advance(engine: Engine, run: Run, steps: int = 10_000) -> Run:
                 c.logprobs += st.delta.logprobs
             if st.delta.finish is not None:
                 c.finishes.append(st.delta.finish)
+            if st.delta.cached_tokens is not None:
+                c.cached = st.delta.cached_tokens
     return run
 
 

@@ -53,9 +53,10 @@ def run_jobs(engine: LlamaCppEngine, *jobs: EngineJob) -> Run:
         engine.submit(j)
     run = advance(engine, Run())
     assert not engine.has_work()
-    # Every sequence and KV cell is given back once the jobs are over.
-    assert engine._kv_used == 0
-    assert len(engine._free_ids) == engine.capacity
+    # Every sequence is given back once the jobs are over; the KV cells they leave are
+    # the prefix cache's, exactly as llama.cpp holds them.
+    assert engine.running_sequences == 0 and engine.kv_pinned == 0
+    engine.check_kv()
     return run
 
 
@@ -224,7 +225,7 @@ def test_n_choices_share_one_prompt_prefill(engine: LlamaCppEngine) -> None:
     run = Run()
     advance(engine, run, steps=1)  # one step: the prompt once, for all three sequences
     assert all(len(run["n", i].tokens) == 1 for i in range(3))
-    assert engine._kv_used == len(PROMPT)
+    assert engine.kv_pinned == len(PROMPT)
     advance(engine, run)
     assert run["n", 0].tokens == run["n", 1].tokens == run["n", 2].tokens
 
@@ -258,7 +259,7 @@ def test_kv_cache_exhaustion_fails_only_the_newest_job(bundled_model_dir: Path) 
         assert all(len(f) == 1 for f in finishes.values())
         assert finishes["j0", 0] == [EngineFinish.LENGTH]
         assert EngineFinish.ERROR in {f[0] for f in finishes.values()}
-        assert not engine.has_work() and engine._kv_used == 0
+        assert not engine.has_work() and engine.kv_pinned == 0
     finally:
         engine.close()
 
@@ -322,10 +323,14 @@ def test_stats_report_cache_usage_while_running(engine: LlamaCppEngine) -> None:
     """The worker heartbeat exports this as tokenrelay_worker_cache_usage."""
     from tests.engines.test_contract import job
 
-    assert engine.stats() == {"cache_usage": 0.0}
+    assert engine.stats()["cache_usage"] == 0.0
     engine.submit(job("stats", 4))
     engine.step()
     assert 0.0 < engine.stats()["cache_usage"] < 1.0
     while engine.has_work():
         engine.step()
-    assert engine.stats() == {"cache_usage": 0.0}
+    # What the job leaves is the prefix cache's: free to take, so not "in use".
+    stats = engine.stats()
+    assert stats["cache_usage"] == 0.0
+    assert stats["prefix_cache_cells"] == len(PROMPT) + 3
+    assert stats["prefix_cache_queries"] == len(PROMPT)

@@ -41,7 +41,9 @@ class EngineJob:
     user's) both end a choice with ``EngineFinish.EOS``; neither may end it before
     ``min_tokens`` tokens were generated (counting a resumed choice's ``prefix_ids``).
     ``echo_ids`` is only read by the echo engine (the last user message of a chat, or
-    None to echo the whole prompt).
+    None to echo the whole prompt). ``cache_scope`` names whose cached prompt prefixes
+    the job may reuse (its model, cache salt and, where keys are isolated, API key):
+    engines with a prefix cache reuse KV only between jobs of one scope.
     """
 
     job_id: str
@@ -52,6 +54,7 @@ class EngineJob:
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     echo_ids: list[int] | None = None
+    cache_scope: str = ""
 
     @property
     def all_stop_ids(self) -> frozenset[int]:
