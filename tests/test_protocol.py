@@ -979,6 +979,7 @@ VLLM_EXTENSIONS = {
     "min_p",
     "repetition_penalty",
     "skip_special_tokens",
+    "cache_salt",
 }
 
 

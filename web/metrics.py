@@ -122,8 +122,36 @@ class ClusterCollector:
             "Fraction of the engine's KV cache in use (engines that report it).",
             labels=labels,
         )
+        # The prefix cache (engines that have one): hits / queries is the hit rate.
+        prefix = [
+            CounterMetricFamily(
+                "tokenrelay_worker_prefix_cache_queries",
+                "Prompt tokens looked up in a worker's prefix cache since it started.",
+                labels=labels,
+            ),
+            CounterMetricFamily(
+                "tokenrelay_worker_prefix_cache_hits",
+                "Prompt tokens found in a worker's prefix cache (not computed again).",
+                labels=labels,
+            ),
+            CounterMetricFamily(
+                "tokenrelay_worker_prefix_cache_evicted",
+                "KV cells a worker's prefix cache evicted to make room.",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "tokenrelay_worker_prefix_cache_cells",
+                "KV cells that hold only cached prefixes (free to take when needed).",
+                labels=labels,
+            ),
+        ]
+        prefix_stats = ("queries", "hits", "evicted", "cells")
         for w in workers:
             lv = [w.worker_id, w.model, w.engine]
+            for family, stat in zip(prefix, prefix_stats, strict=True):
+                value = w.engine_stats.get(f"prefix_cache_{stat}")
+                if value is not None:
+                    family.add_metric(lv, value)
             batch.add_metric(lv, w.batch_size)
             active.add_metric(lv, w.active_jobs)
             capacity.add_metric(lv, w.capacity)
@@ -145,6 +173,7 @@ class ClusterCollector:
         live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
         live.add_metric([], len(streamers))
         yield from (batch, active, capacity, engine_capacity, paged, tokens, steps, cache)
+        yield from prefix
         yield from (depth, live)
 
 
