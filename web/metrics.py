@@ -123,7 +123,7 @@ class ClusterCollector:
             labels=labels,
         )
         # The prefix cache (engines that have one): hits / queries is the hit rate.
-        prefix = [
+        prefix: list[CounterMetricFamily | GaugeMetricFamily] = [
             CounterMetricFamily(
                 "tokenrelay_worker_prefix_cache_queries",
                 "Prompt tokens looked up in a worker's prefix cache since it started.",
