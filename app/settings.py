@@ -80,7 +80,15 @@ class Settings(BaseSettings):
         "default: on, except on CPUs with AMX, where this llama.cpp's AMX matmul crashes.",
     )
     llamacpp_n_ctx: int = Field(
-        default=8192, ge=256, description="llama.cpp context shared by all active sequences."
+        default=8192,
+        ge=256,
+        description="llama.cpp's KV cells, shared by the running sequences and the prefix "
+        "cache (cached cells are evicted when running ones need room). Size it for the "
+        "running conversations: a shared system prompt once plus each conversation's own "
+        "tokens (8 chats of ~1,200 tokens sharing 700: ~5,000 cells). More is not free: "
+        "every decode step scans every occupied cell, and 30,000 cached cells made 8 "
+        "streams 1.6x slower here (docs/benchmarks.md, 'Chat'). ~23 KB a cell for the "
+        "bundled model.",
     )
     prefix_cache: bool = Field(
         default=True,

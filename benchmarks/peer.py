@@ -228,20 +228,27 @@ def llama_cpp_python_server(
 
 @contextmanager
 def tokenrelay_up(
-    models_dir: Path, threads: int, slots: int, run_dir: Path, extra_env: dict[str, str]
+    models_dir: Path,
+    threads: int,
+    slots: int,
+    run_dir: Path,
+    extra_env: dict[str, str],
+    n_ctx: int | None = N_CTX,
 ) -> Iterator[Server]:
     """``tokenrelay up`` (python -m workers.up) with the llamacpp engine; its children's
     PIDs come from ``up.json``; stopped with SIGTERM to ``up``, which stops them in order.
-    ``extra_env`` goes to tokenrelay's processes only (an A/B of e.g. OMP_WAIT_POLICY)."""
+    ``extra_env`` goes to tokenrelay's processes only (an A/B of e.g. OMP_WAIT_POLICY);
+    ``n_ctx`` None keeps tokenrelay's default context."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
     env.update(extra_env)
     env.update(
         TOKENRELAY_ENGINE="llamacpp",
         TOKENRELAY_MODELS_DIR=str(models_dir),
         TOKENRELAY_LLAMACPP_THREADS=str(threads),
-        TOKENRELAY_LLAMACPP_N_CTX=str(N_CTX),
         TOKENRELAY_WORKER_SLOTS=str(slots),
     )
+    if n_ctx is not None:
+        env["TOKENRELAY_LLAMACPP_N_CTX"] = str(n_ctx)
     port = free_port()
     args = [sys.executable, "-m", "workers.up", "--port", str(port), "--run-dir", str(run_dir)]
     args += ["--flower-port", str(free_port()), "--redis-port", str(free_port()), "--fresh"]
