@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.prepare import BUNDLED_GGUF, prepare_bundled_model
+from app.prepare import bundled_gguf_path, prepare_bundled_model
 from benchmarks.peer import (
     CACHE_ROOT,
     PACKAGE,
@@ -310,7 +310,7 @@ def main() -> int:
             binary = build_llama_server(cache, version, None, 2)
             port = free_port()
             cmd = [
-                str(binary), "-m", str(BUNDLED_GGUF), "-t", str(args.threads),
+                str(binary), "-m", str(bundled_gguf_path()), "-t", str(args.threads),
                 "-tb", str(args.threads), "-np", str(args.slots), "-c", str(args.peer_ctx),
                 "--no-webui", "--host", "127.0.0.1", "--port", str(port),
             ]  # fmt: skip
