@@ -90,6 +90,16 @@ class Settings(BaseSettings):
         "streams 1.6x slower here (docs/benchmarks.md, 'Chat'). ~23 KB a cell for the "
         "bundled model.",
     )
+    llamacpp_cache_ram_mb: int = Field(
+        default=2048,
+        ge=0,
+        description="Host memory (MiB) for the llama.cpp engine's prefix cache: finished "
+        "sequences are saved there and copied back when a prompt starts with them, so the "
+        "KV keeps only the running sequences (and llamacpp_hot_cells more): every "
+        "occupied KV cell is scanned by every token of every step. 0: cached prefixes stay "
+        "in the KV until evicted (llama-server's --cache-ram is the same idea; ~23 KB a "
+        "token for the bundled model).",
+    )
     prefix_cache: bool = Field(
         default=True,
         description="Keep the KV of finished requests so that a later prompt with the same "

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from workers.engines.prefix_cache import PrefixTree
+from workers.engines.prefix_cache import HostCache, HostEntry, PrefixTree
 
 
 class KvModel:
@@ -245,3 +245,37 @@ def test_random_operations_agree_with_the_kv_model(seed: int) -> None:
         check(tree, kv)
         assert tree.cached.isdisjoint(running)
         assert tree.evictable() <= tree.cells
+
+
+def test_shared_length_is_what_other_sequences_hold() -> None:
+    tree = PrefixTree()
+    tree.begin(0, "m")
+    tree.extend([0], [1, 2, 3])
+    tree.retire(0)
+    tree.begin(1, "m")
+    tree.share(tree.match("m", [1, 2, 9]), [1])
+    tree.extend([1], [9, 9])
+    assert tree.shared_length(1) == 2
+    assert tree.shared_length(0) == 2
+    tree.begin(2, "m")
+    tree.extend([2], [5])
+    assert tree.shared_length(2) == 0
+
+
+def test_host_cache_matches_replaces_and_keeps_its_budget() -> None:
+    host = HostCache(budget=10)
+    host.put(HostEntry("m", [1, 2, 3], 0, b"aaa"))
+    host.put(HostEntry("m", [1, 2, 3, 4, 5], 0, b"bbbb"))  # extends the first: replaces it
+    assert len(host) == 1 and host.used == 4
+    entry, n = host.match("m", [1, 2, 3, 4, 9])
+    assert entry is not None and n == 4
+    assert host.match("other", [1, 2, 3])[0] is None
+    assert host.match("m", [1, 2, 3, 4, 5], limit=3)[1] == 3
+    host.put(HostEntry("m", [7, 8], 0, b"cccc"))
+    host.touch(entry)  # the first is now the more recent
+    host.put(HostEntry("m", [6], 0, b"dddd"))  # over budget: [7, 8] goes
+    assert host.used == 8
+    assert host.match("m", [7, 8])[0] is None
+    assert host.match("m", [1, 2])[0] is entry
+    host.put(HostEntry("m", [5], 0, b"x" * 11))  # larger than the whole budget: not kept
+    assert host.used == 8

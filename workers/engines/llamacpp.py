@@ -35,9 +35,11 @@ params).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +57,7 @@ from workers.engines.llamacpp_sampling import (
     plain_greedy,
     sampler_chain,
 )
-from workers.engines.prefix_cache import PrefixTree
+from workers.engines.prefix_cache import HostCache, HostEntry, PrefixTree
 
 if TYPE_CHECKING:
     from app.model_card import ModelCard
@@ -164,11 +166,16 @@ class LlamaCppEngine(Engine):
         extra_buffers: bool | None = None,
         prefix_cache: bool = True,
         prefix_block: int = 32,
+        cache_ram_bytes: int = 0,
+        hot_cells: int = 512,
         verbose: bool = False,
     ) -> None:
         """``prefix_cache``: keep finished sequences' KV for later prompts to reuse (up
         to ``MAX_SEQ_IDS - capacity`` cached sequences); ``prefix_block``: tokens freed
-        at a time when the cache evicts."""
+        at a time when the cache evicts. ``cache_ram_bytes`` > 0: finished sequences are
+        also saved to host memory (up to that many bytes), and the KV keeps at most
+        ``hot_cells`` cells that only cached sequences hold: every occupied cell costs
+        every token of every step, a saved one costs a copy when it is needed again."""
         if not 1 <= capacity <= MAX_CAPACITY:
             raise ValueError(f"capacity must be in 1..{MAX_CAPACITY}, not {capacity}")
         self._capacity = capacity
@@ -220,6 +227,9 @@ class LlamaCppEngine(Engine):
         self._free_ids = list(range(n_seq_ids - 1, -1, -1))
         self._running = 0  # sequence ids held by running choices (at most capacity)
         self._tree = PrefixTree(block=prefix_block)  # every sequence's KV cells
+        self._host = HostCache(cache_ram_bytes) if prefix_cache and cache_ram_bytes else None
+        self.hot_cells = hot_cells
+        self.restored_tokens = 0  # prompt tokens brought back from host memory, since start
         self._jobs: dict[str, _Job] = {}
         self._order = 0
         # Prompt tokens looked up in the prefix cache, and found (for the hit rate).
@@ -254,6 +264,7 @@ class LlamaCppEngine(Engine):
             context_length=card.context_length,
             extra_buffers=settings.llamacpp_extra_buffers,
             prefix_cache=settings.prefix_cache,
+            cache_ram_bytes=settings.llamacpp_cache_ram_mb * 2**20,
         )
 
     @property
@@ -334,6 +345,12 @@ class LlamaCppEngine(Engine):
                     s.trusted = False
                 self._end_job(job, EngineFinish.ERROR, out, "the model failed on this request")
             break
+        if self._host is not None:
+            # Past the hot budget, cached cells live in host memory only.
+            excess = self._tree.evictable() - self.hot_cells
+            if excess > 0:
+                goal = self._tree.evicted + excess
+                self._evict(lambda: self._tree.evicted < goal)
         return out
 
     def stats(self) -> dict[str, float]:
@@ -472,6 +489,9 @@ class LlamaCppEngine(Engine):
         if not self.prefix_cache:
             return
         m = self._tree.match(job.scope, p.tokens, limit=len(p.tokens) - 1)
+        if self._host is not None:
+            self._restore(job.scope, p.tokens, m.length, len(p.tokens) - 1)
+            m = self._tree.match(job.scope, p.tokens, limit=len(p.tokens) - 1)
         self._queried += len(p.tokens)
         if m.length and m.source is not None:
             for s in p.seqs:
@@ -489,7 +509,12 @@ class LlamaCppEngine(Engine):
 
     def _make_room(self, n: int) -> None:
         """Evict cached prefixes, least recently used first, until ``n`` cells are free."""
-        while self.n_ctx - self._tree.cells < n:
+        self._evict(lambda: self.n_ctx - self._tree.cells < n)
+
+    def _evict(self, more: Callable[[], bool]) -> None:
+        """Evict cached prefixes block by block, least recently used first, while
+        ``more()`` says so and something is evictable."""
+        while more():
             trims = self._tree.evict_block()
             if not trims:
                 return
@@ -499,6 +524,85 @@ class LlamaCppEngine(Engine):
             for t in trims:
                 if t.seq not in live and t.seq not in self._free_ids:
                     self._free_ids.append(t.seq)
+
+    def _save(self, seq: int, scope: str) -> None:
+        """Copy ``seq``'s KV to host memory, less the prefix other sequences hold (a
+        temporary sequence id takes just the rest: ``seq_cp`` of a position range)."""
+        assert self._host is not None
+        tokens = self._tree.tokens(seq)
+        base = self._tree.shared_length(seq)
+        if base >= len(tokens):
+            return
+        src = seq
+        tmp: int | None = None
+        if base:
+            tmp = self._take_spare()
+            if tmp is None:
+                return
+            lc.llama_memory_seq_cp(self._mem, seq, tmp, base, -1)
+            src = tmp
+        try:
+            size = lc.llama_state_seq_get_size(self._ctx, src)
+            buf = (ctypes.c_uint8 * size)()
+            if lc.llama_state_seq_get_data(self._ctx, buf, size, src) == size:
+                self._host.put(HostEntry(scope, tokens, base, bytes(buf)))
+        finally:
+            if tmp is not None:
+                lc.llama_memory_seq_rm(self._mem, tmp, -1, -1)
+                self._free_ids.append(tmp)
+
+    def _take_spare(self) -> int | None:
+        """A sequence id for a moment (not a running one), freeing a cached one if needed."""
+        if not self._free_ids:
+            seq = self._tree.evict_entry()
+            if seq is None:
+                return None
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._free_ids.append(seq)
+        return self._free_ids.pop()
+
+    def _restore(
+        self, scope: str, tokens: list[int], have: int, limit: int, depth: int = 0
+    ) -> None:
+        """Bring back from host memory a saved sequence that shares more of ``tokens``
+        (up to ``limit``) than the KV's ``have``: it becomes a cached sequence the
+        prefill then shares. A saved sequence that left out a prefix other sequences
+        held needs that prefix in the KV first: from the KV, or restored the same way."""
+        assert self._host is not None
+        entry, n = self._host.match(scope, tokens, limit=limit)
+        if entry is None or n < have + self._tree.block or n <= entry.base:
+            return
+        if entry.base:
+            held = self._tree.match(scope, entry.tokens, limit=entry.base).length
+            if held < entry.base and depth < 4:
+                self._restore(scope, entry.tokens, held, entry.base, depth + 1)
+        need = len(entry.tokens) - entry.base
+        self._make_room(need)
+        seq = self._take_spare()
+        if seq is None:
+            return
+        prefix = self._tree.match(scope, entry.tokens, limit=entry.base)
+        if prefix.length < entry.base or self.n_ctx - self._tree.cells < need:
+            self._free_ids.append(seq)  # the prefix it leaves out is gone, or no room
+            return
+        blob = entry.blob
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq) != len(blob):
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._free_ids.append(seq)
+            logger.warning("could not restore a cached prefix of %d tokens", len(entry.tokens))
+            return
+        self._tree.begin(seq, scope)
+        if entry.base and prefix.source is not None:
+            lc.llama_memory_seq_cp(self._mem, prefix.source, seq, 0, entry.base)
+            for r in self._tree.share(prefix, [seq]):
+                lc.llama_memory_seq_rm(self._mem, r, -1, -1)
+                self._tree.drop(r)
+                self._free_ids.append(r)
+        self._tree.extend([seq], entry.tokens[entry.base :])
+        self._tree.retire(seq)
+        self._host.touch(entry)
+        self.restored_tokens += len(entry.tokens) - entry.base
 
     def _plan(self) -> list[_Entry]:
         """This step's batch: every running sequence's last token, then prompt chunks."""
@@ -673,6 +777,8 @@ class LlamaCppEngine(Engine):
         lc.llama_sampler_free(s.chain)
         self._running -= 1
         if self.prefix_cache and s.trusted and self._tree.length(s.seq_id):
+            if self._host is not None:
+                self._save(s.seq_id, s.job.scope)
             self._tree.retire(s.seq_id)
         else:
             lc.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)

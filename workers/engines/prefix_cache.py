@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Match", "Node", "PrefixTree", "Trim"]
+__all__ = ["HostCache", "HostEntry", "Match", "Node", "PrefixTree", "Trim"]
 
 
 class Node:
@@ -211,6 +211,14 @@ class PrefixTree:
 
     # -- eviction -------------------------------------------------------------------------
 
+    def shared_length(self, seq: int) -> int:
+        """How many of ``seq``'s first cells other sequences hold too (a system prompt
+        that running conversations share): what a saved copy of it can leave out."""
+        for node in self._tail[seq].path():
+            if len(node.holders) > 1:
+                return node.end
+        return 0
+
     def evictable(self) -> int:
         """Cells held by cached sequences alone: what eviction can free."""
         total = 0
@@ -320,3 +328,76 @@ def _subtree_cells(node: Node) -> int:
         total += len(n.tokens)
         stack.extend(n.children)
     return total
+
+
+@dataclass(slots=True, eq=False)
+class HostEntry:
+    """A finished sequence's KV saved to host memory (``llama_state_seq_get_data``):
+    the cells at positions ``base ..`` of ``tokens``; the first ``base`` are left out
+    (other sequences held them) and must be in the KV again to restore it."""
+
+    scope: str
+    tokens: list[int]
+    base: int
+    blob: bytes
+    last_used: int = 0
+
+
+class HostCache:
+    """Saved sequences in host memory, least recently used out first past ``budget``
+    bytes (llama-server's ``--cache-ram`` does the same for its slots).
+
+    Why: every cell in llama.cpp's unified KV is scanned by every token of every step,
+    so cached prefixes kept there slow every stream down. Here they cost memory only,
+    and coming back costs a copy, not a prefill."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self._entries: list[HostEntry] = []
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(
+        self, scope: str, tokens: Sequence[int], *, limit: int | None = None
+    ) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` (at most ``limit``)."""
+        cap = len(tokens) if limit is None else min(limit, len(tokens))
+        best: HostEntry | None = None
+        best_n = 0
+        for e in self._entries:
+            if e.scope != scope:
+                continue
+            n = _common(e.tokens, tokens, 0, cap)
+            if n > best_n:
+                best, best_n = e, n
+        return best, best_n
+
+    def put(self, entry: HostEntry) -> None:
+        """Keep ``entry``; entries of its scope whose tokens it extends go (it holds all
+        they could give), then the least recently used past the budget."""
+        if len(entry.blob) > self.budget:
+            return
+        n = len(entry.tokens)
+        for e in list(self._entries):
+            if (
+                e.scope == entry.scope
+                and len(e.tokens) <= n
+                and e.tokens == entry.tokens[: len(e.tokens)]
+            ):
+                self._remove(e)
+        self.touch(entry)
+        self._entries.append(entry)
+        self.used += len(entry.blob)
+        while self.used > self.budget:
+            self._remove(min(self._entries, key=lambda e: e.last_used))
+
+    def touch(self, entry: HostEntry) -> None:
+        self._clock += 1
+        entry.last_used = self._clock
+
+    def _remove(self, entry: HostEntry) -> None:
+        self._entries.remove(entry)
+        self.used -= len(entry.blob)
