@@ -280,6 +280,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peer-ctx", type=int, default=16384, help="llama-server -c")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--peer-args", default="", help="more llama-server arguments, e.g. '-kvu' (a control)"
+    )
     parser.add_argument("--peers", default="tokenrelay,llama-server")
     parser.add_argument("--tokenrelay-env", nargs="*", default=[], metavar="K=V")
     parser.add_argument("--json", type=Path, help="write every pass here")
@@ -316,6 +319,7 @@ def main() -> int:
             ]  # fmt: skip
             if cpu_has_amx():
                 cmd.append("--no-repack")  # as tokenrelay's engine there (peer.py)
+            cmd += args.peer_args.split()
             servers.append(
                 stack.enter_context(http_server("llama-server", cmd, {}, port, root, "/health"))
             )

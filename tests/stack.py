@@ -152,16 +152,18 @@ def registered_process(
     )
     try:
         if wait:
-            registry = registries[kind](
-                redis_client(settings.redis_url, max_connections=4), Keys(settings.key_prefix)
-            )
+            client = redis_client(settings.redis_url, max_connections=4)
+            registry = registries[kind](client, Keys(settings.key_prefix))
 
             def registered() -> bool:
                 if not proc.alive():
                     raise RuntimeError(f"{name} exited early:\n{proc.output()}")
                 return any(m.pid == proc.pid for m in registry.live())
 
-            wait_for(registered, 60, f"the {kind} to register")
+            try:
+                wait_for(registered, 60, f"the {kind} to register")
+            finally:
+                client.connection_pool.disconnect()  # else its socket outlives the Redis
         yield proc
     finally:
         proc.stop()
