@@ -79,3 +79,26 @@ def test_named_tool_choice_forces_a_valid_call(client: openai.OpenAI) -> None:
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather", r.output
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
+
+
+def test_a_chained_response_reports_its_reused_prefix(client: openai.OpenAI) -> None:
+    """``previous_response_id`` resends the conversation as one prompt; the worker's
+    prefix cache finds the previous turn, and Responses' usage says how much."""
+    model = client.models.list().data[0].id
+    first = client.responses.create(
+        model=model,
+        instructions="You answer in one short sentence.",
+        input="What is snow?",
+        max_output_tokens=16,
+        temperature=0,
+    )
+    second = client.responses.create(
+        model=model,
+        previous_response_id=first.id,
+        input="And hail?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert first.usage is not None and second.usage is not None
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert first.usage.input_tokens - 1 <= cached < second.usage.input_tokens
