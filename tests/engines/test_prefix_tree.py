@@ -279,3 +279,6 @@ def test_host_cache_matches_replaces_and_keeps_its_budget() -> None:
     assert host.match("m", [1, 2])[0] is entry
     host.put(HostEntry("m", [5], 0, b"x" * 11))  # larger than the whole budget: not kept
     assert host.used == 8
+    # An extension that leaves out more of the start cannot stand in for an entry.
+    host.put(HostEntry("m", [1, 2, 3, 4, 5, 6], 2, b"e"))
+    assert host.match("m", [1, 2, 3, 4, 5, 9])[0] is entry

@@ -376,8 +376,9 @@ class HostCache:
         return best, best_n
 
     def put(self, entry: HostEntry) -> None:
-        """Keep ``entry``; entries of its scope whose tokens it extends go (it holds all
-        they could give), then the least recently used past the budget."""
+        """Keep ``entry``; entries of its scope whose tokens it extends go when it can
+        stand in for them (it leaves out no more of the start than they do), then the
+        least recently used past the budget."""
         if len(entry.blob) > self.budget:
             return
         n = len(entry.tokens)
@@ -385,6 +386,7 @@ class HostCache:
             if (
                 e.scope == entry.scope
                 and len(e.tokens) <= n
+                and entry.base <= e.base
                 and e.tokens == entry.tokens[: len(e.tokens)]
             ):
                 self._remove(e)
