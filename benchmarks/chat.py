@@ -325,6 +325,7 @@ def main() -> int:
             )
         for s in servers:
             s.model = model_id(s.base_url)
+        servers.sort(key=lambda s: names.index(s.name))  # --peers gives the first order
         for r in range(args.rounds):
             order = servers if r % 2 == 0 else servers[::-1]
             for c in args.conversations:
