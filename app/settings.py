@@ -100,6 +100,13 @@ class Settings(BaseSettings):
         "in the KV until evicted (llama-server's --cache-ram is the same idea; ~23 KB a "
         "token for the bundled model).",
     )
+    llamacpp_hot_cells: int = Field(
+        default=512,
+        ge=0,
+        description="With llamacpp_cache_ram_mb > 0: KV cells that cached prefixes may keep "
+        "besides the running sequences (the rest wait in host memory). A cell costs every "
+        "step; a restore costs a copy.",
+    )
     prefix_cache: bool = Field(
         default=True,
         description="Keep the KV of finished requests so that a later prompt with the same "

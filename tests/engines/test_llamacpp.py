@@ -312,6 +312,7 @@ def test_from_card_uses_settings(bundled_model_dir: Path, card: ModelCard) -> No
     try:
         assert engine.n_ctx == 1024
         assert engine.context_limit == 1024
+        assert engine.hot_cells == 512 and engine.prefix_cache
         assert 3 <= engine.capacity <= 64
         c = run_jobs(engine, one("a", PROMPT, 3))["a", 0]
         assert len(c.tokens) == 3

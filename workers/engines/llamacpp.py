@@ -265,6 +265,7 @@ class LlamaCppEngine(Engine):
             extra_buffers=settings.llamacpp_extra_buffers,
             prefix_cache=settings.prefix_cache,
             cache_ram_bytes=settings.llamacpp_cache_ram_mb * 2**20,
+            hot_cells=settings.llamacpp_hot_cells,
         )
 
     @property
