@@ -50,6 +50,7 @@ from benchmarks.peer import (
     http_server,
     model_id,
     one_run_at_a_time,
+    sse_events,
     tokenrelay_up,
 )
 from broker.server import free_port
@@ -125,37 +126,24 @@ def chat_turn(base_url: str, body: dict[str, object]) -> tuple[Turn, str]:
         resp = conn.getresponse()
         if resp.status != 200:
             return Turn(error=f"HTTP {resp.status}: {resp.read(300)!r}"), ""
-        pending = b""
-        while True:
-            chunk = resp.read1(65536)
-            if not chunk:
-                break
-            now = time.perf_counter()
-            *lines, pending = (pending + chunk).split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    continue
-                event = json.loads(payload)
-                if "error" in event:
-                    return Turn(error=str(event["error"])[:300]), ""
-                for choice in event.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if not text:
-                            turn.ttft = now - t0
-                        text.append(content)
-                usage = event.get("usage")
-                if usage:
-                    turn.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    turn.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    turn.cached_tokens = int(details.get("cached_tokens") or 0)
-                timings = event.get("timings")
-                if timings and not turn.cached_tokens:
-                    turn.cached_tokens = int(timings.get("cache_n") or 0)
+        for now, event in sse_events(resp):
+            if "error" in event:
+                return Turn(error=str(event["error"])[:300]), ""
+            for choice in event.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if not text:
+                        turn.ttft = now - t0
+                    text.append(content)
+            usage = event.get("usage")
+            if usage:
+                turn.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                turn.completion_tokens = int(usage.get("completion_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                turn.cached_tokens = int(details.get("cached_tokens") or 0)
+            timings = event.get("timings")
+            if timings and not turn.cached_tokens:
+                turn.cached_tokens = int(timings.get("cache_n") or 0)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return Turn(error=f"{type(exc).__name__}: {exc}"), ""
     finally:

@@ -48,6 +48,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -286,12 +287,29 @@ class Sample:
     error: str = ""
 
 
-def stream_chat(base_url: str, body: bytes) -> Sample:
-    """POST one streamed chat completion and time every content chunk on arrival.
+def sse_events(resp: http.client.HTTPResponse) -> Iterator[tuple[float, dict[str, Any]]]:
+    """A streamed response's JSON events with their arrival times (perf_counter), up to
+    ``data: [DONE]``. ``read1`` returns whatever the socket holds (chunked encoding
+    decoded), so no read waits to fill a buffer and arrival times stay exact."""
+    pending = b""
+    while True:
+        data = resp.read1(65536)
+        if not data:
+            return
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return
+            yield now, json.loads(payload)
 
-    ``http.client``'s ``read1`` returns whatever the socket holds (chunked encoding
-    decoded), so no read waits to fill a buffer and arrival times stay exact; a small
-    client also leaves the two cores to the servers."""
+
+def stream_chat(base_url: str, body: bytes) -> Sample:
+    """POST one streamed chat completion and time every content chunk on arrival (a
+    small client leaves the two cores to the servers)."""
     parts = urlsplit(base_url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=600)
     arrivals: list[float] = []
@@ -302,29 +320,14 @@ def stream_chat(base_url: str, body: bytes) -> Sample:
         resp = conn.getresponse()
         if resp.status != 200:
             return Sample(error=f"HTTP {resp.status}: {resp.read(300)!r}")
-        pending = b""
-        done = False
-        while not done:
-            data = resp.read1(65536)
-            if not data:
-                break
-            now = time.perf_counter()
-            *lines, pending = (pending + data).split(b"\n")
-            for line in lines:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    return Sample(error=str(chunk["error"])[:300])
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                for choice in chunk.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        arrivals.append(now)
+        for now, chunk in sse_events(resp):
+            if "error" in chunk:
+                return Sample(error=str(chunk["error"])[:300])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    arrivals.append(now)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return Sample(error=f"{type(exc).__name__}: {exc}")
     finally:

@@ -17,7 +17,6 @@ import pytest
 
 from app.chat_template import PromptBuilder
 from app.messages import EngineFinish, OutputConstraint, SamplingParams
-from app.model_card import ModelCard, load_model_card
 from tests.engines.test_contract import (
     PROMPT,
     Choice,
@@ -106,16 +105,6 @@ def test_the_validator_rejects_what_it_must() -> None:
     ):
         with pytest.raises(AssertionError):
             validate(bad, PERSON)
-
-
-@pytest.fixture(scope="module")
-def card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
-
-
-@pytest.fixture(scope="module")
-def builder(card: ModelCard) -> PromptBuilder:
-    return PromptBuilder.from_card(card)
 
 
 @pytest.fixture(scope="module")

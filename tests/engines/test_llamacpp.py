@@ -14,7 +14,7 @@ import pytest
 
 from app.chat_template import PromptBuilder
 from app.messages import EngineFinish, SamplingParams
-from app.model_card import ModelCard, load_model_card
+from app.model_card import ModelCard
 from app.settings import Settings
 from tests.engines.test_contract import PROMPT, Run, advance, bundled_model_dir, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
@@ -28,16 +28,6 @@ OTHER_PROMPTS = [
     [{"role": "user", "content": "List three colours."}],
     [{"role": "user", "content": "Explain recursion to a child in simple words."}],
 ]
-
-
-@pytest.fixture(scope="module")
-def card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
-
-
-@pytest.fixture(scope="module")
-def builder(card: ModelCard) -> PromptBuilder:
-    return PromptBuilder.from_card(card)
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ import pytest
 
 from app.chat_template import PromptBuilder
 from app.messages import SamplingParams, TokenLogprob
-from app.model_card import ModelCard, load_model_card
 from tests.engines.test_contract import Run, advance, bundled_model_dir, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine
@@ -50,16 +49,6 @@ CONVERSATIONS = [
     ["Name a fast animal.", "How fast does it run?", "Can a human beat it?"],
 ]
 REPLY_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
-
-
-@pytest.fixture(scope="module")
-def builder(card: ModelCard) -> PromptBuilder:
-    return PromptBuilder.from_card(card)
 
 
 def engine_with(model_dir: Path, **kwargs: object) -> LlamaCppEngine:

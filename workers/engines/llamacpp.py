@@ -472,12 +472,8 @@ class LlamaCppEngine(Engine):
     def _take_id(self, scope: str) -> int:
         """A free sequence id for a running choice, evicting a cached sequence whole
         when every id is taken (there are ``MAX_SEQ_IDS - capacity`` for the cache)."""
-        if not self._free_ids:
-            seq = self._tree.evict_entry()
-            assert seq is not None  # running sequences never exceed capacity
-            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._free_ids.append(seq)
-        seq = self._free_ids.pop()
+        seq = self._take_spare()
+        assert seq is not None  # running sequences never exceed capacity
         self._tree.begin(seq, scope)
         self._running += 1
         return seq
