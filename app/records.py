@@ -71,6 +71,10 @@ class RequestRecord(BaseModel):
     # Whose cached prompt prefixes it may reuse on a worker (``cache_scope``): "" shares
     # with every request of the model that has no scope either.
     cache_scope: str = ""
+    # The worker the web tier sent it to because that worker holds its prefix
+    # (``broker.prefix_routes``); "" for the shared queue. If that worker dies before
+    # taking it, the streamers' watchdog sends it to the shared queue.
+    route: str = ""
 
     @property
     def give_up_at(self) -> float:
@@ -80,6 +84,13 @@ class RequestRecord(BaseModel):
     @property
     def num_choices(self) -> int:
         return len(self.prompts) * self.n
+
+    @property
+    def engine_scope(self) -> str:
+        """The scope a worker runs its jobs under (``EngineJob.cache_scope``) and the
+        web tier routes by (``app.prefix_blocks``): the model, then ``cache_scope``, so
+        a cached prefix is never reused across models or scopes."""
+        return f"{self.model}\n{self.cache_scope}"
 
     def prompt_for(self, choice: int) -> list[int]:
         return self.prompts[choice // self.n]

@@ -119,6 +119,12 @@ class Settings(BaseSettings):
         "prompt prefixes, so cross-tenant timing cannot tell what others sent (a request's "
         "cache_salt isolates it as well).",
     )
+    prefix_routing: bool = Field(
+        default=True,
+        description="With several workers for a model, send a conversation's next turn to "
+        "the worker whose prefix cache holds its start, when that worker has room "
+        "(otherwise the shared queue). Off: every request goes to the shared queue.",
+    )
     exllamav2_cache_tokens: int = Field(
         default=65536, ge=256, description="Paged KV cache size of the exllamav2 engine, tokens."
     )

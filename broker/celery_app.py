@@ -6,6 +6,7 @@ imports worker code; ``workers.celery_worker`` registers the task on the same ap
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Any
 
@@ -65,12 +66,26 @@ def queue_name(kind: str, model: str) -> str:
     return f"tr.{kind}.{model}"
 
 
-def worker_queues(model: str) -> list[str]:
-    """Interactive first: with the 'priority' order strategy it is always polled first."""
-    return [queue_name("interactive", model), queue_name("batch", model)]
+def worker_queue(model: str, worker_id: str) -> str:
+    """One worker's own queue: the web tier sends a conversation's next turn there when
+    that worker holds its prefix (``broker.prefix_routes``)."""
+    return f"tr.worker.{model}.{worker_id}"
 
 
-def create_celery(settings: Settings, model: str | None = None, *, results: bool = True) -> Celery:
+def worker_queues(model: str, worker_id: str | None = None) -> list[str]:
+    """The queues a worker consumes, in the order the 'priority' strategy polls them:
+    its own queue (turns routed to it), then interactive, then batch."""
+    shared = [queue_name("interactive", model), queue_name("batch", model)]
+    return shared if worker_id is None else [worker_queue(model, worker_id), *shared]
+
+
+def create_celery(
+    settings: Settings,
+    model: str | None = None,
+    *,
+    results: bool = True,
+    worker_id: str | None = None,
+) -> Celery:
     """The app for ``model``'s queues.
 
     ``results=False``: an app that only sends tasks and never reads their results (the
@@ -94,7 +109,7 @@ def create_celery(settings: Settings, model: str | None = None, *, results: bool
     app.conf.update(
         # kombu's Redis transports with one client per channel (broker.kombu_redis).
         broker_transport=transport_for(redis_conn.broker_url),
-        task_queues=[Queue(q) for q in worker_queues(model)],  # type: ignore[no-untyped-call]
+        task_queues=[Queue(q) for q in worker_queues(model, worker_id)],  # type: ignore[no-untyped-call]
         task_default_queue=queue_name("interactive", model),
         task_serializer="json",
         result_serializer="json",
@@ -147,16 +162,48 @@ def create_celery(settings: Settings, model: str | None = None, *, results: bool
     return app
 
 
-def send_generate(app: Celery, request_id: str, attempt: int, *, queue: str, model: str) -> None:
+def send_generate(
+    app: Celery,
+    request_id: str,
+    attempt: int,
+    *,
+    queue: str,
+    model: str,
+    worker: str | None = None,
+) -> None:
     """Enqueue ``generate(request_id, attempt)`` without importing worker code; its
-    ``task-sent`` event goes out on its own thread (``broker.sent_events``)."""
+    ``task-sent`` event goes out on its own thread (``broker.sent_events``).
+
+    ``worker``: to that worker's own queue instead of the model's ``queue``."""
     app.send_task(
         GENERATE_TASK,
         args=[request_id, attempt],
-        queue=queue_name(queue, model),
-        task_id=f"{request_id}.{attempt}",
+        queue=queue_name(queue, model) if worker is None else worker_queue(model, worker),
+        task_id=task_id(request_id, attempt),
         event_dispatcher=sent_events(app),
     )
+
+
+def task_id(request_id: str, attempt: int) -> str:
+    return f"{request_id}.{attempt}"
+
+
+def requeue_own(app: Celery, client: redis.Redis, model: str, worker_id: str) -> int:
+    """Send the tasks still waiting in a stopping worker's own queue to the shared
+    interactive queue (any worker may run them); how many.
+
+    Without this they would wait for the streamers' watchdog (``requeue_after_s``).
+    Celery's messages on Redis are JSON whose headers carry the task id, which names
+    the request and attempt (``task_id``)."""
+    moved = 0
+    while (raw := client.rpop(worker_queue(model, worker_id))) is not None:
+        try:
+            rid, _, attempt = json.loads(raw)["headers"]["id"].rpartition(".")  # type: ignore[arg-type]
+            send_generate(app, rid, int(attempt), queue="interactive", model=model)
+        except (ValueError, KeyError, TypeError):
+            continue  # not one of ours: nothing to resend
+        moved += 1
+    return moved
 
 
 def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:

@@ -7,6 +7,8 @@
 {p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
 {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
 {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
+{p}pfx:{wid}        set    names of the prompt prefixes a worker's engine holds (8-byte
+                           block names, app.prefix_blocks); TTL = heartbeat timeout
 {p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
 {p}streamers        zset   streamer ids scored by last heartbeat
 {p}batcher:{id}     string batch driver registration JSON, TTL = heartbeat timeout
@@ -94,6 +96,10 @@ class Keys:
     @property
     def inflight(self) -> str:
         return f"{self.prefix}inflight"
+
+    def prefix_blocks(self, worker_id: str) -> str:
+        """A worker's advertised prefix-block names (``broker.prefix_routes``)."""
+        return f"{self.prefix}pfx:{worker_id}"
 
     @property
     def inflight_weights(self) -> str:

@@ -38,6 +38,14 @@ class WorkerInfo(BaseModel):
     engine_capacity: int = Field(
         default=0, description="Sequences the engine runs at once (unpaged exllamav2: 1)."
     )
+    beat_at: float = Field(
+        default=0.0, description="Unix time of this heartbeat (how fresh active_jobs is)."
+    )
+    routed: bool = Field(
+        default=False,
+        description="It consumes its own queue and advertises its cached prefixes "
+        "(broker.prefix_routes): the web tier may send it a conversation's next turn.",
+    )
 
     @property
     def member_id(self) -> str:

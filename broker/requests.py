@@ -199,8 +199,15 @@ class RequestStore:
 
     def send(self, record: RequestRecord, celery_app: Celery) -> None:
         """Queue ``generate`` for a record already written (``create``, or ``admit``
-        with ``create=``)."""
-        send_generate(celery_app, record.request_id, 0, queue=record.queue, model=record.model)
+        with ``create=``): on its ``route`` worker's own queue when it has one."""
+        send_generate(
+            celery_app,
+            record.request_id,
+            0,
+            queue=record.queue,
+            model=record.model,
+            worker=record.route or None,
+        )
 
     @property
     def inflight_weights(self) -> str:

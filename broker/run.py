@@ -20,6 +20,7 @@ over these items; none of them touches Redis.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -52,6 +53,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.connection import redis_client
 from broker.keys import Keys
+from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RequestStore
 from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, Pumped, is_terminal
@@ -430,6 +432,11 @@ class Runner:
         )
         self.workers = worker_registry(self.redis, keys)
         self.streamers = streamer_registry(self.redis, keys)
+        self.router = (
+            PrefixRouter(self.redis, keys, self.workers, self.model_name, clock=self.clock)
+            if settings.prefix_routing
+            else None
+        )
         self.celery = celery_app or create_celery(settings, results=False)
         self.metrics = metrics
         self._ready_until = 0.0
@@ -458,7 +465,7 @@ class Runner:
         try:
             prepared = self.intake.prepare(endpoint, body, stream=stream, owner=owner)
             self.check_ready()
-            self._admit_and_submit(prepared)
+            prepared = self._admit_and_submit(prepared)
         except Exception as exc:
             if self.metrics is not None:
                 self.metrics.rejected(label, _wants_stream(body, stream), exc)
@@ -546,7 +553,8 @@ class Runner:
         timer.daemon = True
         timer.start()
 
-    def _admit_and_submit(self, prepared: PreparedRequest) -> None:
+    def _admit_and_submit(self, prepared: PreparedRequest) -> PreparedRequest:
+        """Admit and submit; the request as submitted (with its ``route``)."""
         record = prepared.record
         settings = self.settings
         if record.num_choices > settings.max_request_choices:
@@ -554,6 +562,10 @@ class Runner:
                 f"This request asks for {record.num_choices} choices (prompts x n); the "
                 f"quota is {settings.max_request_choices} per request (max_request_choices)."
             )
+        route = self.router.choose(record) if self.router is not None else None
+        if route is not None:
+            record = record.model_copy(update={"route": route})
+            prepared = dataclasses.replace(prepared, record=record)
         try:
             admitted = self._admit(record)
             if admitted is Admission.OWNER_FULL:
@@ -569,6 +581,8 @@ class Runner:
                 )
             try:
                 self.store.send(record, self.celery)
+                if route is not None:
+                    self.router.sent(route)  # type: ignore[union-attr]
             except Exception:
                 # The record is written without its task (Redis went away between the
                 # two): cancel it, or a streamer would send the task again for a client
@@ -580,6 +594,7 @@ class Runner:
         except (redis.RedisError, OperationalError) as exc:
             self._ready_until = 0.0
             raise backbone_unavailable() from exc
+        return prepared
 
     def _admit(self, record: RequestRecord) -> Admission:
         """Admit ``record`` and write it, in one call (``RequestStore.admit``)."""

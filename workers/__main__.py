@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "-c",
         str(settings.worker_slots),
         "-Q",
-        ",".join(worker_queues(settings.served_name)),
+        ",".join(worker_queues(settings.served_name, app.tokenrelay_worker_id)),
         "--loglevel",
         args.loglevel,
         "-E",

@@ -20,8 +20,8 @@ from celery.worker.consumer import Consumer
 from vine import promise
 
 from app.settings import Settings
-from broker.celery_app import GENERATE_TASK, create_celery
-from workers.runtime import WorkerRuntime
+from broker.celery_app import GENERATE_TASK, create_celery, requeue_own
+from workers.runtime import WorkerRuntime, new_worker_id
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,10 @@ def engine_info_step(state: dict[str, WorkerRuntime]) -> type[bootsteps.Step]:
 
 
 def build_app(settings: Settings) -> Celery:
-    celery_app = create_celery(settings)
+    """The worker's app; ``app.tokenrelay_worker_id`` names the worker (its registry
+    entry, step stream and own queue, which the app consumes first)."""
+    worker_id = new_worker_id()
+    celery_app = create_celery(settings, worker_id=worker_id)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
     celery_app.steps["consumer"].add(KeepUnackedOnClose)
     state: dict[str, WorkerRuntime] = {}
@@ -139,7 +142,7 @@ def build_app(settings: Settings) -> Celery:
         if not _ours(sender):
             return
         try:
-            runtime = WorkerRuntime.from_settings(settings)
+            runtime = WorkerRuntime.from_settings(settings, worker_id=worker_id)
         except Exception as exc:
             # Celery would log a signal-handler error and keep consuming tasks it cannot
             # run; a worker without its engine must stop, loudly, so supervisors see it.
@@ -158,10 +161,19 @@ def build_app(settings: Settings) -> Celery:
         runtime = state.pop("runtime", None)
         if runtime is not None:
             runtime.stop()
+            # Turns routed here that no thread took: to the shared queue, now.
+            try:
+                moved = requeue_own(celery_app, runtime.store.redis, runtime.model_name, worker_id)
+            except Exception as exc:  # the streamers' watchdog resends them anyway
+                logger.warning("could not hand this worker's queue back: %s", exc)
+            else:
+                if moved:
+                    logger.info("sent %d queued requests on to the shared queue", moved)
 
     worker_init.connect(_start, weak=False)
     worker_shutdown.connect(_stop, weak=False)
     celery_app.tokenrelay_state = state
+    celery_app.tokenrelay_worker_id = worker_id
     return celery_app
 
 

@@ -59,6 +59,11 @@ DEADLINE_MESSAGE = "The request exceeded its deadline."
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating; please retry."
 JOB_FAILURE_MESSAGE = "The worker failed while handling this request; please retry."
 
+# The engine's cached prefixes are advertised when a choice finishes, otherwise at most
+# this often when they changed, and rewritten this often even unchanged.
+ADVERT_EVERY_S = 1.0
+ADVERT_REFRESH_S = 30.0
+
 
 @dataclass(slots=True)
 class WorkItem:
@@ -137,6 +142,7 @@ class EngineThread(threading.Thread):
         clock: Callable[[], float] = time.time,
         idle_wait_s: float = 0.05,
         worker_id: str | None = None,
+        advertise: Callable[[frozenset[bytes]], None] | None = None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self.engine = engine
@@ -170,6 +176,12 @@ class EngineThread(threading.Thread):
         # trip after the reply that fenced them, retried with the next publish if Redis
         # failed meanwhile.
         self._fenced_tails: list[FencedTail] = []
+        # Writes the engine's prefix-block names to Redis (``broker.prefix_routes``);
+        # None: this worker is not routed to.
+        self.advertise = advertise
+        self._advertised: frozenset[bytes] | None = None
+        self._advert_checked = 0.0  # monotonic
+        self._advert_sent = 0.0
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -248,10 +260,41 @@ class EngineThread(threading.Thread):
             except Exception:
                 logger.exception("engine stats failed")
         self._check_deadlines()
+        # Before the tokens go out: a client that sees its reply end can send the next
+        # turn at once, and the web tier should already know where its prefix is.
+        self._advertise(any(s.delta.finish is not None for s in steps))
         self._finish_publish()  # the last step's, sent before this step ran
         self._publish()
         if not self.engine.has_work():
             self._finish_publish()  # nothing to overlap it with: read it now
+
+    def _advertise(self, finished: bool) -> None:
+        """Write the engine's prefix-block names when a choice finished (its KV is now
+        cached), or at most every ``ADVERT_EVERY_S`` when they changed otherwise
+        (running prompts, evictions), and every ``ADVERT_REFRESH_S`` regardless (a
+        Redis restarted without its data). A failed write is retried on the next call."""
+        if self.advertise is None:
+            return
+        now = time.monotonic()
+        if not finished and now - self._advert_checked < ADVERT_EVERY_S:
+            return
+        self._advert_checked = now
+        try:
+            names = self.engine.prefix_blocks()
+        except Exception:
+            logger.exception("engine prefix_blocks failed")
+            return
+        if names is None or (
+            names == self._advertised and now - self._advert_sent < ADVERT_REFRESH_S
+        ):
+            return
+        try:
+            self.advertise(names)
+        except redis.RedisError as exc:
+            logger.debug("advertising cached prefixes failed: %s", exc)
+            return
+        self._advertised = names
+        self._advert_sent = now
 
     def _admit(self, block: bool) -> None:
         try:

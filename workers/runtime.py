@@ -6,6 +6,7 @@ any task runs) and reached by tasks through the Celery app object.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -22,6 +23,7 @@ from app.settings import Settings
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
 from broker.keys import Keys
+from broker.prefix_routes import PrefixAdverts
 from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore, lease_value
 from workers.backoff import Backoff
@@ -45,7 +47,13 @@ class WorkerRuntime:
     """Everything one worker process owns; ``generate`` is the task body."""
 
     def __init__(
-        self, settings: Settings, card: ModelCard, engine: Engine, client: redis.Redis
+        self,
+        settings: Settings,
+        card: ModelCard,
+        engine: Engine,
+        client: redis.Redis,
+        *,
+        worker_id: str | None = None,
     ) -> None:
         self.settings = settings
         self.card = card
@@ -55,12 +63,24 @@ class WorkerRuntime:
         self.engine_mode = engine.mode
         self.engine_capacity = engine.capacity
         self.model_name = settings.served_name
-        self.worker_id = new_worker_id()
+        self.worker_id = worker_id or new_worker_id()
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
+        # Routed to (broker.prefix_routes) when its engine keeps a prefix cache.
+        self.adverts = (
+            PrefixAdverts(client, keys, ttl_s=5 * HEARTBEAT_S)
+            if settings.prefix_routing and engine.prefix_blocks() is not None
+            else None
+        )
         self.thread = EngineThread(
-            engine, self.store, lease_ttl_s=settings.lease_ttl_s, worker_id=self.worker_id
+            engine,
+            self.store,
+            lease_ttl_s=settings.lease_ttl_s,
+            worker_id=self.worker_id,
+            advertise=(
+                functools.partial(self.adverts.publish, self.worker_id) if self.adverts else None
+            ),
         )
         self._stop = threading.Event()
         self._submissions = itertools.count()
@@ -69,12 +89,12 @@ class WorkerRuntime:
         self.stop_join_s = STOP_JOIN_S
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WorkerRuntime:
+    def from_settings(cls, settings: Settings, *, worker_id: str | None = None) -> WorkerRuntime:
         card = load_model_card(settings.model_path())
         engine = load_engine(settings, card)
         # Task threads (claims, loads), the engine thread and the heartbeat.
         client = redis_client(settings.redis_url, max_connections=settings.worker_slots + 16)
-        return cls(settings, card, engine, client)
+        return cls(settings, card, engine, client, worker_id=worker_id)
 
     def start(self) -> None:
         self.thread.start()
@@ -102,6 +122,8 @@ class WorkerRuntime:
         self.thread.join(timeout=self.stop_join_s)
         try:
             self.registry.unregister(self.worker_id)
+            if self.adverts is not None:
+                self.adverts.remove(self.worker_id)
         except redis.RedisError:
             logger.warning("could not unregister worker %s", self.worker_id)
         if self.thread.is_alive():
@@ -141,6 +163,8 @@ class WorkerRuntime:
             steps_total=self.thread.steps,
             tokens_total=self.thread.tokens_total,
             engine_stats=dict(self.thread.engine_stats),
+            beat_at=time.time(),
+            routed=self.adverts is not None,
         )
 
     def _beat(self) -> None:
@@ -150,6 +174,8 @@ class WorkerRuntime:
         while not self._stop.is_set():
             try:
                 self.registry.heartbeat(self.info())
+                if self.adverts is not None:
+                    self.adverts.touch(self.worker_id)
             except redis.RedisError as exc:
                 if outage.failed(time.monotonic()):
                     logger.warning("worker heartbeat failed (%s); retrying", exc)
@@ -230,8 +256,7 @@ class WorkerRuntime:
                     stop_token_ids=frozenset(stop.stop_token_ids),
                     min_tokens=stop.min_tokens,
                     echo_ids=record.echo_ids[p] if record.echo_ids else None,
-                    # The model too: a cached prefix is never reused across models.
-                    cache_scope=f"{record.model}\n{record.cache_scope}",
+                    cache_scope=record.engine_scope,
                 )
             )
         return WorkItem(

@@ -818,7 +818,14 @@ class Streamer:
             if now - t.no_worker_since > self.settings.no_worker_timeout_s:
                 return self._fail(t, f"No worker is serving model {model!r}.", 503)
         waited = now - max(t.queued_since, t.last_sent)
-        if self._resend_queued or waited > self.settings.requeue_after_s:
+        routed_to_the_dead = bool(t.route) and t.route not in live.ids()
+        if routed_to_the_dead:
+            # It waits in the own queue of a worker that is gone: any worker will do.
+            logger.info(
+                "request %s: its worker %s is gone; sending it to any", t.record.request_id, t.route
+            )
+            t.route = ""
+        if routed_to_the_dead or self._resend_queued or waited > self.settings.requeue_after_s:
             t.last_sent = now
             send_generate(
                 self.celery, t.record.request_id, attempt, queue=t.record.queue, model=model

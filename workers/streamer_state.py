@@ -81,6 +81,9 @@ class Tracked:
     queued_since: float | None = None
     last_sent: float = 0.0
     no_worker_since: float | None = None
+    # Its record's ``route`` (the worker the web tier sent it to), until the watchdog
+    # finds that worker gone and sends it to the shared queue ("" then, or never routed).
+    route: str = field(init=False)
     claimed_by_worker: float | None = None  # when a worker first started it (queue time)
     # Its Decoder when its chunks are decoded by the plain path (one choice, no
     # logprobs, no parsers: ``RequestDecoder.plain_decoder``), else None.
@@ -88,6 +91,7 @@ class Tracked:
 
     def __post_init__(self) -> None:
         self.plain = self.choices.plain_decoder()
+        self.route = self.record.route
 
     def staged(
         self,
@@ -155,11 +159,25 @@ class LiveModels:
     def __init__(self, workers: Registry[WorkerInfo]) -> None:
         self._workers = workers
         self._models: set[str] | None = None
+        self._ids: set[str] | None = None
 
     def models(self) -> set[str]:
         if self._models is None:
-            self._models = {w.model for w in self._workers.live()}
+            self._read()
+        assert self._models is not None
         return self._models
+
+    def ids(self) -> set[str]:
+        """The live workers' ids."""
+        if self._ids is None:
+            self._read()
+        assert self._ids is not None
+        return self._ids
+
+    def _read(self) -> None:
+        live = self._workers.live()
+        self._models = {w.model for w in live}
+        self._ids = {w.worker_id for w in live}
 
 
 def cmp_ids(a: str, b: str) -> int:

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from app.prefix_blocks import block_names
 from workers.engines.prefix_cache import HostCache, HostEntry, PrefixTree
 
 
@@ -245,6 +246,10 @@ def test_random_operations_agree_with_the_kv_model(seed: int) -> None:
         check(tree, kv)
         assert tree.cached.isdisjoint(running)
         assert tree.evictable() <= tree.cells
+        # What the worker advertises: every full block of every sequence's tokens.
+        assert tree.block_names(block=2) == {
+            name for s in kv.seqs for name in block_names(kv.scope[s], kv.tokens(s), block=2)
+        }
 
 
 def test_shared_length_is_what_other_sequences_hold() -> None:
@@ -282,3 +287,12 @@ def test_host_cache_matches_replaces_and_keeps_its_budget() -> None:
     # An extension that leaves out more of the start cannot stand in for an entry.
     host.put(HostEntry("m", [1, 2, 3, 4, 5, 6], 2, b"e"))
     assert host.match("m", [1, 2, 3, 4, 5, 9])[0] is entry
+
+
+def test_host_entries_name_their_blocks() -> None:
+    host = HostCache(1000)
+    tokens = list(range(130))
+    host.put(HostEntry("m\n", tokens, 0, b"x"))
+    assert host.block_names() == set(block_names("m\n", tokens))
+    assert len(host.block_names()) == 2  # 130 tokens: two full blocks of 64
+    assert set(block_names("other\n", tokens)).isdisjoint(host.block_names())

@@ -118,5 +118,12 @@ class Engine(abc.ABC):
         Called from the engine thread only (like everything else here)."""
         return {}
 
+    def prefix_blocks(self) -> frozenset[bytes] | None:
+        """The names (``app.prefix_blocks``) of every prompt prefix this engine can start
+        a job from without prefilling it, for the web tier to route a conversation's
+        next turn here (``broker.prefix_routes``); None when it keeps no prefix cache
+        to route to. Called from the engine thread, between steps."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the engine's resources."""

@@ -369,6 +369,15 @@ class LlamaCppEngine(Engine):
             "prefix_cache_evicted": float(self._tree.evicted),
         }
 
+    def prefix_blocks(self) -> frozenset[bytes] | None:
+        """Every prefix in the KV (running and cached sequences) or in host memory."""
+        if not self.prefix_cache:
+            return None
+        names = self._tree.block_names()
+        if self._host is not None:
+            names |= self._host.block_names()
+        return frozenset(names)
+
     @property
     def kv_pinned(self) -> int:
         """KV cells held by running sequences (the rest is the prefix cache's)."""

@@ -26,7 +26,9 @@ deployment isolates keys), so a request never reads KV another scope decoded.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from app.prefix_blocks import BLOCK, block_names, chain, scope_seed
 
 __all__ = ["HostCache", "HostEntry", "Match", "Node", "PrefixTree", "Trim"]
 
@@ -262,6 +264,24 @@ class PrefixTree:
 
     # -- internals -------------------------------------------------------------------------
 
+    def block_names(self, *, block: int = BLOCK) -> set[bytes]:
+        """The names (``app.prefix_blocks``) of every full block on every sequence's
+        path: what a prompt can take from the KV without prefilling it."""
+        names: set[bytes] = set()
+        for scope, root in self._roots.items():
+            # (node, the name of the last full block above it, the tokens after that block)
+            stack: list[tuple[Node, bytes, list[int]]] = [(root, scope_seed(scope), [])]
+            while stack:
+                node, previous, pending = stack.pop()
+                run = pending + node.tokens
+                full = len(run) - len(run) % block
+                for i in range(0, full, block):
+                    previous = chain(previous, run[i : i + block])
+                    names.add(previous)
+                rest = run[full:]
+                stack.extend((child, previous, rest) for child in node.children)
+        return names
+
     def _lru_leaf(self) -> Node | None:
         best: Node | None = None
         for seq in self._cached:
@@ -341,6 +361,12 @@ class HostEntry:
     base: int
     blob: bytes
     last_used: int = 0
+    # Its tokens' block names (``app.prefix_blocks``), what the worker advertises.
+    names: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            self.names = block_names(self.scope, self.tokens)
 
 
 class HostCache:
@@ -395,6 +421,10 @@ class HostCache:
         self.used += len(entry.blob)
         while self.used > self.budget:
             self._remove(min(self._entries, key=lambda e: e.last_used))
+
+    def block_names(self) -> set[bytes]:
+        """The block names of every saved sequence."""
+        return {name for e in self._entries for name in e.names}
 
     def touch(self, entry: HostEntry) -> None:
         self._clock += 1
