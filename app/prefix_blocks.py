@@ -23,9 +23,10 @@ from hashlib import blake2b
 
 __all__ = ["BLOCK", "block_names", "chain", "scope_seed"]
 
-# Tokens per named block. Coarser than the engine's eviction block (32): routing needs
-# to tell conversations apart, not count every cell, and the sets stay small.
-BLOCK = 64
+# Tokens per named block: the llama.cpp engine's eviction block. Routing must tell
+# apart two conversations that share a system prompt by their first turn alone (a
+# question and a short reply are often under 64 tokens); finer blocks grow the sets.
+BLOCK = 32
 
 _DIGEST = 8
 

@@ -6,7 +6,7 @@ model the shared queue hands the next turn to whichever worker is free, so with 
 workers it finds its prefix about 1/W of the time. So:
 
 - **Workers advertise** the names of the prompt prefixes their engine holds (KV and
-  host memory; ``app.prefix_blocks``: a chain hash per 64 tokens, seeded with the
+  host memory; ``app.prefix_blocks``: a chain hash per 32 tokens, seeded with the
   job's scope) in one Redis set each, ``{p}pfx:{worker}``, rewritten by the engine
   thread whenever a choice finishes (``PrefixAdverts``), before that step's tokens are
   published, so the set already names a reply when its client sees the reply end.
@@ -32,7 +32,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import redis
@@ -45,8 +46,8 @@ from broker.registry import Registry, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
-# Most leading blocks of a prompt that are looked up (64 tokens each: 32k tokens).
-MAX_BLOCKS = 512
+# Most leading blocks of a prompt that are looked up (32 tokens each: 32k tokens).
+MAX_BLOCKS = 1024
 # The live workers are read from the registry at most this often.
 LIVE_CACHE_S = 0.5
 # A worker whose last heartbeat is older than this is not routed to (it may be dead;
@@ -62,15 +63,28 @@ class PrefixAdverts:
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
 
-    def publish(self, worker_id: str, names: Collection[bytes]) -> None:
-        """Replace ``worker_id``'s set with ``names``, atomically (a reader never sees
-        it empty in between)."""
+    def publish(
+        self,
+        worker_id: str,
+        names: AbstractSet[bytes],
+        previous: AbstractSet[bytes] | None = None,
+    ) -> None:
+        """Make ``worker_id``'s set ``names``, atomically (a reader never sees it empty
+        in between): from ``previous`` (what the last call wrote) by adding and removing
+        the difference, or rewritten whole when ``previous`` is None."""
         key = self.keys.prefix_blocks(worker_id)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(key)
-        if names:
-            pipe.sadd(key, *names)
-            pipe.pexpire(key, self.ttl_ms)
+        added: AbstractSet[bytes] = names
+        removed: AbstractSet[bytes] = frozenset()
+        if previous is None:
+            pipe.delete(key)
+        else:
+            added, removed = names - previous, previous - names
+        if removed:
+            pipe.srem(key, *removed)
+        if added:
+            pipe.sadd(key, *added)
+        pipe.pexpire(key, self.ttl_ms)
         pipe.execute()
 
     def touch(self, worker_id: str) -> None:
@@ -100,8 +114,9 @@ class PrefixRouter:
         self.clock = clock
         self._live: list[WorkerInfo] = []
         self._live_until = 0.0
-        # Decisions since start, by outcome (``outcomes``): /metrics reads them.
+        # Decisions since start, by outcome (``OUTCOMES``), and a hook for /metrics.
         self.counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self.observe: Callable[[str], None] | None = None
 
     def choose(self, record: RequestRecord) -> str | None:
         """The id of the worker to send ``record`` to, or None for the shared queue.
@@ -113,6 +128,8 @@ class PrefixRouter:
             logger.debug("prefix routing skipped: %s", exc)
             worker, outcome = None, "error"
         self.counts[outcome] += 1
+        if self.observe is not None:
+            self.observe(outcome)
         return worker
 
     def _choose(self, record: RequestRecord) -> tuple[str | None, str]:

@@ -271,6 +271,15 @@ class WebMetrics:
             gen,
             registry=r,
         )
+        self.prefix_routes = Counter(
+            "tokenrelay_prefix_routes",
+            "Where interactive requests were sent (broker.prefix_routes): 'routed' to the "
+            "worker holding the most of the prompt; to the shared queue on a 'tie', "
+            "'no_match', when that worker was 'full', 'not_routed' (fewer than two "
+            "workers to choose from, a batch line) or on an 'error'.",
+            ["model", "outcome"],
+            registry=r,
+        )
 
     # -- broker.run.RunMetrics ---------------------------------------------------------
     def rejected_request(self, model: str, endpoint: str, stream: bool, exc: BaseException) -> None:
@@ -440,6 +449,10 @@ def register(app: Flask) -> None:
     app.extensions["tokenrelay.metrics"] = metrics
     if runner is not None:
         runner.metrics = RunMetrics(metrics, runner.model_name)
+        if runner.router is not None:
+            routes = metrics.prefix_routes
+            model = runner.model_name
+            runner.router.observe = lambda outcome: routes.labels(model, outcome).inc()
 
     @app.after_request
     def _count(response: Response) -> Response:

@@ -142,7 +142,7 @@ class EngineThread(threading.Thread):
         clock: Callable[[], float] = time.time,
         idle_wait_s: float = 0.05,
         worker_id: str | None = None,
-        advertise: Callable[[frozenset[bytes]], None] | None = None,
+        advertise: Callable[[frozenset[bytes], frozenset[bytes] | None], None] | None = None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self.engine = engine
@@ -179,9 +179,9 @@ class EngineThread(threading.Thread):
         # Writes the engine's prefix-block names to Redis (``broker.prefix_routes``);
         # None: this worker is not routed to.
         self.advertise = advertise
-        self._advertised: frozenset[bytes] | None = None
+        self._advertised: frozenset[bytes] | None = None  # None: rewrite the whole set
         self._advert_checked = 0.0  # monotonic
-        self._advert_sent = 0.0
+        self._advert_sent = -ADVERT_REFRESH_S
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -284,14 +284,15 @@ class EngineThread(threading.Thread):
         except Exception:
             logger.exception("engine prefix_blocks failed")
             return
-        if names is None or (
-            names == self._advertised and now - self._advert_sent < ADVERT_REFRESH_S
-        ):
+        refresh = now - self._advert_sent >= ADVERT_REFRESH_S
+        if names is None or (names == self._advertised and not refresh):
             return
         try:
-            self.advertise(names)
+            # The difference from what was written, or everything now and then.
+            self.advertise(names, None if refresh else self._advertised)
         except redis.RedisError as exc:
             logger.debug("advertising cached prefixes failed: %s", exc)
+            self._advertised = None  # not known what Redis holds now: rewrite it next
             return
         self._advertised = names
         self._advert_sent = now

@@ -30,6 +30,7 @@ import pytest
 
 from app.chat_template import PromptBuilder
 from app.messages import SamplingParams, TokenLogprob
+from app.prefix_blocks import block_names
 from tests.engines.test_contract import Run, advance, bundled_model_dir, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine
@@ -327,5 +328,29 @@ def test_a_saved_suffix_needs_its_shared_prefix_back(
         run2 = advance(host, Run())
         assert (run2["back", 0].cached or 0) >= len(first[0])
         host.check_kv()
+    finally:
+        host.close()
+
+
+def test_it_advertises_every_prefix_it_holds(
+    bundled_model_dir: Path,
+    cached: LlamaCppEngine,
+    plain: LlamaCppEngine,
+    builder: PromptBuilder,
+) -> None:
+    """The names a worker publishes for routing (``app.prefix_blocks``) cover every
+    finished turn, in the KV or in host memory; an engine without a cache has none."""
+    assert plain.prefix_blocks() is None
+    host = engine_with(bundled_model_dir, cache_ram_bytes=256 * 2**20, hot_cells=0)
+    try:
+        for engine in (cached, host):
+            for i, questions in enumerate(CONVERSATIONS[:2]):
+                turns = play(engine, builder, questions, f"adv{i}")
+                names = engine.prefix_blocks()
+                assert names is not None
+                # The last token sampled is never decoded: its KV does not exist.
+                held = block_names("m", turns[-1].prompt + turns[-1].reply[:-1])
+                assert held and set(held) <= names
+                assert not set(block_names("other", turns[-1].prompt)) & names
     finally:
         host.close()
