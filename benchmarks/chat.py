@@ -21,6 +21,12 @@ the order reversed every round. Reported per server and C: the whole replay's wa
 time, TTFT p50 of turn 0 (cold) and of turns >= 2, the share of prompt tokens the
 server reported as cached, failures, and the ratios tokenrelay/peer. llama-server is
 built by ``benchmarks/peer.py --build-only`` (outside the repo); never run by CI.
+
+``--fleet``: routing across workers instead (broker.prefix_routes). Three tokenrelay
+stacks, no llama-server: two workers of ``--slots`` slots and half the threads each,
+the same with ``TOKENRELAY_PREFIX_ROUTING=false`` (the shared queue alone), and one
+worker with twice the slots, the threads and the KV. The figure is the cached share of
+prompt tokens two routed workers reach against the one big worker (goal: >= 80 %).
 """
 
 from __future__ import annotations
@@ -257,6 +263,61 @@ def report(passes: list[Pass], cs: list[int], turns: int) -> str:
     return "\n".join([*lines, "", *ratios])
 
 
+# --fleet's three stacks: (name, workers, slots and KV per worker as multiples of --slots
+# and of the default context, threads per worker as a share of --threads, routing).
+FLEET = {
+    "tokenrelay 2 workers": (2, 1, 0.5, True),
+    "tokenrelay 2 workers unrouted": (2, 1, 0.5, False),
+    "tokenrelay 1 worker, 2x slots": (1, 2, 1.0, True),
+}
+DEFAULT_N_CTX = 8192  # TOKENRELAY_LLAMACPP_N_CTX's default
+
+
+def fleet(stack: ExitStack, root: Path, args: argparse.Namespace) -> list[Server]:
+    models = root / "models"
+    prepare_bundled_model(models)
+    servers = []
+    for i, (name, (workers, scale, share, routed)) in enumerate(FLEET.items()):
+        env = dict(kv.split("=", 1) for kv in args.tokenrelay_env)
+        env["TOKENRELAY_PREFIX_ROUTING"] = "true" if routed else "false"
+        run = root / f"run{i}"
+        run.mkdir()
+        threads = max(1, int(args.threads * share))
+        servers.append(
+            stack.enter_context(
+                tokenrelay_up(
+                    models,
+                    threads,
+                    args.slots * scale,
+                    run,
+                    env,
+                    n_ctx=DEFAULT_N_CTX * scale,
+                    workers=workers,
+                    name=name,
+                )
+            )
+        )
+    return servers
+
+
+def fleet_report(passes: list[Pass], cs: list[int]) -> str:
+    names = list(FLEET)
+    lines = []
+    for c in cs:
+        share = {
+            n: statistics.median(
+                p.cached_share for p in passes if p.server == n and p.conversations == c
+            )
+            for n in names
+        }
+        one = share[names[2]]
+        lines.append(
+            f"C={c}: cached share, 2 routed workers / 1 worker with 2x slots: "
+            f"{share[names[0]] / one:.0%}; unrouted: {share[names[1]] / one:.0%}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, nargs="+", default=[8, 32])
@@ -274,7 +335,10 @@ def main() -> int:
     parser.add_argument("--peers", default="tokenrelay,llama-server")
     parser.add_argument("--tokenrelay-env", nargs="*", default=[], metavar="K=V")
     parser.add_argument("--json", type=Path, help="write every pass here")
+    parser.add_argument("--fleet", action="store_true", help="2 workers against 1 (module doc)")
     args = parser.parse_args()
+    if args.fleet:
+        args.peers = ",".join(FLEET)
 
     names = [p for p in args.peers.split(",") if p]
     version = metadata.version(PACKAGE)
@@ -288,6 +352,8 @@ def main() -> int:
     ):
         root = Path(tmp)
         servers: list[Server] = []
+        if args.fleet:
+            servers += fleet(stack, root, args)
         if "tokenrelay" in names:
             models = root / "models"
             prepare_bundled_model(models)
@@ -329,6 +395,8 @@ def main() -> int:
                     )
     print()
     print(report(passes, args.conversations, args.turns))
+    if args.fleet:
+        print(fleet_report(passes, args.conversations))
     if args.json:
         args.json.write_text(
             json.dumps(

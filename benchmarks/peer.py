@@ -235,11 +235,15 @@ def tokenrelay_up(
     run_dir: Path,
     extra_env: dict[str, str],
     n_ctx: int | None = N_CTX,
+    *,
+    workers: int = 1,
+    name: str = TOKENRELAY,
 ) -> Iterator[Server]:
     """``tokenrelay up`` (python -m workers.up) with the llamacpp engine; its children's
     PIDs come from ``up.json``; stopped with SIGTERM to ``up``, which stops them in order.
     ``extra_env`` goes to tokenrelay's processes only (an A/B of e.g. OMP_WAIT_POLICY);
-    ``n_ctx`` None keeps tokenrelay's default context."""
+    ``n_ctx`` None keeps tokenrelay's default context; ``workers`` worker processes,
+    ``threads`` each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
     env.update(extra_env)
     env.update(
@@ -253,7 +257,8 @@ def tokenrelay_up(
     port = free_port()
     args = [sys.executable, "-m", "workers.up", "--port", str(port), "--run-dir", str(run_dir)]
     args += ["--flower-port", str(free_port()), "--redis-port", str(free_port()), "--fresh"]
-    proc = Proc(args, env, run_dir.parent / "tokenrelay-up.log")
+    args += ["--workers", str(workers)]
+    proc = Proc(args, env, run_dir.parent / f"tokenrelay-{run_dir.name}-up.log")
     state_file = run_dir / "up.json"
     try:
 
@@ -268,7 +273,7 @@ def tokenrelay_up(
         state = wait_for(running, 240, "tokenrelay up to be ready", interval=0.25)
         assert isinstance(state, dict)
         pids = {name: int(child["pid"]) for name, child in state["children"].items()}
-        yield Server(TOKENRELAY, f"http://127.0.0.1:{port}", pids)
+        yield Server(name, f"http://127.0.0.1:{port}", pids)
     finally:
         proc.stop(timeout=60)
 

@@ -151,6 +151,8 @@ class Stack:
         self.urls: dict[str, str] = {}
         self.flower_auth = settings.flower_basic_auth or f"admin:{secrets.token_urlsafe(12)}"
         self.state = "starting"
+        # "worker", then "worker-2" ... with ``--workers``.
+        self.worker_names = ["worker"] + [f"worker-{i}" for i in range(2, options.workers + 1)]
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -161,7 +163,8 @@ class Stack:
         env = self._child_env()
         py = sys.executable
         loglevel = ["--loglevel", "INFO"]
-        self._spawn("worker", [py, "-m", "workers", *loglevel], env, WORKER_ENGINE_FAILED)
+        for name in self.worker_names:
+            self._spawn(name, [py, "-m", "workers", *loglevel], env, WORKER_ENGINE_FAILED)
         self._spawn("streamer", [py, "-m", "workers.streamer", *loglevel], env)
         self._spawn("batcher", [py, "-m", "workers.batcher", *loglevel], env)
         # Its own metrics directory: a restarted web server clears the dead one's samples
@@ -307,7 +310,12 @@ class Stack:
         """Stop every child, phase by phase; SIGKILL what outlives its grace period."""
         self.state = "stopping"
         self.write_state()
-        self.supervisor.stop(STOP_PHASES, self.force.is_set, say)
+        # Every worker where STOP_PHASES names "worker".
+        phases = [
+            tuple(n for name in phase for n in (self.worker_names if name == "worker" else [name]))
+            for phase in STOP_PHASES
+        ]
+        self.supervisor.stop(phases, self.force.is_set, say)
         self.state = "stopped"
 
     def write_state(self, exit_code: int | None = None) -> None:

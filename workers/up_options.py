@@ -26,6 +26,7 @@ class Options:
     stop_timeout: float
     fresh: bool = False
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    workers: int = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         "echo needs no model weights",
     )
     parser.add_argument("--model", help="model name under models_dir, or a path")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes (each loads the model; a chat's next turn goes to the one "
+        "holding its prefix); give each a share of the cores with "
+        "TOKENRELAY_LLAMACPP_THREADS (default: %(default)s)",
+    )
     parser.add_argument("--port", type=int, help="web server port (default: TOKENRELAY_PORT)")
     parser.add_argument("--flower-port", type=int, help="Flower port (TOKENRELAY_FLOWER_PORT)")
     parser.add_argument(
@@ -112,6 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
         parser.error("--fresh empties the private Redis only; a Redis given by URL is not ours")
     if args.max_restarts < 0 or args.restart_window <= 0:
         parser.error("--max-restarts must be >= 0 and --restart-window > 0")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     options = Options(
         run_dir=args.run_dir,
         redis_url=args.redis_url,
@@ -120,5 +131,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
         stop_timeout=args.stop_timeout,
         fresh=args.fresh,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
+        workers=args.workers,
     )
     return args, options

@@ -115,12 +115,16 @@ def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
         up.popen.send_signal(signal.SIGTERM)
         assert up.wait_exit(60) == 0, up.logs()
 
-        # --fresh starts empty.
-        up = start_up(tmp_path, models_dir, *ports, "--fresh")
+        # --fresh starts empty; --workers runs more than one worker, and stops them all.
+        up = start_up(tmp_path, models_dir, *ports, "--fresh", "--workers", "2")
         up.wait_ready(120)
         assert listed_files(urls["api"]) == []
+        pids = up.recorded_pids()
+        assert {"worker", "worker-2"} <= set(pids)
         up.popen.send_signal(signal.SIGTERM)
         assert up.wait_exit(60) == 0, up.logs()
+        alive = {name: pid for name, pid in pids.items() if pid_alive(pid)}
+        assert not alive, f"left running: {alive}"
     finally:
         up.cleanup()
 
