@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
+from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -268,7 +269,7 @@ def report(passes: list[Pass], cs: list[int], turns: int) -> str:
 FLEET = {
     "tokenrelay 2 workers": (2, 1, 0.5, True),
     "tokenrelay 2 workers unrouted": (2, 1, 0.5, False),
-    "tokenrelay 1 worker, 2x slots": (1, 2, 1.0, True),
+    "tokenrelay 1 worker 2x slots": (1, 2, 1.0, True),
 }
 DEFAULT_N_CTX = 8192  # TOKENRELAY_LLAMACPP_N_CTX's default
 
@@ -300,6 +301,28 @@ def fleet(stack: ExitStack, root: Path, args: argparse.Namespace) -> list[Server
     return servers
 
 
+def routes_of(server: Server) -> dict[str, int]:
+    """The web tier's routing outcomes so far (``tokenrelay_prefix_routes_total``)."""
+    with urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tokenrelay_prefix_routes_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = int(float(line.split()[-1]))
+    return out
+
+
+def beyond_shared(p: Pass) -> float:
+    """The cached share of prompt tokens past the system prompt, turns >= 1: what only
+    the worker holding the conversation can have (every worker soon holds the system
+    prompt, measured as the median cached count of the first turns)."""
+    shared = statistics.median(conv.turns[0].cached_tokens for conv in p.convs if conv.turns)
+    turns = [t for conv in p.convs for t in conv.turns[1:] if not t.error]
+    prompt = sum(t.prompt_tokens - shared for t in turns)
+    return sum(t.cached_tokens - shared for t in turns) / prompt if prompt else 0.0
+
+
 def fleet_report(passes: list[Pass], cs: list[int]) -> str:
     names = list(FLEET)
     lines = []
@@ -310,10 +333,19 @@ def fleet_report(passes: list[Pass], cs: list[int]) -> str:
             )
             for n in names
         }
-        one = share[names[2]]
+        beyond = {
+            n: statistics.median(
+                beyond_shared(p) for p in passes if p.server == n and p.conversations == c
+            )
+            for n in names
+        }
+        one, one_beyond = share[names[2]], beyond[names[2]]
         lines.append(
             f"C={c}: cached share, 2 routed workers / 1 worker with 2x slots: "
-            f"{share[names[0]] / one:.0%}; unrouted: {share[names[1]] / one:.0%}"
+            f"{share[names[0]] / one:.0%} (unrouted: {share[names[1]] / one:.0%}); past the "
+            f"system prompt, turns >= 1: {beyond[names[0]]:.0%} / {one_beyond:.0%} = "
+            f"{beyond[names[0]] / one_beyond:.0%} (unrouted {beyond[names[1]]:.0%} = "
+            f"{beyond[names[1]] / one_beyond:.0%})"
         )
     return "\n".join(lines)
 
@@ -390,7 +422,8 @@ def main() -> int:
                         f"round {r} C={c} {s.name}: wall {p.wall:.1f} s, TTFT turn 0 "
                         f"{p.ttft_p50(range(1)):.2f} s, turns>=2 "
                         f"{p.ttft_p50(range(2, args.turns)):.2f} s, cached "
-                        f"{p.cached_share:.0%}, failed {p.failures}",
+                        f"{p.cached_share:.0%}, failed {p.failures}"
+                        + (f", routes {routes_of(s)}" if args.fleet else ""),
                         flush=True,
                     )
     print()

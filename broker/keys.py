@@ -9,6 +9,7 @@
 {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
 {p}pfx:{wid}        set    names of the prompt prefixes a worker's engine holds (8-byte
                            block names, app.prefix_blocks); TTL = heartbeat timeout
+{p}pfx:{wid}:load   string requests running or waiting on that worker, at every change
 {p}streamer:{sid}   string streamer registration JSON, TTL = heartbeat timeout
 {p}streamers        zset   streamer ids scored by last heartbeat
 {p}batcher:{id}     string batch driver registration JSON, TTL = heartbeat timeout
@@ -100,6 +101,10 @@ class Keys:
     def prefix_blocks(self, worker_id: str) -> str:
         """A worker's advertised prefix-block names (``broker.prefix_routes``)."""
         return f"{self.prefix}pfx:{worker_id}"
+
+    def prefix_load(self, worker_id: str) -> str:
+        """Requests running or waiting on a worker, written by its engine thread."""
+        return f"{self.prefix}pfx:{worker_id}:load"
 
     @property
     def inflight_weights(self) -> str:

@@ -68,12 +68,16 @@ class PrefixAdverts:
         worker_id: str,
         names: AbstractSet[bytes],
         previous: AbstractSet[bytes] | None = None,
+        load: int | None = None,
     ) -> None:
         """Make ``worker_id``'s set ``names``, atomically (a reader never sees it empty
         in between): from ``previous`` (what the last call wrote) by adding and removing
-        the difference, or rewritten whole when ``previous`` is None."""
+        the difference, or rewritten whole when ``previous`` is None; and its ``load``
+        (requests running or waiting on it) when given."""
         key = self.keys.prefix_blocks(worker_id)
         pipe = self.redis.pipeline(transaction=True)
+        if load is not None:
+            pipe.set(self.keys.prefix_load(worker_id), load, px=self.ttl_ms)
         added: AbstractSet[bytes] = names
         removed: AbstractSet[bytes] = frozenset()
         if previous is None:
@@ -88,11 +92,14 @@ class PrefixAdverts:
         pipe.execute()
 
     def touch(self, worker_id: str) -> None:
-        """Keep the set alive another TTL (the heartbeat calls it)."""
-        self.redis.pexpire(self.keys.prefix_blocks(worker_id), self.ttl_ms)
+        """Keep the set and the load alive another TTL (the heartbeat calls it)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.pexpire(self.keys.prefix_blocks(worker_id), self.ttl_ms)
+        pipe.pexpire(self.keys.prefix_load(worker_id), self.ttl_ms)
+        pipe.execute()
 
     def remove(self, worker_id: str) -> None:
-        self.redis.delete(self.keys.prefix_blocks(worker_id))
+        self.redis.delete(self.keys.prefix_blocks(worker_id), self.keys.prefix_load(worker_id))
 
 
 class PrefixRouter:
@@ -145,15 +152,16 @@ class PrefixRouter:
         for w in workers:
             pipe.smismember(self.keys.prefix_blocks(w.worker_id), names)
             pipe.llen(worker_queue(self.model, w.worker_id))
+            pipe.get(self.keys.prefix_load(w.worker_id))
         replies: list[Any] = pipe.execute()
-        held = [_leading(replies[2 * i]) for i in range(len(workers))]
+        held = [_leading(replies[3 * i]) for i in range(len(workers))]
         best = max(held)
         if best == 0:
             return None, "no_match"
         if min(held) == best:
             return None, "tie"  # every worker holds as much: any of them will do
         room = [
-            (w.capacity - w.active_jobs - int(replies[2 * i + 1]), w.worker_id)
+            (w.capacity - _load(w, replies[3 * i + 2]) - int(replies[3 * i + 1]), w.worker_id)
             for i, w in enumerate(workers)
             if held[i] == best
         ]
@@ -178,6 +186,12 @@ class PrefixRouter:
 
 # How ``choose`` decided, for /metrics (``tokenrelay_prefix_routes_total``).
 OUTCOMES = ("routed", "tie", "no_match", "full", "not_routed", "error")
+
+
+def _load(worker: WorkerInfo, written: Any) -> int:
+    """Requests running or waiting on ``worker``: as its engine thread last wrote it (at
+    every change), else as its last heartbeat said."""
+    return int(written) if written is not None else worker.active_jobs
 
 
 def _leading(flags: list[Any]) -> int:

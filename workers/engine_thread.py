@@ -142,7 +142,7 @@ class EngineThread(threading.Thread):
         clock: Callable[[], float] = time.time,
         idle_wait_s: float = 0.05,
         worker_id: str | None = None,
-        advertise: Callable[[frozenset[bytes], frozenset[bytes] | None], None] | None = None,
+        advertise: Callable[[frozenset[bytes], frozenset[bytes] | None, int], None] | None = None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self.engine = engine
@@ -180,6 +180,7 @@ class EngineThread(threading.Thread):
         # None: this worker is not routed to.
         self.advertise = advertise
         self._advertised: frozenset[bytes] | None = None  # None: rewrite the whole set
+        self._advertised_load = -1
         self._advert_checked = 0.0  # monotonic
         self._advert_sent = -ADVERT_REFRESH_S
 
@@ -272,30 +273,38 @@ class EngineThread(threading.Thread):
         """Write the engine's prefix-block names when a choice finished (its KV is now
         cached), or at most every ``ADVERT_EVERY_S`` when they changed otherwise
         (running prompts, evictions), and every ``ADVERT_REFRESH_S`` regardless (a
-        Redis restarted without its data). A failed write is retried on the next call."""
+        Redis restarted without its data); with them, or alone whenever it changed, the
+        load (requests running or waiting here), which the web tier's room check reads
+        because the heartbeat's is up to a beat old. A failed write is retried on the
+        next call."""
         if self.advertise is None:
             return
         now = time.monotonic()
-        if not finished and now - self._advert_checked < ADVERT_EVERY_S:
-            return
-        self._advert_checked = now
-        try:
-            names = self.engine.prefix_blocks()
-        except Exception:
-            logger.exception("engine prefix_blocks failed")
-            return
+        names = self._advertised
+        if names is None or finished or now - self._advert_checked >= ADVERT_EVERY_S:
+            self._advert_checked = now
+            try:
+                names = self.engine.prefix_blocks()
+            except Exception:
+                logger.exception("engine prefix_blocks failed")
+                return
+            if names is None:
+                return
+        load = self.inbox.qsize() + sum(1 for a in self._active.values() if a.open_choices)
         refresh = now - self._advert_sent >= ADVERT_REFRESH_S
-        if names is None or (names == self._advertised and not refresh):
+        if names == self._advertised and load == self._advertised_load and not refresh:
             return
         try:
             # The difference from what was written, or everything now and then.
-            self.advertise(names, None if refresh else self._advertised)
+            self.advertise(names, None if refresh else self._advertised, load)
         except redis.RedisError as exc:
             logger.debug("advertising cached prefixes failed: %s", exc)
             self._advertised = None  # not known what Redis holds now: rewrite it next
             return
         self._advertised = names
-        self._advert_sent = now
+        self._advertised_load = load
+        if refresh:
+            self._advert_sent = now
 
     def _admit(self, block: bool) -> None:
         try:

@@ -167,3 +167,13 @@ def test_adverts_are_rewritten_or_changed_in_place(fleet: Fleet, redis_client: r
     assert redis_client.smembers(key) == {b"d"}
     fleet.adverts.remove("w9")
     assert not redis_client.exists(key)
+
+
+def test_the_load_the_engine_thread_wrote_beats_the_heartbeats(fleet: Fleet) -> None:
+    fleet.worker("w1", [A], active=2)  # the heartbeat says full ...
+    fleet.worker("w2", [B])
+    names = frozenset(block_names(f"{fleet.settings.served_name}\n", A))
+    fleet.adverts.publish("w1", names, names, 1)  # ... but one has finished since
+    assert fleet.choose(A) == "w1"
+    fleet.adverts.publish("w1", names, names, 2)
+    assert fleet.choose(A) is None
