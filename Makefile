@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint install install-dev bench clean
+.PHONY: run test test-fast lint install install-dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,15 @@ lint: install-dev
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Everything (unit, integration, e2e, faults); PYTEST_ARGS adds options, e.g. CI's
+# "--durations=25" (the slowest tests).
+PYTEST_ARGS ?=
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Unit tests only: no process started, no socket, no weights loaded (under a minute).
+test-fast: install-dev
+	$(BIN)/pytest -m unit -q $(PYTEST_ARGS)
 
 bench: install-dev
 	$(BIN)/python benchmarks/decoder.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The relay benchmarks on the device machine (16 cores), in one call of about 5 minutes
-# (4 min 23 s in a dry run on this machine's 2 cores: docs/benchmarks.md).
+# (4 min 23 s in a dry run on this machine's 2 cores: docs/benchmarks-log.md).
 #
 #   here, once (needs PyPI):  .venv/bin/python benchmarks/device_carry.py
 #   there:                    run(command="bash benchmarks/device_relay.sh",
@@ -8,7 +8,7 @@
 #
 # Why: issue 12's one unmet goal, the paced relay's added inter-token latency (p50
 # <= 2 ms at --rate 200), is above 2 ms on this 2-core machine, and the measured floor
-# (docs/benchmarks.md) names a core per process as the next step. Every run here is
+# (docs/benchmarks-log.md) names a core per process as the next step. Every run here is
 # made twice in turn: on all of the machine's cores, and under `taskset -c 0,1`, the
 # control: the same host and code on two cores, so the core count is the one thing
 # that differs between the pair. Runs: the paced relay (64 requests x 256 tokens at 200

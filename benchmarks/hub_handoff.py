@@ -4,7 +4,7 @@
 
 Why: in the paced relay run (``relay.py --stage relay --rate 200``) the web process's
 hub hands each line of a streamer's output step entry to its subscription, one after
-the other; a line waits for the work on the lines before it (docs/benchmarks.md, issue
+the other; a line waits for the work on the lines before it (docs/benchmarks-log.md, issue
 12 session 20). This times exactly that code, the real ``OutputHub._take_steps`` on an
 entry of ``--requests`` plain text chunks, each subscription with a pump (as the SSE
 route's, ``web.sse_pump``: entries of plain deltas taken on the hub's thread), and

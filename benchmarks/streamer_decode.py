@@ -4,7 +4,7 @@
 
 Why: in the paced relay run (``relay.py --stage relay --rate 200``) the streamer's decode
 of a step's 64 requests is the largest part of the chain each step goes through in turn
-(docs/benchmarks.md, issue 12 session 19). This times exactly that code, the real
+(docs/benchmarks-log.md, issue 12 session 19). This times exactly that code, the real
 ``Streamer`` taking a worker step entry's lines (``_take_steps``) and decoding each
 request's chunk into its output entry (``_decode_all``: for these plain requests the
 Decoder, the text chunk's codec and the chunk log), with the bundled model's tokenizer, one token

@@ -1,5 +1,6 @@
-"""Shared fixtures: the bundled model's tokenizer, built once per session, and OpenAI SDK
-clients closed when their test ends; and a check that no test leaves a client open."""
+"""Shared fixtures: the bundled model (its models directory, its own directory, its card
+and tokenizer), built once per session; OpenAI SDK clients closed when their test ends,
+and a check that no test leaves a client open; every test's kind as a marker."""
 
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ def bundled_gguf() -> Path:
     from app.prepare import bundled_gguf_path
 
     return bundled_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models directory holding the bundled model, prepared once per session."""
+    from app.prepare import prepare_bundled_model
+
+    models = tmp_path_factory.getbasetemp() / "models"
+    prepare_bundled_model(models, progress=lambda _msg: None)
+    return models
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir(models_dir: Path) -> Path:
+    """The prepared SmolLM2 directory inside ``models_dir``."""
+    from app.prepare import prepare_bundled_model
+
+    return prepare_bundled_model(models_dir, progress=lambda _msg: None)
 
 
 @pytest.fixture(scope="session")
@@ -90,6 +109,62 @@ def _track_openai_clients() -> None:
 def _collected(closed: list[bool], where: str) -> None:
     if not closed[0]:
         _LEFT_OPEN.append(where)
+
+
+# -- every test's kind ---------------------------------------------------------------------
+# One of these per test. A file declares its kind with ``pytestmark``; otherwise its
+# directory decides (below), and a file directly under tests/ is a unit test. Unit tests
+# start no process and open no socket (``make test-fast`` runs them alone).
+KINDS = ("unit", "integration", "e2e", "faults")
+DIRECTORY_KINDS = {
+    "e2e": "e2e",  # the whole stack as real processes, real clients
+    "faults": "faults",  # the whole stack, with processes killed under it
+    "integration": "integration",  # real redis-server, Celery workers, engines
+    "web": "integration",  # the Flask app against a real redis-server
+    "engines": "integration",  # engines on the bundled model's weights
+}
+TESTS_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        declared = {k for k in KINDS if item.get_closest_marker(k) is not None}
+        if len(declared) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: more than one kind {sorted(declared)}")
+        if not declared:
+            parts = item.path.relative_to(TESTS_DIR).parts
+            kind = DIRECTORY_KINDS.get(parts[0], "unit") if len(parts) > 1 else "unit"
+            item.add_marker(kind)
+
+
+class NotAUnitTest(Exception):
+    """A unit test tried to open a socket or start a process: give it another kind."""
+
+
+@pytest.fixture(autouse=True)
+def _units_stay_in_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Unit tests may not connect, listen or spawn: what keeps ``make test-fast`` fast
+    and its tests independent of anything outside the process."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import socket
+    import subprocess
+
+    def refuse(what: str) -> Callable[..., Any]:
+        def refused(*_args: Any, **_kwargs: Any) -> Any:
+            raise NotAUnitTest(f"a unit test may not {what}: mark it integration (or move it)")
+
+        return refused
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket.socket, "connect", refuse("connect a socket"))
+        mp.setattr(socket.socket, "connect_ex", refuse("connect a socket"))
+        mp.setattr(socket.socket, "bind", refuse("bind a socket"))
+        # Not __init__: a Popen refused there is half built, and its __del__ fails
+        # later, in another test.
+        mp.setattr(subprocess.Popen, "_execute_child", refuse("start a process"))
+        yield
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -18,7 +18,6 @@ from app.chat_template import (
 )
 from app.errors import InvalidRequest, ModelError
 from app.model_card import ModelCard, load_model_card
-from app.prepare import prepare_bundled_model
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -33,11 +32,8 @@ IM_START, IM_END = 1, 2
 
 
 @pytest.fixture(scope="session")
-def smollm_card(tmp_path_factory: pytest.TempPathFactory) -> ModelCard:
-    # The same directory test_prepare uses: preparing is idempotent, so whichever
-    # module runs second finds it built.
-    models = tmp_path_factory.getbasetemp() / "models"
-    return load_model_card(prepare_bundled_model(models))
+def smollm_card(bundled_model_dir: Path) -> ModelCard:
+    return load_model_card(bundled_model_dir)
 
 
 @pytest.fixture(scope="session")

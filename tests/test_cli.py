@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.prepare import BUNDLED_MODEL_NAME, prepare_bundled_model
+from app.prepare import BUNDLED_MODEL_NAME
 from app.settings import settings_markdown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,14 +23,6 @@ class ExecRecorder:
 
     def __call__(self, file: str, args: list[str]) -> None:
         self.calls.append((file, list(args)))
-
-
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Same directory as test_prepare / test_chat_template: built once per session.
-    models = tmp_path_factory.getbasetemp() / "models"
-    prepare_bundled_model(models)
-    return models
 
 
 def test_model_prepare_prints_the_directory(
@@ -171,6 +163,7 @@ def test_usage_errors_and_help(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_console_script_runs_without_a_traceback(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "app.cli", "model", "list", "--models-dir", str(tmp_path)],
@@ -184,6 +177,7 @@ def test_console_script_runs_without_a_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_app_imports_no_network_stack() -> None:
     code = (
         "import app, app.cli, app.model_card, app.chat_template, app.prepare; import sys; "

@@ -56,6 +56,7 @@ def env_example_vars() -> set[str]:
     return names
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_docker_compose_config_validates(tmp_path: Path) -> None:
     exe = shutil.which("docker-compose")
     if exe is None:
@@ -180,6 +181,7 @@ def test_dockerfiles_install_the_right_extras_and_the_bundled_model() -> None:
         assert "USER tokenrelay" in text
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_healthcheck_script_reports_unhealthy_in_one_line() -> None:
     script = REPO / "docker" / "healthcheck.py"
     env = {"TOKENRELAY_REDIS_URL": "redis://127.0.0.1:1/0", "PYTHONPATH": str(REPO)}

@@ -42,11 +42,8 @@ class CountingTokenizer:
 
 
 @pytest.fixture(scope="module")
-def card(tmp_path_factory: pytest.TempPathFactory) -> ModelCard:
-    from app.prepare import prepare_bundled_model
-
-    model_dir = prepare_bundled_model(tmp_path_factory.mktemp("models"), progress=lambda _: None)
-    return load_model_card(Path(model_dir))
+def card(bundled_model_dir: Path) -> ModelCard:
+    return load_model_card(bundled_model_dir)
 
 
 @pytest.fixture

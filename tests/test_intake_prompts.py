@@ -15,11 +15,8 @@ from app.protocol import parse_completion_request
 
 
 @pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> RecordBuilder:
-    from app.prepare import prepare_bundled_model
-
-    model_dir = prepare_bundled_model(tmp_path_factory.mktemp("models"), progress=lambda _: None)
-    card = load_model_card(Path(model_dir))
+def builder(bundled_model_dir: Path) -> RecordBuilder:
+    card = load_model_card(bundled_model_dir)
     return RecordBuilder(
         card, PromptBuilder.from_card(card), model_name="m", request_timeout_s=60, clock=time.time
     )

@@ -8,6 +8,8 @@ import os
 import time
 from typing import Any
 
+import pytest
+
 from tests.benchmark_modules import load
 
 
@@ -19,6 +21,7 @@ def test_host_pace_is_one_figure_per_cpu_and_restores_the_affinity() -> None:
     assert os.sched_getaffinity(0) == allowed
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_the_pace_probe_samples_each_cpu_during_its_block() -> None:
     relay = load("relay")
     out: dict[str, list[float]] = {}
@@ -32,6 +35,7 @@ def test_the_pace_probe_samples_each_cpu_during_its_block() -> None:
     assert 0 <= out["slow_share"][0] <= 1
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_the_peer_benchmark_reports_each_run_s_slow_share(monkeypatch: Any) -> None:
     peer = load("peer")
 

@@ -98,6 +98,7 @@ def test_redact() -> None:
     assert redact("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
+@pytest.mark.integration  # starts a process or opens a socket
 def test_redis_client_builds_a_blocking_sentinel_pool() -> None:
     client = redis_client(
         "redis+sentinel://:pw@127.0.0.1:1,127.0.0.1:2/mymaster/3", max_connections=7

@@ -25,11 +25,8 @@ EOS = 2  # SmolLM2's <|im_end|>
 
 
 @pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> RecordBuilder:
-    from app.prepare import prepare_bundled_model
-
-    model_dir = prepare_bundled_model(tmp_path_factory.mktemp("models"), progress=lambda _: None)
-    card = load_model_card(Path(model_dir))
+def builder(bundled_model_dir: Path) -> RecordBuilder:
+    card = load_model_card(bundled_model_dir)
     return RecordBuilder(
         card,
         PromptBuilder.from_card(card),

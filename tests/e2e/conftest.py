@@ -22,15 +22,6 @@ from tests.stack import Stack, full_stack, isolated_settings
 
 
 @pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.prepare import prepare_bundled_model
-
-    root = tmp_path_factory.mktemp("models")
-    prepare_bundled_model(root, progress=lambda _msg: None)
-    return root
-
-
-@pytest.fixture(scope="session")
 def model_dir(models_dir: Path) -> Path:
     return models_dir / "SmolLM2-135M-Instruct"
 

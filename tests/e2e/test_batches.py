@@ -29,7 +29,7 @@ from tests.stack import (
     web_process,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
 TERMINAL = {"completed", "failed", "cancelled", "expired"}

@@ -26,7 +26,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 pytestmark = [
-    pytest.mark.integration,
+    pytest.mark.e2e,
     pytest.mark.skipif(
         not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()),
         reason="needs Chromium and its driver (Debian: apt install chromium chromium-driver)",

@@ -22,7 +22,7 @@ import websocket
 
 from tests.stack import Stack, batcher_process, full_stack, isolated_settings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 ALPHA, BETA, ADMIN = "k-alpha", "k-beta", "k-admin"
 CHAT = "/v1/chat/completions"

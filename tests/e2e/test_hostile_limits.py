@@ -29,7 +29,7 @@ from tests.stack import (
     web_settings,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 ALPHA, BETA = "k-alpha", "k-beta"
 EVIL = "http://evil.example"

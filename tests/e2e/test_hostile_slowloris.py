@@ -24,7 +24,7 @@ from tests.slow_clients import Slowloris, response_of, status_of
 from tests.slow_clients import normal_clients as clients_round
 from tests.stack import Stack, full_stack, isolated_settings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 SLOW = 1000
 HEADER_TIMEOUT_S = 8.0

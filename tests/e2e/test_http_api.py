@@ -20,7 +20,7 @@ from tests.e2e.conftest import in_flight
 from tests.e2e.stop_cases import CASES, chat_body, expected
 from tests.stack import Stack, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
 

@@ -14,7 +14,7 @@ import requests
 from tests.e2e.conftest import in_flight
 from tests.stack import Stack, wait_for, web_process, web_settings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 TEXT = "Hello there, my friend! How is 東京 today?"
 

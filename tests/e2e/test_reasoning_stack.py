@@ -23,7 +23,7 @@ from app.prepare import MARKER_FILE
 from tests.e2e.test_chat_page import CHROMEDRIVER, CHROMIUM, ChatPage, browser
 from tests.stack import Stack, full_stack, isolated_settings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 __all__ = ["browser"]  # the Chromium fixture, shared with the chat page's tests
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from tests.e2e.conftest import SLOW_RATE, in_flight
 from tests.stack import Stack, batcher_process, wait_for, web_process, web_settings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 TEXT = "Hello there, my friend! How is 東京 today?"
 WEATHER: Any = {

@@ -26,7 +26,7 @@ from tests.stack import Stack, full_stack, isolated_settings
 pytest.importorskip("llama_cpp")
 pytest.importorskip("workers.engines.llamacpp")
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WEATHER: Any = {
     "type": "function",

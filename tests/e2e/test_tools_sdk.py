@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from tests.stack import Stack, batcher_process
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 WEATHER: Any = {
     "type": "function",

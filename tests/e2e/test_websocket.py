@@ -20,7 +20,7 @@ from broker.requests import RequestStore
 from tests.e2e.stop_cases import CASES, chat_body, expected
 from tests.stack import Stack, full_stack, isolated_settings, wait_for, web_process, web_settings
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 RATE = 40.0  # echo tokens per second per choice: slow enough to cancel mid-stream
 LONG = " ".join(f"word{i}" for i in range(160))  # ~320 tokens: 8 s at RATE

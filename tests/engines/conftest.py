@@ -8,9 +8,6 @@ import pytest
 
 from app.chat_template import PromptBuilder
 from app.model_card import ModelCard, load_model_card
-from tests.engines.test_contract import bundled_model_dir
-
-__all__ = ["bundled_model_dir"]  # the session fixture, defined beside the contract suite
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,12 @@ from tests.engines.test_contract import (
     Choice,
     Run,
     advance,
-    bundled_model_dir,
     make_llamacpp,
 )
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
 from workers.engines.constraint import ConstraintError
 from workers.engines.echo import EchoEngine
 from workers.engines.llamacpp import LlamaCppEngine
-
-__all__ = ["bundled_model_dir"]
 
 PERSON = {
     "type": "object",

@@ -24,15 +24,6 @@ GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [1, 4093, 198, 19556, 665, 28, 638, 359, 346, 1834, 47, 2, 198, 1, 520, 9531, 198]
 
 
-@pytest.fixture(scope="session")
-def bundled_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The prepared SmolLM2 directory, built once per session (idempotent, so every
-    module asking for it shares the same directory)."""
-    from app.prepare import prepare_bundled_model
-
-    return prepare_bundled_model(tmp_path_factory.getbasetemp() / "models")
-
-
 def make_llamacpp(model_dir: Path, **kwargs: object) -> Engine:
     from app.model_card import load_model_card
     from workers.engines.llamacpp import LlamaCppEngine

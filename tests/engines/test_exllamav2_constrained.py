@@ -39,6 +39,8 @@ from workers.engines.constraint import CLOSING_TOKENS, GrammarVocab
 from workers.engines.exllamav2 import ExLlamaV2Engine
 from workers.engines.exllamav2_filter import GrammarFilter
 
+pytestmark = pytest.mark.unit  # fakes only: no engine weights, no server
+
 EOS = 2  # <|im_end|>
 PROMPT = [1, 4093, 198, 19556, 665, 28, 638, 359, 346, 1834, 47, 2, 198, 1, 520, 9531, 198]
 

@@ -31,6 +31,8 @@ from workers.engines.base import ChoiceJob, EngineJob, EngineStep, JobRejected
 from workers.engines.exllamav2 import ExLlamaV2Engine
 from workers.engines.exllamav2_jobs import NEUTRAL_SETTINGS, logprobs_from_logits
 
+pytestmark = pytest.mark.unit  # fakes only: no engine weights, no server
+
 __all__ = [
     "PADDED_VOCAB",
     "VOCAB",

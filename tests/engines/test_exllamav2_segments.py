@@ -32,6 +32,8 @@ from workers.engines.base import ChoiceJob, EngineStep
 from workers.engines.constraint import GrammarVocab
 from workers.engines.exllamav2 import ExLlamaV2Engine
 
+pytestmark = pytest.mark.unit  # fakes only: no engine weights, no server
+
 PROMPT = [1, 10, 11, 12]
 
 

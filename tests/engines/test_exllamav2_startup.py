@@ -40,6 +40,8 @@ from workers.engines.exllamav2_startup import (
     unpaged_reason,
 )
 
+pytestmark = pytest.mark.unit  # fakes only: no engine weights, no server
+
 # --- item 6: limits checked before the load ---------------------------------------------
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from app.messages import SamplingParams
 from benchmarks.gpu_check import check
 from tests.engines.exllamav2_standin import VOCAB, StandInDynamicGenerator, stand_in_api
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.exllamav2 import ExLlamaV2Engine
+
+pytestmark = pytest.mark.unit  # fakes only: no engine weights, no server
 
 EOS = 0
 

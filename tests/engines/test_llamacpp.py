@@ -16,11 +16,9 @@ from app.chat_template import PromptBuilder
 from app.messages import EngineFinish, SamplingParams
 from app.model_card import ModelCard
 from app.settings import Settings
-from tests.engines.test_contract import PROMPT, Run, advance, bundled_model_dir, make_llamacpp
+from tests.engines.test_contract import PROMPT, Run, advance, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
 from workers.engines.llamacpp import KV_FULL_MESSAGE, LlamaCppEngine, choice_seed, cpu_has_amx
-
-__all__ = ["bundled_model_dir"]  # the session fixture, shared with the contract suite
 
 GREEDY = SamplingParams(temperature=0.0)
 OTHER_PROMPTS = [

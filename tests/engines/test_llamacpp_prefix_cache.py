@@ -31,11 +31,9 @@ import pytest
 from app.chat_template import PromptBuilder
 from app.messages import SamplingParams, TokenLogprob
 from app.prefix_blocks import block_names
-from tests.engines.test_contract import Run, advance, bundled_model_dir, make_llamacpp
+from tests.engines.test_contract import Run, advance, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine
-
-__all__ = ["bundled_model_dir"]
 
 GREEDY = SamplingParams(temperature=0.0, logprobs=2)  # the runner-up shows near ties
 NEAR_TIE = 0.3  # nats: partings measured here were 0.05-0.27 apart

@@ -14,6 +14,8 @@ import pytest
 from app.prefix_blocks import BLOCK, block_names
 from workers.engines.prefix_cache import HostCache, HostEntry, PrefixTree
 
+pytestmark = pytest.mark.unit  # pure bookkeeping: no engine, no weights
+
 
 class KvModel:
     """What the unified KV cache holds, cell by cell."""

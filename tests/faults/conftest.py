@@ -10,15 +10,6 @@ from tokenizers import Tokenizer
 
 
 @pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.prepare import prepare_bundled_model
-
-    root = tmp_path_factory.mktemp("models")
-    prepare_bundled_model(root, progress=lambda _msg: None)
-    return root
-
-
-@pytest.fixture(scope="session")
 def tokenizer(models_dir: Path) -> Tokenizer:
     from app.model_card import load_model_card, load_tokenizer
 

@@ -51,7 +51,7 @@ from tests.stack import (
 )
 from workers.batcher import BatchDriver
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 logger = logging.getLogger(__name__)
 
 RATE = 15.0  # echo tokens per second per line: a 20-word line streams for ~3 s

@@ -32,7 +32,7 @@ from tests.stack import (
     worker_process,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 RATE = 15.0  # echo tokens per second per choice
 # In-flight requests echo TEXT twice (~4 s of streaming: still running at the kill);

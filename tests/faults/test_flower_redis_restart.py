@@ -20,7 +20,7 @@ from broker.server import RedisServer, free_port
 from tests.stack import Proc, child_env, isolated_settings, wait_for
 from workers.up import flower_command
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(180)]
 
 AUTH = "ops:secret"
 OUTAGE_S = 5.0

@@ -21,7 +21,7 @@ from tests.pipeline import TEXT, Client, OutageReader
 from tests.stack import isolated_settings, make_record, streamer_process, worker_process
 from workers.runtime import HEARTBEAT_S
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 NO_WORKER_TIMEOUT_S = 2.0
 LEASE_TTL_S = 1.5

@@ -37,7 +37,7 @@ from tests.stack import Proc, isolated_settings, make_record, streamer_process, 
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 
 class PoisonStack:

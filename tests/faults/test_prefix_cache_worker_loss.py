@@ -18,7 +18,7 @@ from tests.stack import full_stack, isolated_settings, worker_process
 
 pytest.importorskip("llama_cpp")
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 def chat(base: str, model: str, messages: list[dict[str, str]], **extra: object) -> Any:

@@ -28,7 +28,7 @@ from tests.stack import full_stack, isolated_settings, worker_process
 
 pytest.importorskip("llama_cpp")
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SYSTEM = (
     "You are a patient assistant for a small public library. You answer questions about "

@@ -38,7 +38,7 @@ from tests.stack import (
     worker_process,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from tests.stack import (
     worker_process,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 logger = logging.getLogger(__name__)
 
 CHAT = "/v1/chat/completions"

@@ -18,7 +18,7 @@ from broker.streams import GROUP
 from tests.pipeline import Client, OutageReader, classify, reference
 from tests.stack import isolated_settings, make_record, streamer_process, worker_process
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 
 TAKEOVER_S = 2.0
 LONG_TEXT = " ".join(f"word{i}" for i in range(40))  # ~80 tokens: ~8 s at 10 tokens/s

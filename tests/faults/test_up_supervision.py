@@ -171,15 +171,6 @@ def test_a_stop_while_a_child_waits_for_its_restart_starts_nothing(tmp_path: Pat
 # -- the real stack ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.prepare import prepare_bundled_model
-
-    root = tmp_path_factory.mktemp("models")
-    prepare_bundled_model(root, progress=lambda _msg: None)
-    return root
-
-
 def group_members(pgid: int) -> set[int]:
     """The PIDs of the live processes in process group ``pgid`` (from /proc)."""
     members = set()
@@ -233,7 +224,7 @@ def kill(pid: int) -> float:
     return time.monotonic()
 
 
-@pytest.mark.integration
+@pytest.mark.faults
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_up_restarts_its_killed_children_and_serves_again(tmp_path: Path, models_dir: Path) -> None:
@@ -301,7 +292,7 @@ def test_up_restarts_its_killed_children_and_serves_again(tmp_path: Path, models
         run.cleanup()
 
 
-@pytest.mark.integration
+@pytest.mark.faults
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_child_that_keeps_dying_stops_up_with_a_clear_message(

@@ -65,7 +65,7 @@ from tests.stack import (
 )
 from workers.runtime import HEARTBEAT_S
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.faults
 logger = logging.getLogger(__name__)
 
 RATE = 15.0  # echo tokens per second per request: a ~90-token answer streams for ~6 s

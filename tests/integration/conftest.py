@@ -19,15 +19,6 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
 
 
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.prepare import prepare_bundled_model
-
-    root = tmp_path_factory.mktemp("models")
-    prepare_bundled_model(root, progress=lambda _msg: None)
-    return root
-
-
 @pytest.fixture
 def settings(redis_server: RedisServer, models_dir: Path) -> Settings:
     return isolated_settings(redis_server.url, models_dir)

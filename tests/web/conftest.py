@@ -29,7 +29,7 @@ from broker.registry import StreamerInfo, WorkerInfo, streamer_registry, worker_
 from broker.requests import RequestStore
 from broker.run import Runner
 from broker.streams import OutputEntry, OutputStreams
-from tests.integration.conftest import models_dir, redis_server  # noqa: F401
+from tests.integration.conftest import redis_server  # noqa: F401
 from tests.stack import isolated_settings
 from web.app import create_app
 
