@@ -39,9 +39,9 @@ from flask import Blueprint, Flask, Response, current_app, g, request
 from app.errors import NotFound, ServiceUnavailable
 from app.fold import ResponseFold
 from app.intake import Endpoint
-from app.messages import OutputKind
 from app.response_models import ModelList, ModelObject
-from broker.run import Item, Run
+from broker import drive
+from broker.run import Run
 from web import auth, sse
 from web.auth import tenant_of
 from web.bodies import json_body
@@ -49,14 +49,12 @@ from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
 from web.responses import ChunkStream
 from web.resume import parse_event_id
-from web.sse_pump import ClientGone, SsePump, frame_items, reads
+from web.sse_pump import ClientGone, SsePump, frame_items
 
 logger = logging.getLogger(__name__)
 
 blueprint = Blueprint("openai", __name__)
 
-# How often a non-streaming request looks whether its client is still there.
-UNARY_TICK_S = 0.25
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 # -- app-wide hooks ---------------------------------------------------------------------
@@ -197,49 +195,18 @@ def _fold(run: Run, client_gone: Callable[[], bool]) -> Response:
     """The whole output in one body. An error of the request (or of every choice) is
     the HTTP status, since a non-streaming client has no other way to learn of it."""
     fold = ResponseFold.for_shape(run.shape)
-    next_look = time.monotonic() + UNARY_TICK_S
-    while not fold.done:
-        item = run.next(UNARY_TICK_S)
-        if item is not None:
-            fold.feed(item[1])
-        if time.monotonic() >= next_look:
-            next_look = time.monotonic() + UNARY_TICK_S
-            if client_gone():
-                run.close(disconnected=True)
-                return Response(status=499)  # nobody reads it; the WSGI server drops it
+    if not drive.unary(run, fold.feed, lambda: fold.done, client_gone):
+        return Response(status=499)  # nobody reads it; the WSGI server drops it
     run.close()
     if fold.failure is not None:
         raise fold.failure
     return _json(fold.response())
 
 
-def _opening(run: Run, wait_s: float) -> list[Item]:
-    """Items up to the first one that shows how the request starts.
-
-    Raises the request's error if it fails before any output (a request-level error,
-    or every choice failed); returns what it read after ``wait_s`` without output
-    (the stream then starts and keeps the client waiting).
-    """
-    seen: list[Item] = []
-    while True:
-        item = run.next(wait_s)
-        if item is None:
-            return seen
-        if run.failure is not None:
-            raise run.failure
-        seen.append(item)
-        ev = item[1]
-        if ev.kind is OutputKind.DELTA and not (ev.text or ev.logprobs):
-            continue
-        if ev.kind is OutputKind.FINAL and ev.choice in run.choice_errors:
-            continue  # one choice failed; the others may still start
-        return seen
-
-
 def _stream(run: Run, *, opening: bool = True) -> Response:
     settings = settings_of(current_app)
     keepalive_s = max(settings.sse_keepalive_s, 0.001)
-    first = _opening(run, keepalive_s) if opening else []
+    first = drive.opening(run, keepalive_s) if opening else []
     ended_by_client = False
     chunks = ChunkStream(run.shape)
     # Writes a flowing stream from the hub's thread while this one sleeps (web.sse_pump).
@@ -252,7 +219,7 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
                 head = chunks.opening()
                 if head:
                     yield "".join(sse.data_frame(c.to_json()) for c in head)
-            for read in reads(run, pump, keepalive_s, first):
+            for read in drive.reads(run, keepalive_s, first, pump):
                 if read is None:
                     yield sse.KEEPALIVE
                     continue

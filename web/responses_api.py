@@ -48,8 +48,9 @@ from app.responses_api import (
 )
 from app.responses_events import Event, ResponseEvents
 from app.settings import Settings
+from broker import drive
 from broker.responses import ResponseStore, StoredResponse
-from broker.run import Run, Runner
+from broker.run import Item, Run, Runner
 from web import sse
 from web.auth import Tenant, tenant_of
 from web.bodies import json_body
@@ -61,8 +62,6 @@ logger = logging.getLogger(__name__)
 blueprint = Blueprint("responses", __name__)
 
 ROUTE = "/v1/responses"
-# How often a non-streaming request looks whether its client is still there.
-UNARY_TICK_S = 0.25
 # How long a cancel waits for the stream's own end (partial output and usage) before
 # it marks the response cancelled itself.
 CANCEL_SETTLE_S = 2.0
@@ -260,7 +259,7 @@ def create_response() -> Response:
         return _json(started.stored.response)
     try:
         if started.request.stream:
-            return _stream(run, started.stored, started.store, -1)
+            return _stream(run, started.stored, started.store, -1, opening=True)
         return _unary(run, started.stored, started.store)
     except BaseException as exc:
         run.close(error=exc)
@@ -278,18 +277,15 @@ def relay(
     run, stored = started.run, started.stored
     assert run is not None
     events = ResponseEvents(stored.base, stored.request_id, queued=stored.background)
-    for ev in events.opening():
-        if not send(ev):
-            return
-    while not events.done and not stopped():
-        item = run.next(tick_s)
-        if item is None:
-            if run.ended:
-                break
-            continue
-        for ev in events.feed(item[1]):
-            if not send(ev):
-                return
+    if not all(send(ev) for ev in events.opening()):
+        return
+    drive.follow(
+        run,
+        lambda item: all(send(e) for e in events.feed(item[1])),
+        lambda: events.done,
+        stopped=stopped,
+        tick_s=tick_s,
+    )
     if events.done and started.store is not None:
         started.store.finish(stored.response_id, events.response)
 
@@ -300,15 +296,13 @@ def _follow_in_background(run: Run, stored: StoredResponse, store: ResponseStore
     def follow() -> None:
         events = ResponseEvents(stored.base, stored.request_id, queued=True)
         events.opening()
+
+        def feed(item: Item) -> bool:
+            events.feed(item[1])
+            return True
+
         try:
-            while not events.done:
-                item = run.next(1.0)
-                if item is None:
-                    if run.ended:
-                        break
-                    continue
-                events.feed(item[1])
-            if events.done:
+            if drive.follow(run, feed, lambda: events.done):
                 store.finish(stored.response_id, events.response)
             run.close()
         except Exception as exc:  # one bad response never ends the process
@@ -324,15 +318,8 @@ def _unary(run: Run, stored: StoredResponse, store: ResponseStore | None) -> Res
     events = ResponseEvents(stored.base, stored.request_id)
     events.opening()
     client_gone = client_gone_probe(request.environ)
-    while not events.done:
-        item = run.next(UNARY_TICK_S)
-        if item is not None:
-            events.feed(item[1])
-        elif run.ended:
-            break
-        elif client_gone():
-            run.close(disconnected=True)
-            return Response(status=499)
+    if not drive.unary(run, events.feed, lambda: events.done, client_gone):
+        return Response(status=499)
     run.close()
     response = events.response
     if store is not None:
@@ -350,12 +337,22 @@ def _frame(ev: Event) -> str:
 
 
 def _stream(
-    run: Run, stored: StoredResponse, store: ResponseStore | None, starting_after: int
+    run: Run,
+    stored: StoredResponse,
+    store: ResponseStore | None,
+    starting_after: int,
+    *,
+    opening: bool = False,
 ) -> Response:
     """The response's events after ``starting_after`` as SSE; ``run`` reads the output
-    stream from its start (the framer numbers events the same way on every replay)."""
+    stream from its start (the framer numbers events the same way on every replay).
+
+    ``opening``: a response just created, which, when it fails before its first
+    output, is answered with the error's HTTP status, as chat completions are
+    (``drive.opening``); a replay (GET) streams whatever the response came to."""
     keepalive_s = max(settings_of(current_app).sse_keepalive_s, 0.001)
     events = ResponseEvents(stored.base, stored.request_id, queued=stored.background)
+    first = drive.opening(run, keepalive_s) if opening and not stored.background else []
 
     def frames(batch: list[Event]) -> str:
         return "".join(_frame(ev) for ev in batch if ev["sequence_number"] > starting_after)
@@ -365,19 +362,15 @@ def _stream(
             head = frames(events.opening())
             if head:
                 yield head
-            while not events.done:
-                item = run.next(keepalive_s)
-                if item is None:
-                    if run.ended:
-                        break
+            for read in drive.reads(run, keepalive_s, first):
+                if read is None:
                     yield sse.KEEPALIVE
                     continue
-                batch: list[Event] = []
-                for _, ev in [item, *run.poll()]:
-                    batch += events.feed(ev)
-                text = frames(batch)
+                text = frames([e for _, ev in read for e in events.feed(ev)])
                 if text:
                     yield text
+                if events.done:
+                    break
             if events.done and store is not None:
                 store.finish(stored.response_id, events.response)
         except GeneratorExit:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
-from collections.abc import Iterator
 from typing import Any
 
 from app.messages import OutputEvent, OutputKind
@@ -148,23 +147,3 @@ def frame_items(chunks: ChunkStream, items: list[Item]) -> list[str]:
         if chunks.ended:
             break
     return frames
-
-
-def reads(
-    run: Run, pump: SsePump | None, keepalive_s: float, first: list[Item]
-) -> Iterator[list[Item] | None]:
-    """What the request thread writes, read by read: the item each wait brought and
-    every one already behind it (one write per read, not one per event), or None for
-    a keep-alive tick. With a pump, each wait lets the hub write what flows meanwhile;
-    raises ``ClientGone`` (or a pump's own failure) when that went wrong."""
-    if first:
-        yield first
-    while not run.ended:
-        pumping = pump is not None and pump.start()
-        item = run.next(keepalive_s)
-        if pumping:
-            assert pump is not None
-            pump.settle()
-            if item is None and pump.wrote:
-                continue  # it flowed through the pump: no keep-alive is due
-        yield None if item is None else [item, *run.poll()]

@@ -48,6 +48,7 @@ from app.messages import OutputEvent, OutputKind
 from app.response_models import ChatChoiceLogprobs, DeltaToolCall
 from app.settings import Settings
 from app.timings import timings_from_usage
+from broker import drive
 from broker.run import Run, Runner
 from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
 from web.context import runner_of, settings_of
@@ -487,10 +488,13 @@ class ChatSocket:
         """Relay one run to the socket until its terminal event or the socket's end."""
         error: BaseException | None = None
         try:
-            while not run.ended and not self._closed.is_set():
-                item = run.next(READ_BLOCK_S)
-                if item is not None and not self.send(server_message(id, item[1], item[0])):
-                    break
+            drive.follow(
+                run,
+                lambda item: self.send(server_message(id, item[1], item[0])),
+                lambda: run.ended,
+                stopped=self._closed.is_set,
+                tick_s=READ_BLOCK_S,
+            )
         except Exception as exc:
             logger.exception("relaying request %s to a WebSocket failed", run.request_id)
             error = exc

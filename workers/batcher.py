@@ -68,8 +68,8 @@ from app.intake import Endpoint, PreparedRequest, shape_of
 from app.records import RequestRecord, RequestState
 from app.responses_events import ResponsesFold
 from app.settings import Settings
+from broker import drive
 from broker.batches import BatchBody, BatchStore, FileQuota, FileStore, Transition
-from broker.celery_app import send_generate
 from broker.keys import Keys
 from broker.registry import BatcherInfo, batcher_registry
 from broker.run import Run, Runner
@@ -495,9 +495,7 @@ class BatchDriver:
         """Queue the line's ``generate`` task. When Redis is away kombu raises its own
         ``OperationalError``: ``_guarded`` passes it to the loop as an outage (not a bug
         of this batch), and the next ``_submit`` finds the line written and sends it."""
-        send_generate(
-            self.runner.celery, record.request_id, 0, queue=record.queue, model=record.model
-        )
+        self.runner.store.send(record, self.runner.celery)
 
     def read(self, block_s: float) -> None:
         """Fold what every running line's run has; wait for the hub when nothing had."""
@@ -505,9 +503,7 @@ class BatchDriver:
         progressed = False
         for b in list(self.driven.values()):
             for run in list(b.running.values()):
-                for _cursor, ev in run.run.poll():
-                    progressed = True
-                    run.fold.feed(ev)
+                progressed = drive.drain(run.run, run.fold.feed) or progressed
                 if run.fold.done and b.id in self.driven:
                     self._guarded(b, lambda b, run=run: self._complete(b, run))  # type: ignore[misc]
         if not progressed and not self.stopping.is_set():  # a stop sets output_ready
