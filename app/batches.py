@@ -29,7 +29,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.errors import InvalidRequest, PayloadTooLarge, error_body
+from app.errors import STATUS_TYPES, InvalidRequest, PayloadTooLarge, error_body
 from app.lenient_json import loads_lenient
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -384,17 +384,6 @@ class BatchOutputLine(_Object):
         return self.model_dump_json()
 
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    501: "not_implemented_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
 def success_line(custom_id: str, request_id: str, body: dict[str, Any]) -> BatchOutputLine:
     return BatchOutputLine(
         custom_id=custom_id,
@@ -418,7 +407,7 @@ def failed_line(custom_id: str, request_id: str, message: str, status: int) -> B
     body = {
         "error": {
             "message": message,
-            "type": _ERROR_TYPES.get(status, "internal_error"),
+            "type": STATUS_TYPES.get(status, "internal_error"),
             "param": None,
             "code": None,
         }

@@ -153,6 +153,40 @@ class ServiceUnavailable(TokenRelayError):
         self.retry_after = retry_after
 
 
+class MethodNotAllowed(TokenRelayError):
+    """An HTTP method the route does not take."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+    public = True
+
+
+class HTTPError(TokenRelayError):
+    """Any other werkzeug status, answered with a fixed message of ours."""
+
+    public = True
+
+    def __init__(self, status: int) -> None:
+        server_side = status >= 500
+        super().__init__(
+            "The server had an error while processing your request."
+            if server_side
+            else "The request could not be processed."
+        )
+        self.status = status
+        self.type = "internal_error" if server_side else "invalid_request_error"
+
+
+class OriginNotAllowed(TokenRelayError):
+    """A browser page from an origin that may not use this server's WebSocket."""
+
+    status = 403
+    type = "permission_error"
+    code = "origin_not_allowed"
+    public = True
+
+
 class StreamError(TokenRelayError):
     """An error reported on a request's output stream (a worker rejecting the prompt,
     the streamers' watchdog giving up, a choice that failed): its status is the event's

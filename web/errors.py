@@ -21,7 +21,9 @@ from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.errors import (
+    HTTPError,
     InvalidRequest,
+    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
@@ -36,29 +38,6 @@ from web.head_first import SLOW_REQUEST_MESSAGE, SlowBody
 logger = logging.getLogger(__name__)
 
 OUTAGE_LOG_S = 10.0
-
-
-class MethodNotAllowed(TokenRelayError):
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
-    public = True
-
-
-class HTTPError(TokenRelayError):
-    """Any other werkzeug status, answered with a fixed message of ours."""
-
-    public = True
-
-    def __init__(self, status: int) -> None:
-        server_side = status >= 500
-        super().__init__(
-            "The server had an error while processing your request."
-            if server_side
-            else "The request could not be processed."
-        )
-        self.status = status
-        self.type = "internal_error" if server_side else "invalid_request_error"
 
 
 def error_response(exc: BaseException) -> Response:

@@ -36,6 +36,7 @@ from simple_websocket import ConnectionClosed
 from app.errors import (
     AuthenticationFailed,
     InvalidRequest,
+    OriginNotAllowed,
     PayloadTooLarge,
     StreamError,
     TokenRelayError,
@@ -273,15 +274,6 @@ def done_message(id: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 # Authentication
 # ---------------------------------------------------------------------------------------
-
-
-class OriginNotAllowed(TokenRelayError):
-    """A browser page from an origin that may not use this server's WebSocket."""
-
-    status = 403
-    type = "permission_error"
-    code = "origin_not_allowed"
-    public = True
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
