@@ -52,6 +52,7 @@ from app.messages import OutputEvent, OutputKind, TokenDelta
 from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
+from broker.outputs import OutputEntry, OutputStreams, decode_events, encode_events
 from broker.requests import (
     KnownEpoch,
     PublishItem,
@@ -60,13 +61,7 @@ from broker.requests import (
     publish_stamp,
 )
 from broker.server import RedisServer
-from broker.streams import (
-    OutputEntry,
-    OutputStreams,
-    decode_events,
-    encode_events,
-    split_step,
-)
+from broker.step_lines import split_step
 
 PREFIX = "floor:"
 WORKER = "w1"

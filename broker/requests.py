@@ -25,7 +25,7 @@ from broker.celery_app import send_generate
 from broker.chunks import Chunk, encode_prior, expand
 from broker.direct import DirectConnection
 from broker.keys import Keys
-from broker.streams import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_head
+from broker.step_lines import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_head
 
 
 class ClaimResult(str, Enum):

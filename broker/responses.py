@@ -31,8 +31,8 @@ import redis
 from app.records import RequestState
 from app.responses_events import TERMINAL_STATUSES, ResponseEvents, error_code
 from broker.keys import Keys
+from broker.outputs import OutputStreams
 from broker.requests import RequestStore
-from broker.streams import OutputStreams
 
 logger = logging.getLogger(__name__)
 

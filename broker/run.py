@@ -52,11 +52,12 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.connection import redis_client
+from broker.hub import OutputHub, Pumped
 from broker.keys import Keys
+from broker.outputs import MALFORMED_OUTPUT, OutputStreams, is_terminal
 from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RequestStore
-from broker.streams import MALFORMED_OUTPUT, OutputHub, OutputStreams, Pumped, is_terminal
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
+from broker.outputs import OutputStreams, decode_events, is_terminal
 from broker.requests import RequestStore
-from broker.streams import OutputStreams, decode_events, is_terminal
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
 from workers.streamer import request_decoder

@@ -294,7 +294,7 @@ def inject_output_chunk(
     next ordinal, which is where a web process reads a flowing stream's chunks from. The
     streamer is paused meanwhile (SIGSTOP), so that it does not write that ordinal first;
     once it goes on, its own chunk with that ordinal is skipped by readers that have it."""
-    from broker.streams import OutputStreams
+    from broker.outputs import OutputStreams
 
     os.kill(pid, signal.SIGSTOP)
     try:

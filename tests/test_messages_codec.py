@@ -18,7 +18,7 @@ from app.messages import (
     TokenDelta,
     TokenLogprob,
 )
-from broker.streams import decode_events, encode_events, encode_text
+from broker.outputs import decode_events, encode_events, encode_text
 
 EVENTS = [
     OutputEvent(OutputKind.DELTA, 0, "hello"),  # the short path: kind, choice, text

@@ -57,18 +57,12 @@ from broker.celery_app import create_celery, send_generate
 from broker.chunks import ChunkLog, entry_chunks, phase_of
 from broker.connection import redis_client
 from broker.direct import DirectConnection, read_rest, xread_command
+from broker.handoff import RequestHandoff
 from broker.keys import Keys
+from broker.outputs import OutputEntry, OutputStreams, encode_events, encode_text
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStatus, RequestStore, decode_deltas
-from broker.streams import (
-    OutputEntry,
-    OutputStreams,
-    RequestHandoff,
-    below_ms,
-    encode_events,
-    encode_text,
-    step_entry_columns,
-)
+from broker.step_lines import below_ms, step_entry_columns
 from workers.backoff import Backoff
 from workers.service_main import run_service
 from workers.streamer_state import (

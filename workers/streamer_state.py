@@ -16,8 +16,8 @@ from app.decoder import Decoder, RequestDecoder
 from app.messages import OutputEvent
 from app.records import RequestRecord
 from broker.chunks import ChunkLog
+from broker.outputs import OutputEntry
 from broker.registry import Registry, WorkerInfo
-from broker.streams import OutputEntry
 
 # Errors that mean "the backbone is away", not "this request is bad": Redis's own, and
 # Celery's (kombu) when sending a task finds no broker.

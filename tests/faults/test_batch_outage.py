@@ -34,9 +34,9 @@ from app.settings import Settings
 from broker.batches import BatchBody, FileStore
 from broker.connection import redis_client
 from broker.keys import Keys
+from broker.outputs import OutputStreams
 from broker.run import Runner
 from broker.server import RedisServer
-from broker.streams import OutputStreams
 from tests.faults.web_clients import CHAT, words
 from tests.stack import (
     Proc,

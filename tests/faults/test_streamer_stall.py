@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from broker.handoff import GROUP
 from broker.server import RedisServer
-from broker.streams import GROUP
 from tests.pipeline import Client, OutageReader, classify, reference
 from tests.stack import isolated_settings, make_record, streamer_process, worker_process
 

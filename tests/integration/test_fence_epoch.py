@@ -26,7 +26,7 @@ from broker.requests import (
     lease_value,
     publish_reply,
 )
-from broker.streams import split_step
+from broker.step_lines import split_step
 from tests.stack import make_record
 
 pytestmark = pytest.mark.integration

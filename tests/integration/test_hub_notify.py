@@ -11,8 +11,9 @@ import redis
 
 from app.messages import OutputEvent, OutputKind
 from app.settings import Settings
+from broker.hub import OutputHub
 from broker.keys import Keys
-from broker.streams import OutputEntry, OutputHub, OutputStreams
+from broker.outputs import OutputEntry, OutputStreams
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,9 @@ import pytest
 import redis
 
 from app.messages import OutputEvent, OutputKind
+from broker.handoff import GROUP, RequestHandoff
 from broker.keys import Keys
-from broker.streams import GROUP, OutputEntry, OutputStreams, RequestHandoff
+from broker.outputs import OutputEntry, OutputStreams
 
 pytestmark = pytest.mark.integration
 

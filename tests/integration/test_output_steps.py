@@ -1,6 +1,6 @@
 """A web process's output hub reads the outputs of a streamer's write from that
 streamer's output step stream: one entry per write instead of one stream per request
-(``broker.streams.OutputHub``, ``scripts.WRITE_OUTPUTS``; real redis-server).
+(``broker.hub.OutputHub``, ``scripts.WRITE_OUTPUTS``; real redis-server).
 
 Whatever the step stream misses (a line it does not have, a second reader, a full
 buffer, another streamer, a key that is not a stream), the hub reads the request's own
@@ -15,9 +15,10 @@ import pytest
 import redis
 
 from app.messages import OutputEvent, OutputKind
-from broker import streams as streams_module
+from broker import hub as hub_module
+from broker.hub import OutputHub, Subscription
 from broker.keys import Keys
-from broker.streams import OutputEntry, OutputHub, OutputStreams, Subscription
+from broker.outputs import OutputEntry, OutputStreams
 
 pytestmark = pytest.mark.integration
 
@@ -122,7 +123,7 @@ def test_a_second_reader_and_a_full_buffer_each_get_every_entry_in_order(
 def test_a_request_another_streamer_writes_is_read_on_its_own_after_a_quiet_second(
     hub: OutputHub, redis_client: redis.Redis, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(streams_module, "STEP_QUIET_S", 0.3)
+    monkeypatch.setattr(hub_module, "STEP_QUIET_S", 0.3)
     a = Writer(redis_client, keys, "streamer-a")
     b = Writer(redis_client, keys, "streamer-b")
     b.count = 1  # not the stream's first write (its TTL is set)

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 from app.messages import EngineFinish, FinishReason, OutputEvent
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
+from broker.handoff import GROUP
 from broker.server import RedisServer
-from broker.streams import GROUP
 from tests.pipeline import EOS, TEXT, Client, collect, reference
 from tests.stack import isolated_settings, make_record, streamer_process, wait_for, worker_process
 

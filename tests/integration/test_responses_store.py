@@ -13,9 +13,9 @@ from app.messages import FinishReason, OutputEvent, OutputKind
 from app.responses_api import ResponseSkeleton, parse_responses_request, response_id_of
 from app.settings import Settings
 from broker.keys import Keys
+from broker.outputs import OutputEntry, OutputStreams
 from broker.requests import RequestStore
 from broker.responses import LOST_MESSAGE, ResponseStore, StoredResponse
-from broker.streams import OutputEntry, OutputStreams
 from tests.stack import make_record
 
 pytestmark = pytest.mark.integration

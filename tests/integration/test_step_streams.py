@@ -24,8 +24,9 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
+from broker.outputs import OutputStreams
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
-from broker.streams import OutputStreams, below_ms, split_step, step_columns, step_head, step_line
+from broker.step_lines import below_ms, split_step, step_columns, step_head, step_line
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers import streamer as streamer_module

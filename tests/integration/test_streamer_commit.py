@@ -18,9 +18,10 @@ from app.messages import EngineFinish, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery
+from broker.handoff import RequestHandoff
 from broker.keys import Keys
+from broker.outputs import OutputEntry, OutputStreams
 from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
-from broker.streams import OutputEntry, OutputStreams, RequestHandoff
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers.streamer import Streamer

@@ -23,8 +23,8 @@ from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.chunks import CHECKPOINT_STEPS
+from broker.outputs import OutputEntry, decode_events, encode_events, encode_text
 from broker.requests import encode_deltas
-from broker.streams import OutputEntry, decode_events, encode_events, encode_text
 from tests.pipeline import EOS, TEXT
 from tests.stack import make_record
 from workers.streamer import Streamer

@@ -17,10 +17,11 @@ import redis
 from app.messages import OutputEvent, OutputKind
 from broker.connection import redis_client
 from broker.direct import DirectConnection
+from broker.handoff import GROUP, RequestHandoff
 from broker.keys import Keys
+from broker.outputs import OutputEntry, OutputStreams
 from broker.scripts import WRITE_OUTPUTS
 from broker.server import RedisServer
-from broker.streams import GROUP, OutputEntry, OutputStreams, RequestHandoff
 
 pytestmark = pytest.mark.integration
 

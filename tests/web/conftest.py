@@ -2,7 +2,7 @@
 ``broker.run.Runner`` on a real redis-server, and no worker or streamer processes.
 
 Instead of a streamer, a test writes a request's output events itself
-(``ScriptedOutput``) through ``broker.streams.OutputStreams`` — the same entries a
+(``ScriptedOutput``) through ``broker.outputs.OutputStreams`` — the same entries a
 streamer writes — so every framing rule is tested on the real read path. Request ids
 are chosen by the test (the runner's ``new_id``), so it can write a request's output
 before sending the request: the web tier reads output streams from ``0-0``. Since the
@@ -25,10 +25,10 @@ from flask.testing import FlaskClient
 from app.messages import FinishReason, OutputEvent, OutputKind
 from app.settings import Settings
 from broker.keys import Keys
+from broker.outputs import OutputEntry, OutputStreams
 from broker.registry import StreamerInfo, WorkerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStore
 from broker.run import Runner
-from broker.streams import OutputEntry, OutputStreams
 from tests.integration.conftest import redis_server  # noqa: F401
 from tests.stack import isolated_settings
 from web.app import create_app

@@ -1,4 +1,4 @@
-"""Open streams of a web process are read by one hub thread (broker.streams.OutputHub):
+"""Open streams of a web process are read by one hub thread (broker.hub.OutputHub):
 many concurrent streams need neither a Redis connection nor a round trip each. (With a
 connection per stream, the 101st concurrent stream failed on redis-py's default pool:
 found by benchmarks/sse_clients.py with 200 clients.)"""
@@ -9,8 +9,8 @@ import threading
 
 from app.intake import Endpoint
 from app.messages import FinishReason, OutputEvent, OutputKind
+from broker.outputs import OutputEntry
 from broker.run import Run, Runner
-from broker.streams import OutputEntry
 
 
 def follow(runner: Runner, rid: str) -> Run:

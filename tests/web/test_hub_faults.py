@@ -1,4 +1,4 @@
-"""The web tier's one reader (``broker.streams.OutputHub``) against bad keys, on a real
+"""The web tier's one reader (``broker.hub.OutputHub``) against bad keys, on a real
 redis-server: what Redis refuses for one stream ends that stream's run only, and a run
 that ends itself cancels its generation. (The same faults with real processes are in
 ``tests/faults/test_web_outage.py``.)"""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from app.intake import Endpoint
 from app.messages import OutputKind
+from broker.outputs import MALFORMED_OUTPUT
 from broker.run import Item, Run, Runner
-from broker.streams import MALFORMED_OUTPUT
 from tests.web.conftest import ScriptedOutput, delta, final, usage
 
 

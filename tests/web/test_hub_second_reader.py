@@ -1,5 +1,5 @@
 """A second reader of a stream this process already follows gets every event from its
-own cursor (``broker.streams.OutputHub``, real redis-server).
+own cursor (``broker.hub.OutputHub``, real redis-server).
 
 Two runs of one request in one web process are normal: a background response's
 follower and a client streaming it, or a client that resumes on the process still

@@ -1,19 +1,6 @@
-"""Output streams (streamer -> web) and the hand-off of new requests to streamers.
-
-Output stream entries: ``e`` = JSON list of encoded ``OutputEvent`` values, ``s`` = the
-token-stream entry id they were decoded up to. Entries are appended once per read cycle
-(deltas coalesced), and the ``s`` checkpoint lets a streamer that takes a request over
-replay the token stream silently up to exactly what was already written, so no text is
-ever repeated or lost. Readers always read from an explicit cursor (``0-0`` or the last
-id they saw), never ``$``.
-
-The last event of every output stream is a USAGE event or a request-level ERROR event
-(``choice`` None): a reader stops there.
-
-New requests reach streamers through the ``Keys.new_requests`` stream and the consumer
-group ``streamers``: a streamer keeps its claimed entries pending (unacknowledged) until
-the request ends and touches them every second; entries idle longer than the takeover
-time belong to a dead streamer and are claimed by a live one (XAUTOCLAIM).
+"""The output hub: one thread per web process that reads every output stream its
+requests follow and hands each reader its entries (``Subscription``), within a buffer
+per reader, or lets a pump write them from the hub's thread (``web.sse_pump``).
 """
 
 from __future__ import annotations
@@ -24,25 +11,19 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import orjson
 import redis
 from redis.client import Pipeline
 
-from app.messages import OutputEvent, OutputKind
-from broker import scripts
-from broker.chunks import CHECKPOINT_STEPS, entry_chunks
+from app.messages import OutputEvent
+from broker.chunks import entry_chunks
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
-
-GROUP = "streamers"
-# What a reader gets for an output entry it cannot decode (a bug upstream).
-MALFORMED_OUTPUT = OutputEvent(
-    OutputKind.ERROR, error="The server produced an unreadable output for this request.", code=500
-)
+from broker.outputs import MALFORMED_OUTPUT, decode_events
+from broker.step_lines import as_str, step_entry_columns
 
 # How often the hub looks again at a paused subscription (full buffer) for room.
 PAUSED_POLL_MS = 100
@@ -52,469 +33,6 @@ PAUSED_POLL_MS = 100
 STEP_QUIET_S = 1.0
 
 logger = logging.getLogger(__name__)
-
-
-def is_terminal(event: OutputEvent) -> bool:
-    return event.kind is OutputKind.USAGE or (
-        event.kind is OutputKind.ERROR and event.choice is None
-    )
-
-
-def encode_events(events: Sequence[OutputEvent]) -> bytes:
-    return orjson.dumps([e.encode() for e in events])
-
-
-_TEXT_HEAD = b'[{"k":"delta","c":0,"t":'
-
-
-def encode_text(text: str) -> bytes:
-    """``encode_events([OutputEvent(OutputKind.DELTA, 0, text)])``, byte for byte, for a
-    non-empty ``text``: the chunk of a plain request at most steps (the streamer's
-    ``_decode_plain``), without an event object and its dict (a fifth of the cost)."""
-    return _TEXT_HEAD + orjson.dumps(text) + b"}]"
-
-
-def decode_events(raw: str | bytes) -> list[OutputEvent]:
-    # Most chunks are one text delta of choice 0 (``encode_text``): a web process reads
-    # every one it relays, so its text is read without the list, the dict and the call.
-    if type(raw) is bytes and raw.startswith(_TEXT_HEAD) and raw.endswith(b"}]"):
-        try:
-            text = orjson.loads(raw[len(_TEXT_HEAD) : -2])
-        except orjson.JSONDecodeError:
-            pass  # more than one event after all
-        else:
-            if type(text) is str:
-                return [OutputEvent(OutputKind.DELTA, 0, text)]
-    return [OutputEvent.decode(x) for x in orjson.loads(raw)]
-
-
-@dataclass(slots=True)
-class OutputEntry:
-    """One request's events of one streamer write: a chunk of its output.
-
-    ``n`` is the chunk's ordinal and ``checkpoint`` whether it goes into the request's
-    own output stream too, with ``prior`` (the chunks since the last checkpoint), as the
-    streamer's ``ChunkLog`` staged it; ``n`` 0: the next after the stream's last entry,
-    as a checkpoint (a writer that keeps no log: tests, a request that cannot be adopted).
-    """
-
-    request_id: str
-    events: list[OutputEvent]
-    source: str  # the ordinal of the last token chunk these events were decoded from
-    first: bool = False
-    published: bytes | None = None  # worker publish time of the source entry (latency)
-    handoff_id: str = ""  # the request's hand-off entry: written only while we own it
-    n: int = 0
-    checkpoint: bool = False
-    prior: bytes = b""
-    payload: bytes = b""  # ``encode_events(events)``, when the caller has it already
-
-    def encoded(self) -> bytes:
-        if not self.payload:
-            self.payload = encode_events(self.events)
-        return self.payload
-
-
-@dataclass(slots=True)
-class OutputLog:
-    """What ``OutputStreams.read_log`` read: the chunks after the ordinal asked for,
-    the ordinal of the output stream's last entry (``recorded``) and the chunks after
-    it in its streamer's step stream (``tail``: ordinal, source, events)."""
-
-    chunks: list[tuple[int, bytes]] = field(default_factory=list)
-    recorded: int = 0
-    source: str | None = None  # the token chunk the last chunk was decoded up to
-    last_events: bytes = b""  # the last chunk's events
-    tail: list[tuple[int, str, bytes]] = field(default_factory=list)
-    steps: str | None = None  # the step stream the tail is read from, if any
-    sid: str = "0-0"  # ... from after this entry (the last checkpoint's)
-
-    @property
-    def last(self) -> int:
-        """The ordinal of the last chunk written (0: none)."""
-        return self.tail[-1][0] if self.tail else self.recorded
-
-    @property
-    def ended(self) -> bool:
-        """Whether the last chunk ends the stream (a usage or request-level error)."""
-        return bool(self.last_events) and any(
-            is_terminal(ev) for ev in decode_events(self.last_events)
-        )
-
-
-# How often a reader reads a stream again when it changed under it.
-READ_LOG_TRIES = 5
-L = TypeVar("L")
-
-
-# A chunk read from a step stream: ordinal, the line's second field (a token chunk's
-# attempt, an output chunk's source), payload, and its entry's ``t`` (publish time).
-StepChunk = tuple[int, str, bytes, bytes | None]
-# Where a stream's last checkpoint says its tail is: step stream, entry id, ordinal.
-TailAt = tuple[str, str, int]
-
-
-def step_tail(
-    client: redis.Redis, key: str, steps: str, sid: str, recorded: int
-) -> list[StepChunk] | None:
-    """The chunks of stream ``key`` after ordinal ``recorded`` in the entries of step
-    stream ``steps`` after ``sid`` (the last checkpoint's); None when ``sid`` is
-    trimmed away. A checkpoint comes at least every ``CHECKPOINT_STEPS`` entries, so
-    the tail is within that many."""
-    entries: Any = client.xrange(steps, min=sid, count=CHECKPOINT_STEPS + 1)
-    if not entries or _s(entries[0][0]) != sid:
-        return None
-    tail: list[StepChunk] = []
-    for _eid, fields in entries[1:]:
-        for okey, second, n, payload in split_step(fields[b"d"]):
-            if okey == key and n == recorded + len(tail) + 1:
-                tail.append((n, second, payload, fields.get(b"t")))
-    return tail
-
-
-def read_checkpointed(
-    client: redis.Redis, key: str, parse: Callable[[Any], tuple[L, TailAt | None]]
-) -> tuple[L, list[StepChunk]]:
-    """Stream ``key`` (token or output: both are checkpointed, broker/chunks.py), as
-    ``parse`` makes it into a log, and the tail its last checkpoint names: two round
-    trips. If the step stream moved past the checkpoint's entry in between, the stream
-    has a newer checkpoint (or there was no tail): it is read again."""
-    entries: Any = client.xrange(key)
-    for _ in range(READ_LOG_TRIES):
-        log, at = parse(entries)
-        if at is None:
-            return log, []
-        tail = step_tail(client, key, *at)
-        if tail is not None:
-            return log, tail
-        again: Any = client.xrange(key)
-        if again == entries:  # the checkpoint's step entry is gone: no tail
-            return log, []
-        entries = again
-    raise RuntimeError(f"{key} kept changing while read")
-
-
-class OutputStreams:
-    """Write and read per-request output streams."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int = 3600) -> None:
-        self.redis = client
-        self.keys = keys
-        self.ttl_s = ttl_s
-        self._write_script = client.register_script(scripts.WRITE_OUTPUTS)
-        # The hand-off epoch under which the owner last found which of its hand-off
-        # entries are its own (``RequestHandoff.owners``); None: check every entry.
-        self.fence_epoch: str | None = None
-
-    def write(
-        self, entries: Sequence[OutputEntry], owner: str | None = None, stamp: str = ""
-    ) -> set[str]:
-        """Append many requests' events in one round trip.
-
-        ``owner`` (a streamer's consumer name) fences the entries that carry a
-        ``handoff_id``: each is written only if that streamer still owns the request's
-        hand-off entry; and it writes the owner's step stream. ``stamp`` marks the call
-        in it (``landed``). Returns the ids of the requests not written because another
-        streamer has taken them over."""
-        if not entries:
-            return set()
-        keys, args, order = self._write_args(entries, owner or "", stamp)
-        return self._fenced_ids(entries, order, self._write_script(keys=keys, args=args))
-
-    def write_then_read(
-        self,
-        entries: Sequence[OutputEntry],
-        owner: str,
-        streams: dict[str, str],
-        *,
-        count: int,
-        block_ms: int,
-        on_written: Callable[[set[str]], None],
-        via: DirectConnection,
-        stamp: str = "",
-    ) -> Any:
-        """``write(entries, owner, stamp)`` and then a blocking XREAD of ``streams``,
-        sent as one round trip: a streamer's steady cycle costs one wake-up instead of
-        two, and the outputs are in Redis as soon as they would have been written alone.
-
-        The write's reply is read before the read's, and ``on_written`` gets the fenced
-        request ids at once: if the connection breaks while the read blocks, the caller
-        still knows its entries are written (and must not write them again into a Redis
-        that has come back empty). If Redis lost the script (restarted), the write is
-        redone with the script loaded before the read's reply is handed back.
-        Returns the XREAD reply."""
-        keys, args, order = self._write_args(entries, owner, stamp)
-        via.send(
-            ("EVALSHA", self._write_script.sha, len(keys), *keys, *args),
-            xread_command(streams, count=count, block_ms=block_ms),
-        )
-        try:
-            fenced: Any = via.reply("EVALSHA")
-        except redis.ResponseError as exc:
-            fenced = exc  # the read's reply follows all the same
-        else:
-            on_written(self._fenced_ids(entries, order, fenced))
-        read = via.reply("XREAD")
-        if isinstance(fenced, redis.exceptions.NoScriptError):
-            on_written(self.write(entries, owner, stamp))
-        elif isinstance(fenced, Exception):
-            raise fenced
-        return read
-
-    def _write_args(
-        self, entries: Sequence[OutputEntry], owner: str, stamp: str
-    ) -> tuple[list[str], list[Any], list[int]]:
-        """``scripts.WRITE_OUTPUTS``'s keys and arguments, and the entries' indexes in
-        the order the script counts them: those written out, then the plain ones (see
-        the script), whose step lines are written here, as the step entry holds them."""
-        keys = [self.keys.new_requests, self.keys.handoff_epoch]
-        each: list[Any] = []
-        lines: list[bytes] = []
-        handoffs: list[str] = []
-        order: list[int] = []
-        plain: list[int] = []
-        prefix = self.keys.output("")  # concatenated, once per request per write
-        for i, e in enumerate(entries):
-            if owner and e.n and not (e.first or e.checkpoint):
-                lines.append(step_line(prefix + e.request_id, e.source, e.n, e.encoded()))
-                handoffs.append(e.handoff_id or "-")
-                plain.append(i)
-                continue
-            keys.append(prefix + e.request_id)
-            flags = (1 if e.first else 0) | (8 if e.checkpoint else 0) | e.n << 4
-            each += [e.handoff_id, flags, e.encoded(), e.source]
-            each.append(e.published if e.published is not None else "")
-            order.append(i)
-        if owner:
-            keys.append(self.keys.output_steps(owner))
-        epoch = "" if self.fence_epoch is None else f"e:{self.fence_epoch}"
-        args: list[Any] = [GROUP, owner, self.ttl_s, epoch, stamp, len(order)]
-        args += [b"\n".join(lines), " ".join(handoffs), *each]
-        args += [e.prior for e in entries if e.checkpoint]
-        return keys, args, order + plain
-
-    @staticmethod
-    def _fenced_ids(entries: Sequence[OutputEntry], order: Sequence[int], fenced: Any) -> set[str]:
-        return {entries[order[int(i) - 1]].request_id for i in fenced or []}
-
-    def landed(self, owner: str, stamp: str) -> bool:
-        """Whether ``owner``'s write stamped ``stamp`` ran (its reply was lost): nothing
-        else writes the owner's step stream, and it writes nothing more until it knows.
-        A call that wrote no chunk (every one fenced) reads as not run: run again, it
-        writes nothing again."""
-        last = last_entries(self.redis, [self.keys.output_steps(owner)])[0]
-        return last.get(b"c") == stamp.encode()
-
-    def read_log(self, rid: str, after: int = 0) -> OutputLog:
-        """The request's output stream, then the tail of its last checkpoint's step
-        stream: two round trips. If the step stream moved past the checkpoint's entry
-        in between, the output stream has a newer checkpoint (or there was no tail):
-        it is read again."""
-
-        def parse(entries: Any) -> tuple[OutputLog, TailAt | None]:
-            log = OutputLog()
-            for _eid, fields in entries:
-                log.chunks += [c for c in entry_chunks(fields) if c[0] > after]
-            if not entries:
-                return log, None
-            last = entries[-1][1]
-            log.recorded = int(last[b"n"])
-            log.source, log.last_events = _s(last[b"s"]), last[b"d"]
-            writer, sid = last.get(b"w"), last.get(b"i")
-            if not writer or not sid:
-                return log, None
-            log.steps, log.sid = self.keys.output_steps(_s(writer)), _s(sid)
-            return log, (log.steps, log.sid, log.recorded)
-
-        log, tail = read_checkpointed(self.redis, self.keys.output(rid), parse)
-        log.tail = [(n, source, events) for n, source, events, _t in tail]
-        log.chunks += [(n, events) for n, _source, events in log.tail if n > after]
-        if log.tail:
-            _n, log.source, log.last_events = log.tail[-1]
-        return log
-
-    def lost(self, rid: str) -> bool:
-        """Neither the request's record nor its output exists (expired, or Redis was
-        restarted without persistence): nothing will ever be written for it."""
-        found: Any = self.redis.exists(self.keys.request(rid), self.keys.output(rid))
-        return not found
-
-    def read(self, rid: str, after: int = 0) -> list[tuple[str, list[OutputEvent]]]:
-        """The chunks after ordinal ``after``, as (ordinal, events)."""
-        return [(str(n), decode_events(raw)) for n, raw in self.read_log(rid, after).chunks]
-
-    def follow(
-        self, rid: str, after: int = 0, *, timeout_s: float = 600.0, poll_s: float = 0.02
-    ) -> Iterator[tuple[str, OutputEvent]]:
-        """Every event after chunk ``after`` until the terminal one, as (ordinal, event),
-        polling (tests and tools; a web process follows its streams with an
-        ``OutputHub``).
-
-        Raises TimeoutError when nothing arrives for ``timeout_s`` (the streamers'
-        watchdog ends every stream long before that; this only guards the reader).
-        """
-        last_progress = time.monotonic()
-        while True:
-            chunks = self.read(rid, after)
-            if not chunks:
-                if time.monotonic() - last_progress > timeout_s:
-                    raise TimeoutError(f"no output for request {rid} in {timeout_s}s")
-                time.sleep(poll_s)
-                continue
-            last_progress = time.monotonic()
-            for n, events in chunks:
-                after = int(n)
-                for ev in events:
-                    yield n, ev
-                    if is_terminal(ev):
-                        return
-
-
-class RequestHandoff:
-    """The consumer group through which streamers share out new requests."""
-
-    def __init__(self, client: redis.Redis, keys: Keys) -> None:
-        self.redis = client
-        self.keys = keys
-        self._take_over = client.register_script(scripts.TAKE_OVER)
-        self._touch = client.register_script(scripts.TOUCH)
-
-    def ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.keys.new_requests, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-    def claim_new(self, consumer: str, count: int = 64) -> list[tuple[str, str]]:
-        """New requests for this streamer: (hand-off entry id, request id)."""
-        res: Any = self.redis.xreadgroup(
-            GROUP, consumer, {self.keys.new_requests: ">"}, count=count
-        )
-        if not res:
-            return []
-        return [(_s(eid), _s(f[b"r"])) for eid, f in res[0][1]]
-
-    def last_id(self) -> str:
-        """The newest hand-off entry id (a wake-up cursor for plain XREAD)."""
-        info: Any = self.redis.xrevrange(self.keys.new_requests, count=1)
-        return _s(info[0][0]) if info else "0-0"
-
-    def touch(self, consumer: str, entry_ids: Sequence[str]) -> None:
-        """Reset the idle time of entries we still work on (we are alive); an entry
-        another streamer took over meanwhile stays its."""
-        if entry_ids:
-            self._touch(keys=[self.keys.new_requests], args=[GROUP, consumer, *entry_ids])
-
-    def owners(self, entry_ids: Sequence[str]) -> tuple[dict[str, str | None], str]:
-        """The consumer each entry is pending for (None: pending for no one, e.g. the
-        group was recreated after Redis lost its data), and the hand-off epoch read
-        just before them: while the epoch stays that, no entry changed hands
-        (``OutputStreams.fence_epoch``). A streamer whose entry another streamer now
-        holds must stop decoding that request (two would write one output stream)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.get(self.keys.handoff_epoch)
-        for eid in entry_ids:
-            pipe.xpending_range(self.keys.new_requests, GROUP, min=eid, max=eid, count=1)
-        epoch, *pendings = pipe.execute()
-        out: dict[str, str | None] = {}
-        for eid, pending in zip(entry_ids, pendings, strict=True):
-            out[eid] = _s(pending[0]["consumer"]) if pending else None
-        return out, "" if epoch is None else _s(epoch)
-
-    def take_over(self, consumer: str, min_idle_ms: int, count: int = 64) -> list[tuple[str, str]]:
-        """Claim entries a dead streamer left pending for longer than ``min_idle_ms``
-        (and, if any, set a new hand-off epoch in the same call)."""
-        res: Any = self._take_over(
-            keys=[self.keys.new_requests, self.keys.handoff_epoch],
-            args=[GROUP, consumer, min_idle_ms, count, uuid.uuid4().hex],
-        )
-        out = []
-        for eid, fields in res[1]:
-            if fields:  # entries trimmed away come back without fields
-                values = dict(zip(fields[::2], fields[1::2], strict=True))
-                out.append((_s(eid), _s(values[b"r"])))
-            else:
-                self.redis.xack(self.keys.new_requests, GROUP, eid)
-        return out
-
-    def ack(self, entry_id: str) -> None:
-        self.redis.xack(self.keys.new_requests, GROUP, entry_id)
-
-    def queue_ack(self, pipe: Pipeline, entry_id: str) -> None:
-        """``ack(entry_id)``, added to ``pipe``."""
-        pipe.xack(self.keys.new_requests, GROUP, entry_id)
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def last_entries(client: redis.Redis, keys: Sequence[str]) -> list[dict[bytes, bytes]]:
-    """The fields of each stream's last entry ({} for an empty or missing stream), in
-    one round trip: how a writer whose reply was lost finds out whether its append ran
-    (the streamer's output writes, the engine thread's publishes)."""
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.xrevrange(key, count=1)
-    return [last[0][1] if last else {} for last in pipe.execute()]
-
-
-def below_ms(entry_id: str) -> str:
-    """The greatest stream id before every id of ``entry_id``'s millisecond: a cursor
-    that reads all of another stream's entries from that millisecond on."""
-    ms = int(entry_id.partition("-")[0])
-    return f"{ms - 1}-18446744073709551615" if ms > 0 else "0-0"
-
-
-def step_line(key: str, second: str | int, n: int, payload: bytes) -> bytes:
-    """One chunk's four lines in a step entry (``split_step`` reads them back): the
-    worker and the streamer write the lines of their plain chunks themselves (the
-    scripts write the others, in the same form)."""
-    return f"{key}\n{second}\n{n}\n".encode() + payload
-
-
-def step_head(key: str, second: str | int) -> bytes:
-    """The first two of a chunk's four lines: ``step_line(key, second, n, payload)`` is
-    ``b"%s%d\\n%s" % (step_head(key, second), n, payload)``. What a writer that formats
-    one stream's lines at every step keeps (the worker, per request attempt)."""
-    return f"{key}\n{second}\n".encode()
-
-
-def split_step(raw: bytes) -> list[tuple[str, str, int, bytes]]:
-    """A step stream entry's ``d``: (stream key, entry id, ordinal, payload) for every
-    entry the call appended: a worker's publish (token streams, ``Keys.steps``) or a
-    streamer's output write (output streams, ``Keys.output_steps``). Four lines each;
-    payloads are JSON, which never holds a raw newline."""
-    parts = raw.split(b"\n")
-    return [
-        (parts[i].decode(), parts[i + 1].decode(), int(parts[i + 2]), parts[i + 3])
-        for i in range(0, len(parts) - 3, 4)
-    ]
-
-
-def step_columns(raw: bytes) -> tuple[list[bytes], list[int], list[bytes]]:
-    """``split_step`` by columns: the stream keys (bytes, not decoded), the ordinals and
-    the payloads. Why: a streamer splits every line of every worker step, one per
-    request per engine step; columns cost no tuple and no decoded key per line."""
-    parts = raw.split(b"\n")
-    end = len(parts) - len(parts) % 4
-    return parts[0:end:4], [int(n) for n in parts[2:end:4]], parts[3:end:4]
-
-
-def step_entry_columns(
-    key: str, entries: list[Any]
-) -> Iterator[tuple[dict[bytes, Any], tuple[list[bytes], list[int], list[bytes]]]]:
-    """The fields and lines (``step_columns``) of each entry read from step stream
-    ``key``. A malformed entry is logged and skipped: a bug upstream, and the streams in
-    it find their gap."""
-    for eid, fields in entries:
-        try:
-            columns = step_columns(fields[b"d"])
-        except Exception:
-            logger.error("malformed step entry %s in %s", _s(eid), key)
-            continue
-        yield fields, columns
 
 
 def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:
@@ -940,11 +458,11 @@ class OutputHub:
         got: dict[str, list[Any]] = {}
         read_steps: list[tuple[str, list[Any]]] = []
         for key_raw, entries in res or []:
-            key = _s(key_raw)
+            key = as_str(key_raw)
             if not entries:
                 continue
             if key == self.wake_key:
-                self._wake_cursor = _s(entries[-1][0])
+                self._wake_cursor = as_str(entries[-1][0])
             elif key in steps:
                 read_steps.append((key, entries))
             else:
@@ -1007,7 +525,7 @@ class OutputHub:
             subs = [sub for sub in subs if sub in current]
         whole = {id(sub): True for sub in subs}  # every chunk read handed to it
         for eid_raw, fields in entries:
-            eid = _s(eid_raw)
+            eid = as_str(eid_raw)
             try:
                 chunks = entry_chunks(fields)
             except Exception:
@@ -1034,10 +552,10 @@ class OutputHub:
         if entries:
             fields = entries[-1][1]
             writer, sid = fields.get(b"w"), fields.get(b"i")
-            steps = self.keys.output_steps(_s(writer)) if writer and sid else None
+            steps = self.keys.output_steps(as_str(writer)) if writer and sid else None
             if steps in self._bad_steps:
                 steps = None
-            f = _Follow(steps, _s(sid) if steps and sid else "0-0", now)
+            f = _Follow(steps, as_str(sid) if steps and sid else "0-0", now)
             self._follow[key] = f
             if steps is not None:
                 rewind[steps] = _min_id(rewind.get(steps, f.sid), f.sid)
@@ -1054,7 +572,7 @@ class OutputHub:
         stream that needs it next (its ordinal says so); one it has is skipped; after
         a gap (its buffer filled, the step stream was trimmed past it) the subscription
         reads the stream itself again (``reload``), where a checkpoint holds the rest."""
-        self._step_cursors[key] = _s(entries[-1][0])
+        self._step_cursors[key] = as_str(entries[-1][0])
         follow, subs_of = self._follow, self._subs
         for _fields, (okeys, ordinals, payloads) in step_entry_columns(key, entries):
             # One pass: each line is handed as soon as it is split, not after every
