@@ -46,3 +46,8 @@ def redis_client(url: str, *, max_connections: int = 64, **connection_kwargs: An
         url, max_connections=max_connections, timeout=POOL_WAIT_S, **connection_kwargs
     )
     return redis.Redis(connection_pool=pool)
+
+
+def as_str(v: Any) -> str:
+    """A Redis reply value (bytes or not) as text."""
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -16,8 +16,8 @@ import redis
 from redis.client import Pipeline
 
 from broker import scripts
+from broker.connection import as_str
 from broker.keys import Keys
-from broker.step_lines import as_str
 
 GROUP = "streamers"
 

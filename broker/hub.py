@@ -20,10 +20,11 @@ from redis.client import Pipeline
 
 from app.messages import OutputEvent
 from broker.chunks import entry_chunks
+from broker.connection import as_str
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
 from broker.outputs import MALFORMED_OUTPUT, decode_events
-from broker.step_lines import as_str, step_entry_columns
+from broker.step_lines import step_entry_columns
 
 # How often the hub looks again at a paused subscription (full buffer) for room.
 PAUSED_POLL_MS = 100

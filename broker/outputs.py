@@ -27,10 +27,11 @@ import redis
 from app.messages import OutputEvent, OutputKind
 from broker import scripts
 from broker.chunks import entry_chunks
+from broker.connection import as_str
 from broker.direct import DirectConnection, xread_command
 from broker.handoff import GROUP
 from broker.keys import Keys
-from broker.step_lines import TailAt, as_str, last_entries, read_checkpointed, step_line
+from broker.step_lines import TailAt, last_entries, read_checkpointed, step_line
 
 # What a reader gets for an output entry it cannot decode (a bug upstream).
 MALFORMED_OUTPUT = OutputEvent(

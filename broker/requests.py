@@ -23,6 +23,7 @@ from app.records import RequestRecord, RequestState
 from broker import scripts
 from broker.celery_app import send_generate
 from broker.chunks import Chunk, encode_prior, expand
+from broker.connection import as_str
 from broker.direct import DirectConnection
 from broker.keys import Keys
 from broker.step_lines import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_head
@@ -279,13 +280,13 @@ class RequestStore:
     def loaded(raw: Any) -> tuple[RequestRecord, RequestState, int] | None:
         if raw[0] is None:
             return None
-        return RequestRecord.decode(raw[0]), RequestState(_s(raw[1])), int(raw[2] or 0)
+        return RequestRecord.decode(raw[0]), RequestState(as_str(raw[1])), int(raw[2] or 0)
 
     def state(self, rid: str) -> tuple[RequestState, int] | None:
         raw = self.redis.hmget(self.keys.request(rid), "state", "attempt")
         if raw[0] is None:
             return None
-        return RequestState(_s(raw[0])), int(raw[1] or 0)
+        return RequestState(as_str(raw[0])), int(raw[1] or 0)
 
     def claimed_at(self, rid: str) -> float | None:
         """When a worker first claimed ``rid`` (None: never, or the record is gone)."""
@@ -309,7 +310,7 @@ class RequestStore:
                 continue
             out.append(
                 RequestStatus(
-                    RequestState(_s(state)),
+                    RequestState(as_str(state)),
                     int(attempt or 0),
                     None if claimed is None else float(claimed),
                     bool(lease),
@@ -324,7 +325,7 @@ class RequestStore:
         entries: Any = self.redis.xrange(
             self.keys.tokens(rid), min=f"({cursor}" if cursor != "0-0" else "-", count=count
         )
-        return [(_s(eid), int(f[b"a"]), decode_deltas(f[b"d"])) for eid, f in entries]
+        return [(as_str(eid), int(f[b"a"]), decode_deltas(f[b"d"])) for eid, f in entries]
 
     def read_chunks(self, rid: str, after: int = 0) -> list[Chunk]:
         """The request's chunks after ordinal ``after``, in order (``broker.chunks``)."""
@@ -343,7 +344,7 @@ class RequestStore:
             worker, sid = last.get(b"w"), last.get(b"s")
             if not worker or not sid:
                 return log, None
-            log.steps, log.sid = self.keys.steps(_s(worker)), _s(sid)
+            log.steps, log.sid = self.keys.steps(as_str(worker)), as_str(sid)
             return log, (log.steps, log.sid, log.recorded)
 
         log, tail = read_checkpointed(self.redis, self.keys.tokens(rid), parse)
@@ -396,7 +397,7 @@ class RequestStore:
 
         The first claim's time is kept (field ``claimed``): queue time = claimed - created.
         """
-        return ClaimResult(_s(self._run_claim(rid, attempt, worker_id, lease_ttl_s, now, "0")))
+        return ClaimResult(as_str(self._run_claim(rid, attempt, worker_id, lease_ttl_s, now, "0")))
 
     def claim_and_load(
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float
@@ -406,10 +407,10 @@ class RequestStore:
         on from what was published, ``resume_point``)."""
         res = self._run_claim(rid, attempt, worker_id, lease_ttl_s, now, "1")
         if not isinstance(res, list):
-            return ClaimResult(_s(res)), None, False
+            return ClaimResult(as_str(res)), None, False
         body = res[1]  # a Lua false (no body field) arrives as None
         record = None if body is None else RequestRecord.decode(body)
-        return ClaimResult(_s(res[0])), record, bool(res[2])
+        return ClaimResult(as_str(res[0])), record, bool(res[2])
 
     def _run_claim(
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float, load: str
@@ -629,13 +630,13 @@ def publish_reply(res: Any, order: Sequence[int], plain: int) -> PublishReply:
     checked them; otherwise each was published."""
     *replied, epoch = res
     if replied == [b"recheck"]:
-        return PublishReply([], _s(epoch), recheck=True)
+        return PublishReply([], as_str(epoch), recheck=True)
     if len(replied) not in (len(order), len(order) - plain):
         raise ValueError(f"publish replied {len(replied)} statuses for {len(order)} items")
     statuses = [PublishStatus.OK] * len(order)
     for i, x in zip(order, replied, strict=False):
         statuses[i] = PublishStatus(int(x))
-    return PublishReply(statuses, _s(epoch))
+    return PublishReply(statuses, as_str(epoch))
 
 
 @dataclass(slots=True)
@@ -681,7 +682,3 @@ def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:
 
 def decode_deltas(raw: str | bytes) -> list[TokenDelta]:
     return [TokenDelta.decode(x) for x in orjson.loads(raw)]
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import redis
 
 from broker.chunks import CHECKPOINT_STEPS
+from broker.connection import as_str
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,6 @@ def read_checkpointed(
             return log, []
         entries = again
     raise RuntimeError(f"{key} kept changing while read")
-
-
-def as_str(v: Any) -> str:
-    """A Redis reply value (bytes or not) as text."""
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def last_entries(client: redis.Redis, keys: Sequence[str]) -> list[dict[bytes, bytes]]:

@@ -1,9 +1,9 @@
 """The OpenAI Files + Batches API: ``/v1/files`` and ``/v1/batches``.
 
-The web tier only stores: files and batch objects go to Redis (``broker.batches``) and a
-new batch lands on the drivers' work list in ``validating``. Validation, running the
-lines and writing the output/error files is the batch driver's job
-(``workers.batcher``), so a batch keeps running while web processes restart, and any
+The web tier only stores: files and batch objects go to Redis (``broker.files``,
+``broker.batches``) and a new batch lands on the drivers' work list in ``validating``.
+Validation, running the lines and writing the output/error files is the batch driver's
+job (``workers.batcher``), so a batch keeps running while web processes restart, and any
 number of web processes can answer for it. A cancel only marks the batch
 ``cancelling``; the driver stops it.
 
@@ -38,7 +38,8 @@ from app.batches import (
 from app.errors import InvalidRequest, NotFound, PayloadTooLarge
 from app.protocol import validation_error_to_invalid_request
 from app.settings import Settings
-from broker.batches import BatchBody, BatchStore, FileQuota, FileStore, Transition
+from broker.batches import BatchBody, BatchStore, Transition
+from broker.files import FileQuota, FileStore
 from broker.keys import Keys
 from web.auth import Tenant, tenant_of
 from web.bodies import json_body

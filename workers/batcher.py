@@ -1,7 +1,7 @@
 """``tokenrelay batcher``: runs batches (the OpenAI Batches API) through the generation path.
 
-The web tier only stores files and batch objects (``broker.batches``); this process does
-the work. One loop per process (several may run, on any host):
+The web tier only stores files and batch objects (``broker.files``, ``broker.batches``);
+this process does the work. One loop per process (several may run, on any host):
 
 1. every half second: refresh the lock of each batch it drives (a batch whose lock was
    lost belongs to another driver now: drop it without touching its requests), notice
@@ -69,7 +69,8 @@ from app.records import RequestRecord, RequestState
 from app.responses_events import ResponsesFold
 from app.settings import Settings
 from broker import drive
-from broker.batches import BatchBody, BatchStore, FileQuota, FileStore, Transition
+from broker.batches import BatchBody, BatchStore, Transition
+from broker.files import FileQuota, FileStore
 from broker.keys import Keys
 from broker.registry import BatcherInfo, batcher_registry
 from broker.run import Run, Runner

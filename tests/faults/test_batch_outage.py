@@ -31,8 +31,9 @@ import redis
 import requests
 
 from app.settings import Settings
-from broker.batches import BatchBody, FileStore
+from broker.batches import BatchBody
 from broker.connection import redis_client
+from broker.files import FileStore
 from broker.keys import Keys
 from broker.outputs import OutputStreams
 from broker.run import Runner

@@ -15,7 +15,8 @@ from app.batches import BatchStatus, not_run_line, success_line
 from app.messages import StopConditions
 from app.records import RequestRecord
 from app.settings import Settings
-from broker.batches import BatchBody, BatchStore, FileStore, Transition
+from broker.batches import BatchBody, BatchStore, Transition
+from broker.files import FileStore
 from broker.keys import Keys
 from broker.requests import RequestStore
 from broker.run import Runner

@@ -18,7 +18,8 @@ import redis
 
 from app.batches import BatchStatus
 from app.settings import Settings
-from broker.batches import BatchBody, BatchStore, FileStore
+from broker.batches import BatchBody, BatchStore
+from broker.files import FileStore
 from broker.keys import Keys
 from broker.run import Runner
 from workers.batcher import MAX_STRIKES, BatchDriver, DrivenBatch

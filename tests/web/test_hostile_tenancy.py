@@ -22,7 +22,7 @@ import redis
 from flask.testing import FlaskClient
 
 from app.settings import Settings
-from broker.batches import FileQuota, FileStore
+from broker.files import FileQuota, FileStore
 from broker.keys import Keys
 from broker.run import Runner
 from tests.web.conftest import RequestIds
