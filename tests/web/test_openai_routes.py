@@ -263,6 +263,11 @@ def test_client_request_id_is_echoed(
         (error("The request passed its deadline.", 504), 504, "timeout_error"),
     ],
 )
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [(CHAT, chat()), ("/v1/responses", {"input": "hi"})],
+    ids=["chat", "responses"],
+)
 def test_error_before_any_output_is_the_http_status(
     client: FlaskClient,
     ids: RequestIds,
@@ -271,42 +276,18 @@ def test_error_before_any_output_is_the_http_status(
     status: int,
     kind: str,
     stream: bool,
+    route: str,
+    body: dict[str, Any],
 ) -> None:
+    """Every transport (one driver, ``broker.drive.opening``): a stream does not start
+    with a 200 when the request failed before its first event."""
     rid = ids.peek()
     scripted.write(rid, event, error(event.error, event.code), usage())
-    resp = client.post(CHAT, json=chat(stream=stream))
+    resp = client.post(route, json={**body, "stream": stream})
     assert resp.status_code == status
     err = error_of(resp)
     assert err["message"] == event.error and err["type"] == kind
     assert resp.headers["x-request-id"] == rid
-    assert scripted.in_flight() == []
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize(
-    ("event", "status", "kind"),
-    [
-        (error("No live worker serves the model.", 503), 503, "service_unavailable_error"),
-        (error("The request passed its deadline.", 504), 504, "timeout_error"),
-    ],
-)
-def test_a_responses_error_before_any_output_is_the_http_status(
-    client: FlaskClient,
-    ids: RequestIds,
-    scripted: ScriptedOutput,
-    event: Any,
-    status: int,
-    kind: str,
-    stream: bool,
-) -> None:
-    """As for chat (one driver, ``broker.drive.opening``): a stream does not start with
-    a 200 when the request failed before its first event."""
-    rid = ids.peek()
-    scripted.write(rid, event, error(event.error, event.code), usage())
-    resp = client.post("/v1/responses", json={"input": "hi", "stream": stream})
-    assert resp.status_code == status, resp.get_data(as_text=True)
-    err = error_of(resp)
-    assert err["message"] == event.error and err["type"] == kind
     assert scripted.in_flight() == []
 
 
