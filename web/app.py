@@ -5,7 +5,7 @@ and registers itself here: OpenAI HTTP + SSE routes (``web.openai_routes``), the
 WebSocket chat (``web.ws``), the Files + Batches API (``web.batch``), the
 Responses API (``web.responses_api``), the browser chat
 page (``web/static``), errors (``web.errors``) and metrics (``web.metrics``). Every
-generation goes through one ``broker.run.Runner`` per process.
+generation goes through one ``broker.runner.Runner`` per process.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from flask import Flask
 from flask_sock import Sock
 
 from app.settings import Settings
-from broker.run import Runner
+from broker.runner import Runner
 from web import batch, errors, metrics, openai_routes, page_headers, responses_api, ws
 from web.context import RUNNER, SETTINGS
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from flask import Flask
 
 from app.settings import Settings
-from broker.run import Runner
+from broker.runner import Runner
 
 SETTINGS = "tokenrelay.settings"
 RUNNER = "tokenrelay.runner"

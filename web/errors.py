@@ -6,7 +6,7 @@ wrong method, body too large) or a bug — becomes ``{"error": {"message", "type
 "param", "code"}}`` with the right status. Only our own public messages reach a client:
 werkzeug's descriptions and any other exception's text are replaced (a bug is logged
 here with its traceback and answered with ``app.errors.error_body``'s generic 500).
-Redis being away (``broker.run.BACKBONE_DOWN``: refused connections, timeouts, a Redis
+Redis being away (``broker.runner.BACKBONE_DOWN``: refused connections, timeouts, a Redis
 still loading its data, a read-only former master) is not a bug: any route that meets
 it answers 503 + Retry-After, as the generation routes' fail-fast check does.
 """
@@ -32,7 +32,7 @@ from app.errors import (
     error_body,
     retry_after_of,
 )
-from broker.run import BACKBONE_DOWN, backbone_unavailable
+from broker.runner import BACKBONE_DOWN, backbone_unavailable
 from web.head_first import SLOW_REQUEST_MESSAGE, SlowBody
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from broker.celery_app import queue_depths
 from broker.run import RunOutcome
 
 if TYPE_CHECKING:
-    from broker.run import Runner
+    from broker.runner import Runner
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -281,7 +281,7 @@ class WebMetrics:
             registry=r,
         )
 
-    # -- broker.run.RunMetrics ---------------------------------------------------------
+    # -- broker.runner.RunMetrics ---------------------------------------------------------
     def rejected_request(self, model: str, endpoint: str, stream: bool, exc: BaseException) -> None:
         status, body = error_body(exc)
         error_type = body["error"]["type"]
@@ -301,7 +301,7 @@ class WebMetrics:
 
 
 class RunMetrics:
-    """``broker.run.RunMetrics`` for one served model: rejections and run observers."""
+    """``broker.runner.RunMetrics`` for one served model: rejections and run observers."""
 
     def __init__(self, metrics: WebMetrics, model: str) -> None:
         self.metrics = metrics

@@ -50,7 +50,8 @@ from app.responses_events import Event, ResponseEvents
 from app.settings import Settings
 from broker import drive
 from broker.responses import ResponseStore, StoredResponse
-from broker.run import Item, Run, Runner
+from broker.run import Item, Run
+from broker.runner import Runner
 from web import sse
 from web.auth import Tenant, tenant_of
 from web.bodies import json_body

@@ -50,7 +50,8 @@ from app.response_models import ChatChoiceLogprobs, DeltaToolCall
 from app.settings import Settings
 from app.timings import timings_from_usage
 from broker import drive
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
 from web.context import runner_of, settings_of
 from web.responses_api import StartedResponse, relay, start_response

@@ -73,7 +73,8 @@ from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileQuota, FileStore
 from broker.keys import Keys
 from broker.registry import BatcherInfo, batcher_registry
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 from workers.service_main import run_service
 
 logger = logging.getLogger(__name__)

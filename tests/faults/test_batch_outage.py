@@ -36,7 +36,7 @@ from broker.connection import redis_client
 from broker.files import FileStore
 from broker.keys import Keys
 from broker.outputs import OutputStreams
-from broker.run import Runner
+from broker.runner import Runner
 from broker.server import RedisServer
 from tests.faults.web_clients import CHAT, words
 from tests.stack import (

@@ -37,7 +37,8 @@ from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import worker_registry
-from broker.run import LOST_MESSAGE, READY_CACHE_S
+from broker.run import LOST_MESSAGE
+from broker.runner import READY_CACHE_S
 from broker.server import RedisServer
 from tests.e2e.test_websocket import ChatClient
 from tests.faults.web_clients import (

@@ -19,7 +19,7 @@ from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileStore
 from broker.keys import Keys
 from broker.requests import RequestStore
-from broker.run import Runner
+from broker.runner import Runner
 from tests.stack import streamer_process, wait_for, worker_process
 from workers.batcher import BatchDriver
 

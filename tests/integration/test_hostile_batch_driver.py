@@ -21,7 +21,7 @@ from app.settings import Settings
 from broker.batches import BatchBody, BatchStore
 from broker.files import FileStore
 from broker.keys import Keys
-from broker.run import Runner
+from broker.runner import Runner
 from workers.batcher import MAX_STRIKES, BatchDriver, DrivenBatch
 
 pytestmark = pytest.mark.integration

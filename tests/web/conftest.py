@@ -1,5 +1,5 @@
 """Fixtures for the web tier's unit tests: the real Flask app with a real
-``broker.run.Runner`` on a real redis-server, and no worker or streamer processes.
+``broker.runner.Runner`` on a real redis-server, and no worker or streamer processes.
 
 Instead of a streamer, a test writes a request's output events itself
 (``ScriptedOutput``) through ``broker.outputs.OutputStreams`` — the same entries a
@@ -28,7 +28,7 @@ from broker.keys import Keys
 from broker.outputs import OutputEntry, OutputStreams
 from broker.registry import StreamerInfo, WorkerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStore
-from broker.run import Runner
+from broker.runner import Runner
 from tests.integration.conftest import redis_server  # noqa: F401
 from tests.stack import isolated_settings
 from web.app import create_app

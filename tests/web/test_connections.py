@@ -10,7 +10,8 @@ import threading
 from app.intake import Endpoint
 from app.messages import FinishReason, OutputEvent, OutputKind
 from broker.outputs import OutputEntry
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 
 
 def follow(runner: Runner, rid: str) -> Run:

@@ -18,7 +18,8 @@ from flask.testing import FlaskClient
 
 from app.intake import Endpoint
 from app.settings import Settings
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 from web.app import create_app
 from web.auth import key_owner

@@ -19,7 +19,7 @@ from flask.testing import FlaskClient
 
 from broker.keys import Keys
 from broker.registry import WorkerInfo, worker_registry
-from broker.run import UNAVAILABLE_MESSAGE, Runner
+from broker.runner import UNAVAILABLE_MESSAGE, Runner
 from broker.server import RedisServer
 from tests.stack import isolated_settings
 from tests.web.conftest import LiveFleet, RequestIds

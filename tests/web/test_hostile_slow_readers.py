@@ -15,7 +15,8 @@ import pytest
 from app.intake import Endpoint
 from app.messages import OutputKind
 from app.settings import Settings
-from broker.run import STALLED_MESSAGE, Runner
+from broker.run import STALLED_MESSAGE
+from broker.runner import Runner
 from tests.stack import isolated_settings
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 

@@ -24,7 +24,7 @@ from flask.testing import FlaskClient
 from app.settings import Settings
 from broker.files import FileQuota, FileStore
 from broker.keys import Keys
-from broker.run import Runner
+from broker.runner import Runner
 from tests.web.conftest import RequestIds
 from web.app import create_app
 from web.auth import key_owner

@@ -8,7 +8,8 @@ from __future__ import annotations
 from app.intake import Endpoint
 from app.messages import OutputKind
 from broker.outputs import MALFORMED_OUTPUT
-from broker.run import Item, Run, Runner
+from broker.run import Item, Run
+from broker.runner import Runner
 from tests.web.conftest import ScriptedOutput, delta, final, usage
 
 

@@ -16,7 +16,8 @@ import pytest
 
 from app.intake import Endpoint
 from app.messages import OutputKind
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 from tests.stack import wait_for
 from tests.web.conftest import ScriptedOutput, delta, final, usage
 

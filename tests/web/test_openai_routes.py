@@ -19,7 +19,8 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.keys import Keys
 from broker.requests import RequestStore
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, error, final, usage
 from web.app import create_app
 from web.bodies import loads_repaired

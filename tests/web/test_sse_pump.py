@@ -27,7 +27,7 @@ from app.messages import OutputEvent, OutputKind
 from app.settings import Settings
 from broker.hub import Pumped, Subscription
 from broker.outputs import MALFORMED_OUTPUT, encode_events
-from broker.run import Runner
+from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 from web.app import create_app
 from web.head_first import RESPONSE_KEY

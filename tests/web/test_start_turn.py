@@ -1,4 +1,4 @@
-"""Requests start one at a time per process, in arrival order (``broker.run``'s start
+"""Requests start one at a time per process, in arrival order (``broker.runner``'s start
 turn): a burst is served first come, first served instead of everyone waiting for
 everyone. A start stuck longer than ``START_TURN_WAIT_S`` does not hold the rest."""
 
@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-import broker.run
+import broker.runner
 from app.intake import Endpoint
-from broker.run import Run, Runner
+from broker.run import Run
+from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, final, usage
 
 BODY = {"prompt": "x", "stream": True, "max_tokens": 1}
@@ -61,7 +62,7 @@ def test_a_stuck_start_does_not_hold_the_others(
     scripted: ScriptedOutput,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(broker.run, "START_TURN_WAIT_S", 0.3)
+    monkeypatch.setattr(broker.runner, "START_TURN_WAIT_S", 0.3)
     prepare = service.intake.prepare
     release = threading.Event()
 

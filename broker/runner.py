@@ -1,0 +1,345 @@
+"""A process's door to generation, written once for every transport.
+
+``Runner`` (one per web process, one per batch driver) prepares a body
+(``app.intake``), refuses at once when the system cannot serve it (fail fast: 503 +
+Retry-After when Redis, every worker of the model or every streamer is gone), admits
+it against the shared in-flight limit (429 + Retry-After), sends it to a worker's
+queue (``broker.prefix_routes`` picks which), and hands back a ``Run``
+(``broker.run``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import redis
+from celery import Celery
+from kombu.exceptions import OperationalError
+from redis.client import Pipeline
+
+from app.errors import (
+    NotFound,
+    QueueFull,
+    QuotaExceeded,
+    ServiceUnavailable,
+)
+from app.intake import Endpoint, Intake, PreparedRequest
+from app.model_card import ModelCard, load_model_card
+from app.records import RequestRecord
+from app.settings import Settings
+from broker.celery_app import create_celery
+from broker.connection import redis_client
+from broker.hub import OutputHub
+from broker.keys import Keys
+from broker.outputs import OutputStreams
+from broker.prefix_routes import PrefixRouter
+from broker.registry import streamer_registry, worker_registry
+from broker.requests import Admission, RequestStore
+from broker.run import Run, RunObserver
+
+logger = logging.getLogger(__name__)
+
+# Positive readiness answers are reused this long (one registry read per burst).
+READY_CACHE_S = 1.0
+RETRY_AFTER_S = 1
+# Starting a request (tokenizing, admitting, sending its task) is CPU under the GIL:
+# a process runs one at a time however many threads start at once. Interleaved, a
+# burst of 200 made every request wait for nearly all of them (processor sharing:
+# TTFT p50 close to the whole burst's time); taken in turn, in arrival order, the
+# first requests reach the workers first (docs/benchmarks.md). A start that waits
+# longer than this for its turn (the one before it stuck on a slow Redis) goes ahead.
+START_TURN_WAIT_S = 1.0
+
+# What "Redis is away" looks like to a client library: refused or dropped connections,
+# timeouts, a Redis still loading its append-only file (BusyLoadingError is a
+# ConnectionError), a former master turned replica (ReadOnlyError), a full Redis under
+# noeviction (OutOfMemoryError), and kombu's own error when it cannot publish a task.
+# Each is answered 503 + Retry-After: the client should retry, nothing is wrong with
+# its request. Any other RedisError is a bug (500).
+BACKBONE_DOWN: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    OperationalError,
+)
+UNAVAILABLE_MESSAGE = "The server cannot reach its queue right now; please retry shortly."
+
+
+class RunMetrics(Protocol):
+    """Where runs report (the web tier's Prometheus metrics; nothing for batches)."""
+
+    def rejected(self, endpoint: str, stream: bool, exc: BaseException) -> None: ...
+
+    def observer(self, prepared: PreparedRequest, endpoint: str) -> RunObserver: ...
+
+
+class Runner:
+    """A process's door to generation: intake, fail-fast checks, admission, runs."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        card: ModelCard | None = None,
+        client: redis.Redis | None = None,
+        celery_app: Celery | None = None,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        metrics: RunMetrics | None = None,
+        max_connections: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.card = card or load_model_card(settings.model_path())
+        self.clock = clock
+        self.new_id = new_id
+        # Lambdas, not the callables themselves: tests may replace runner.clock/new_id.
+        self.intake = Intake.for_model(
+            settings, self.card, clock=lambda: self.clock(), new_id=lambda: self.new_id()
+        )
+        self.model_name = settings.served_name
+        # One hub thread reads every stream; the other connections serve request threads
+        # (submit, cancel, ready), at most one each at a time.
+        self.redis = client or redis_client(
+            settings.redis_url, max_connections=max_connections or settings.web_threads + 16
+        )
+        keys = Keys(settings.key_prefix)
+        self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
+        self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)
+        self.hub = OutputHub(
+            self.redis,
+            keys,
+            ttl_s=settings.stream_ttl_s,
+            buffer_bytes=settings.stream_buffer_bytes,
+            stall_s=settings.stream_stall_s,
+        )
+        self.workers = worker_registry(self.redis, keys)
+        self.streamers = streamer_registry(self.redis, keys)
+        self.router = (
+            PrefixRouter(self.redis, keys, self.workers, self.model_name, clock=self.clock)
+            if settings.prefix_routing
+            else None
+        )
+        self.celery = celery_app or create_celery(settings, results=False)
+        self.metrics = metrics
+        self._ready_until = 0.0
+        self._start_turn = threading.Semaphore(1)  # FIFO: its waiters wake in order
+
+    # -- starting ------------------------------------------------------------------------
+    def start(
+        self,
+        endpoint: Endpoint,
+        body: Any,
+        *,
+        route: str | None = None,
+        stream: bool | None = None,
+        owner: str = "",
+    ) -> Run:
+        """Prepare, check, admit and submit one interactive request; its ``Run``.
+
+        Raises the ``TokenRelayError`` the client is answered with (400, 404, 429, 501,
+        503, ...), after reporting it as a rejection. ``route`` labels the metrics
+        (the WebSocket's path for its requests; the endpoint's by default); ``owner``
+        (the API key's hash, web.auth) is the only tenant that may resume it.
+        """
+        label = route or endpoint.value
+        # One start at a time in this process, in arrival order (``START_TURN_WAIT_S``).
+        turn = self._start_turn.acquire(timeout=START_TURN_WAIT_S)
+        try:
+            prepared = self.intake.prepare(endpoint, body, stream=stream, owner=owner)
+            self.check_ready()
+            prepared = self._admit_and_submit(prepared)
+        except Exception as exc:
+            if self.metrics is not None:
+                self.metrics.rejected(label, _wants_stream(body, stream), exc)
+            raise
+        finally:
+            if turn:
+                self._start_turn.release()
+        return self.follow(prepared, route=label)
+
+    def follow(
+        self,
+        prepared: PreparedRequest,
+        *,
+        cursor: str | None = None,
+        route: str | None = None,
+        notify: threading.Event | None = None,
+    ) -> Run:
+        """A run over a request already submitted (a batch line, a resumed stream)."""
+        observer = None
+        if self.metrics is not None:
+            observer = self.metrics.observer(prepared, route or prepared.endpoint.value)
+        return Run(self, prepared, cursor=cursor, observer=observer, notify=notify)
+
+    def resume(
+        self,
+        request_id: str,
+        cursor: str | None,
+        *,
+        route: str | None = None,
+        scope: str | None = None,
+    ) -> Run:
+        """A run that continues request ``request_id``'s output after ``cursor`` (from
+        the start when None): what a client that lost its connection reconnects to, on
+        any web process, until the request's output expires. It is not admitted again
+        and its generation is not cancelled when the reconnected client leaves early
+        unless nothing else is following it (the run's own close decides, as ever).
+
+        ``scope``: the owner the caller may see (None: any, e.g. an admin key); another
+        owner's stream is answered as if it did not exist."""
+        try:
+            loaded = self.store.load(request_id)
+        except redis.RedisError as exc:
+            raise backbone_unavailable() from exc
+        if loaded is None or (scope is not None and loaded[0].owner != scope):
+            raise NotFound(
+                f"No stream with id '{request_id}' exists (or it has expired).",
+                param="request_id",
+                code="stream_not_found",
+            )
+        prepared = self.intake.restore(loaded[0])
+        return self.follow(prepared, cursor=cursor, route=route)
+
+    # -- following and cancelling ---------------------------------------------------------
+    def followers(self, rid: str, change: int) -> int:
+        """Count a client starting (+1) or stopping (-1) to follow ``rid``; the count."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.queue_follower(pipe, rid, change)
+        count: Any = pipe.execute()[0]
+        return int(count)
+
+    def queue_follower(self, pipe: Pipeline, rid: str, change: int) -> None:
+        """``followers``'s commands, added to ``pipe`` (its first result is the count)."""
+        key = self.store.keys.followers(rid)
+        pipe.incrby(key, change)
+        pipe.expire(key, self.settings.stream_ttl_s)
+
+    def cancel(self, rid: str) -> None:
+        """Stop generating ``rid`` and free its admission slot."""
+        self.store.cancel(rid)
+        self.store.release(rid)
+
+    def cancel_later(self, rid: str) -> None:
+        """Cancel ``rid`` after the resume grace unless a client follows it again."""
+
+        def check() -> None:
+            try:
+                key = self.store.keys.followers(rid)
+                raw: Any = self.redis.get(key)
+                if int(raw or 0) <= 0:
+                    self.cancel(rid)
+            except redis.RedisError as exc:
+                logger.warning("could not cancel abandoned request %s: %s", rid, exc)
+
+        timer = threading.Timer(self.settings.resume_grace_s, check)
+        timer.daemon = True
+        timer.start()
+
+    def _admit_and_submit(self, prepared: PreparedRequest) -> PreparedRequest:
+        """Admit and submit; the request as submitted (with its ``route``)."""
+        record = prepared.record
+        settings = self.settings
+        if record.num_choices > settings.max_request_choices:
+            raise QuotaExceeded(
+                f"This request asks for {record.num_choices} choices (prompts x n); the "
+                f"quota is {settings.max_request_choices} per request (max_request_choices)."
+            )
+        route = self.router.choose(record) if self.router is not None else None
+        if route is not None:
+            record = record.model_copy(update={"route": route})
+            prepared = dataclasses.replace(prepared, record=record)
+        try:
+            admitted = self._admit(record)
+            if admitted is Admission.OWNER_FULL:
+                full = QuotaExceeded(
+                    f"This API key already has {settings.key_max_in_flight} requests in "
+                    "flight, its quota (key_max_in_flight); retry when one has finished."
+                )
+                full.retry_after = RETRY_AFTER_S  # type: ignore[attr-defined]
+                raise full
+            if not admitted:
+                raise QueueFull(
+                    "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
+                )
+            try:
+                self.store.send(record, self.celery)
+                if route is not None:
+                    self.router.sent(route)  # type: ignore[union-attr]
+            except Exception:
+                # The record is written without its task (Redis went away between the
+                # two): cancel it, or a streamer would send the task again for a client
+                # that was told 503.
+                with contextlib.suppress(redis.RedisError):
+                    self.store.cancel(record.request_id)
+                self.store.release(record.request_id)
+                raise
+        except (redis.RedisError, OperationalError) as exc:
+            self._ready_until = 0.0
+            raise backbone_unavailable() from exc
+        return prepared
+
+    def _admit(self, record: RequestRecord) -> Admission:
+        """Admit ``record`` and write it, in one call (``RequestStore.admit``)."""
+        settings = self.settings
+        try:
+            return self.store.admit(
+                record.request_id,
+                record.deadline,
+                settings.max_queue,
+                self.clock(),
+                weight=record.num_choices,
+                # Only with keys configured does an owner stand for one client.
+                owner=record.owner if settings.api_keys else "",
+                owner_limit=settings.key_max_in_flight,
+                create=record,
+            )
+        except redis.ResponseError:
+            # The script may have counted the request before a command in it failed
+            # (a full Redis refuses the record's write): free its slot, which Redis
+            # allows even then. (Not after a connection error: then nothing answers.)
+            with contextlib.suppress(redis.RedisError):
+                self.store.release(record.request_id)
+            raise
+
+    # -- readiness -----------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason): Redis reachable, a live worker for our model, a live streamer."""
+        try:
+            workers = [w for w in self.workers.live() if w.model == self.model_name]
+            streamers = self.streamers.live()
+        except redis.RedisError:
+            return False, "Redis is unreachable."
+        if not workers:
+            return False, f"No live worker serves model '{self.model_name}'."
+        if not streamers:
+            return False, "No live streamer."
+        return True, "ok"
+
+    def check_ready(self) -> None:
+        """Fail fast: 503 + Retry-After before anything is submitted or streamed."""
+        now = time.monotonic()
+        if now < self._ready_until:
+            return
+        ok, reason = self.readiness()
+        if not ok:
+            raise ServiceUnavailable(reason, code="not_ready", retry_after=RETRY_AFTER_S)
+        self._ready_until = now + READY_CACHE_S
+
+
+def backbone_unavailable() -> ServiceUnavailable:
+    """The 503 a client gets while Redis is away (``BACKBONE_DOWN``)."""
+    return ServiceUnavailable(UNAVAILABLE_MESSAGE, code="not_ready", retry_after=RETRY_AFTER_S)
+
+
+def _wants_stream(body: Any, stream: bool | None) -> bool:
+    if stream is not None:
+        return stream
+    return isinstance(body, dict) and body.get("stream") is True
