@@ -52,17 +52,13 @@ from broker.requests import (
 from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
 from workers.lease_keeper import LeaseKeeper
+from workers.prefix_adverts import PrefixAdvertiser
 
 logger = logging.getLogger(__name__)
 
 DEADLINE_MESSAGE = "The request exceeded its deadline."
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating; please retry."
 JOB_FAILURE_MESSAGE = "The worker failed while handling this request; please retry."
-
-# The engine's cached prefixes are advertised when a choice finishes, otherwise at most
-# this often when they changed, and rewritten this often even unchanged.
-ADVERT_EVERY_S = 1.0
-ADVERT_REFRESH_S = 30.0
 
 
 @dataclass(slots=True)
@@ -142,7 +138,7 @@ class EngineThread(threading.Thread):
         clock: Callable[[], float] = time.time,
         idle_wait_s: float = 0.05,
         worker_id: str | None = None,
-        advertise: Callable[[frozenset[bytes], frozenset[bytes] | None, int], None] | None = None,
+        advertiser: PrefixAdvertiser | None = None,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self.engine = engine
@@ -176,13 +172,9 @@ class EngineThread(threading.Thread):
         # trip after the reply that fenced them, retried with the next publish if Redis
         # failed meanwhile.
         self._fenced_tails: list[FencedTail] = []
-        # Writes the engine's prefix-block names to Redis (``broker.prefix_routes``);
-        # None: this worker is not routed to.
-        self.advertise = advertise
-        self._advertised: frozenset[bytes] | None = None  # None: rewrite the whole set
-        self._advertised_load = -1
-        self._advert_checked = 0.0  # monotonic
-        self._advert_sent = -ADVERT_REFRESH_S
+        # Writes the engine's cached prefixes and this worker's load to Redis for the
+        # web tier's routing (``workers.prefix_adverts``); None: not routed to.
+        self.advertiser = advertiser
 
     # -- called from task threads ---------------------------------------------------
     def submit(self, item: WorkItem) -> JobHandle:
@@ -270,41 +262,9 @@ class EngineThread(threading.Thread):
             self._finish_publish()  # nothing to overlap it with: read it now
 
     def _advertise(self, finished: bool) -> None:
-        """Write the engine's prefix-block names when a choice finished (its KV is now
-        cached), or at most every ``ADVERT_EVERY_S`` when they changed otherwise
-        (running prompts, evictions), and every ``ADVERT_REFRESH_S`` regardless (a
-        Redis restarted without its data); with them, or alone whenever it changed, the
-        load (requests running or waiting here), which the web tier's room check reads
-        because the heartbeat's is up to a beat old. A failed write is retried on the
-        next call."""
-        if self.advertise is None:
-            return
-        now = time.monotonic()
-        names = self._advertised
-        if names is None or finished or now - self._advert_checked >= ADVERT_EVERY_S:
-            self._advert_checked = now
-            try:
-                names = self.engine.prefix_blocks()
-            except Exception:
-                logger.exception("engine prefix_blocks failed")
-                return
-            if names is None:
-                return
-        load = self.inbox.qsize() + sum(1 for a in self._active.values() if a.open_choices)
-        refresh = now - self._advert_sent >= ADVERT_REFRESH_S
-        if names == self._advertised and load == self._advertised_load and not refresh:
-            return
-        try:
-            # The difference from what was written, or everything now and then.
-            self.advertise(names, None if refresh else self._advertised, load)
-        except redis.RedisError as exc:
-            logger.debug("advertising cached prefixes failed: %s", exc)
-            self._advertised = None  # not known what Redis holds now: rewrite it next
-            return
-        self._advertised = names
-        self._advertised_load = load
-        if refresh:
-            self._advert_sent = now
+        if self.advertiser is not None:
+            load = self.inbox.qsize() + sum(1 for a in self._active.values() if a.open_choices)
+            self.advertiser.tick(self.engine, finished, load)
 
     def _admit(self, block: bool) -> None:
         try:

@@ -30,6 +30,7 @@ from workers.backoff import Backoff
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem
 from workers.engines import load_engine
 from workers.engines.base import ChoiceJob, Engine, EngineJob
+from workers.prefix_adverts import PrefixAdvertiser
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,10 @@ class WorkerRuntime:
             self.store,
             lease_ttl_s=settings.lease_ttl_s,
             worker_id=self.worker_id,
-            advertise=(
-                functools.partial(self.adverts.publish, self.worker_id) if self.adverts else None
+            advertiser=(
+                PrefixAdvertiser(functools.partial(self.adverts.publish, self.worker_id))
+                if self.adverts
+                else None
             ),
         )
         self._stop = threading.Event()

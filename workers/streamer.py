@@ -55,7 +55,7 @@ from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.chunks import ChunkLog, entry_chunks, phase_of
-from broker.connection import redis_client
+from broker.connection import as_str, redis_client
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.handoff import RequestHandoff
 from broker.keys import Keys
@@ -76,7 +76,6 @@ from workers.streamer_state import (
     LiveModels,
     RequestFault,
     Tracked,
-    as_str,
     cmp_ids,
     request_decoder,
 )

@@ -6,7 +6,6 @@ Split out of ``workers.streamer`` (the loop) so each module reads on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 from kombu.exceptions import OperationalError
@@ -185,7 +184,3 @@ def cmp_ids(a: str, b: str) -> int:
     bm, _, bsq = b.partition("-")
     ka, kb = (int(am), int(asq or 0)), (int(bm), int(bsq or 0))
     return (ka > kb) - (ka < kb)
-
-
-def as_str(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
