@@ -310,7 +310,7 @@ def test_a_saved_suffix_needs_its_shared_prefix_back(
         for i, p in enumerate(first):
             host.submit(chat_job(f"a{i}", p, max_new=40))
         run = advance(host, Run())
-        assert all(e.base > 0 for e in host._host._entries)  # type: ignore[union-attr]
+        assert all(e.base > 0 for e in host._kv.host._entries)  # type: ignore[union-attr]
         # Another conversation keeps the system prompt in the KV while the first returns.
         host.submit(
             chat_job(

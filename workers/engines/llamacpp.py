@@ -21,7 +21,8 @@ llama.cpp's batch API through the low-level bindings (``llama_cpp.llama_*``):
   state: before its sample the tokens the grammar forbids are set to -inf in the logits
   buffer (which the sampler chain copies), after it the token is fed back, and the
   choice ends as by EOS once the grammar is complete (workers/engines/constraint.py);
-* a prefix cache (workers/engines/prefix_cache.py): a finished choice keeps its cells
+* a prefix cache (the bookkeeping: workers/engines/prefix_cache.py; applied to the KV
+  and host memory: workers/engines/llamacpp_kv.py): a finished choice keeps its cells
   under its sequence id until their space or the id is needed, and a prompt starts from
   the longest prefix any sequence of its scope already decoded (``llama_memory_seq_cp``
   shares the cells, nothing is copied), so a chat's next turn prefills only what is new.
@@ -35,11 +36,9 @@ params).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +49,7 @@ import numpy as np
 from app.messages import EngineFinish, TokenDelta, TokenLogprob
 from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
 from workers.engines.constraint import ConstraintError, GrammarVocab, JobGrammar, SequenceGrammar
+from workers.engines.llamacpp_kv import KvCells
 from workers.engines.llamacpp_sampling import (
     choice_seed,
     grammar_vocab,
@@ -57,7 +57,6 @@ from workers.engines.llamacpp_sampling import (
     plain_greedy,
     sampler_chain,
 )
-from workers.engines.prefix_cache import HostCache, HostEntry, PrefixTree
 
 if TYPE_CHECKING:
     from app.model_card import ModelCard
@@ -214,7 +213,6 @@ class LlamaCppEngine(Engine):
         if not self._ctx:
             lc.llama_model_free(self._model)
             raise RuntimeError(f"llama.cpp could not create a context for {model_path}")
-        self._mem = lc.llama_get_memory(self._ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.n_ctx = lc.llama_n_ctx(self._ctx)
         per_seq = lc.llama_n_ctx_seq(self._ctx)
@@ -224,17 +222,18 @@ class LlamaCppEngine(Engine):
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self._n_batch,))
         self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self._n_batch,))
         self._want = np.ctypeslib.as_array(self._batch.logits, shape=(self._n_batch,))
-        self._free_ids = list(range(n_seq_ids - 1, -1, -1))
-        self._running = 0  # sequence ids held by running choices (at most capacity)
-        self._tree = PrefixTree(block=prefix_block)  # every sequence's KV cells
-        self._host = HostCache(cache_ram_bytes) if prefix_cache and cache_ram_bytes else None
-        self.hot_cells = hot_cells
-        self.restored_tokens = 0  # prompt tokens brought back from host memory, since start
+        # Which sequence ids hold which cells, and what they cache (llamacpp_kv.py).
+        self._kv = KvCells(
+            self._ctx,
+            n_ctx=self.n_ctx,
+            n_seq_ids=n_seq_ids,
+            prefix_cache=prefix_cache,
+            block=prefix_block,
+            cache_ram_bytes=cache_ram_bytes,
+            hot_cells=hot_cells,
+        )
         self._jobs: dict[str, _Job] = {}
         self._order = 0
-        # Prompt tokens looked up in the prefix cache, and found (for the hit rate).
-        self._queried = 0
-        self._hits = 0
         self.prompt_tokens_decoded = 0  # prompt tokens run through the model, since start
         self._closed = False
         self._grammar_vocab: GrammarVocab | None = None  # on the first constrained job
@@ -322,7 +321,7 @@ class LlamaCppEngine(Engine):
         self._admit(out)
         entries = self._plan()
         while entries:
-            self._make_room(len(entries))
+            self._kv.make_room(len(entries))
             status = self._decode(entries)
             if status == 0:
                 self._after_decode(entries, out)
@@ -331,7 +330,7 @@ class LlamaCppEngine(Engine):
             if status == _DECODE_NO_KV_SLOT:
                 logger.warning(
                     "KV cache full (%d/%d cells): failing job %s",
-                    self._tree.cells,
+                    self._kv.tree.cells,
                     self.n_ctx,
                     victim.job.job_id,
                 )
@@ -346,12 +345,7 @@ class LlamaCppEngine(Engine):
                     s.trusted = False
                 self._end_job(job, EngineFinish.ERROR, out, "the model failed on this request")
             break
-        if self._host is not None:
-            # Past the hot budget, cached cells live in host memory only.
-            excess = self._tree.evictable() - self.hot_cells
-            if excess > 0:
-                goal = self._tree.evicted + excess
-                self._evict(lambda: self._tree.evicted < goal)
+        self._kv.trim_hot()
         return out
 
     def stats(self) -> dict[str, float]:
@@ -359,45 +353,32 @@ class LlamaCppEngine(Engine):
         kept only for the prefix cache are free to take); the prefix cache's cells
         (gauge) and, since start, prompt tokens looked up, found, and cells evicted
         (counters: hits / queries is the hit rate)."""
-        cached = self._tree.evictable()
-        pinned = self._tree.cells - cached
-        return {
-            "cache_usage": pinned / self.n_ctx if self.n_ctx else 0.0,
-            "prefix_cache_cells": float(cached),
-            "prefix_cache_queries": float(self._queried),
-            "prefix_cache_hits": float(self._hits),
-            "prefix_cache_evicted": float(self._tree.evicted),
-        }
+        return self._kv.stats()
 
     def prefix_blocks(self) -> frozenset[bytes] | None:
-        """Every prefix in the KV (running and cached sequences) or in host memory."""
-        if not self.prefix_cache:
-            return None
-        names = self._tree.block_names()
-        if self._host is not None:
-            names |= self._host.block_names()
-        return frozenset(names)
+        return self._kv.prefix_blocks()
 
     @property
     def kv_pinned(self) -> int:
         """KV cells held by running sequences (the rest is the prefix cache's)."""
-        return self._tree.cells - self._tree.evictable()
+        return self._kv.pinned
 
     @property
     def running_sequences(self) -> int:
-        return self._running
+        return self._kv.running
+
+    @property
+    def restored_tokens(self) -> int:
+        """Prompt tokens brought back from host memory, since start."""
+        return self._kv.restored_tokens
+
+    @property
+    def hot_cells(self) -> int:
+        return self._kv.hot_cells
 
     def check_kv(self) -> None:
-        """Raise unless llama.cpp's KV holds, for every sequence id, exactly the cells
-        the prefix tree says (positions 0 .. length-1), and no others. For tests."""
-        live = self._tree.sequences
-        for seq in range(MAX_SEQ_IDS if self.prefix_cache else self._capacity):
-            lo = lc.llama_memory_seq_pos_min(self._mem, seq)
-            hi = lc.llama_memory_seq_pos_max(self._mem, seq)
-            n = self._tree.length(seq) if seq in live else 0
-            want = (0, n - 1) if n else (-1, -1)
-            if (lo, hi) != want:
-                raise AssertionError(f"sequence {seq}: KV holds {lo}..{hi}, tree {want}")
+        """Raise unless llama.cpp's KV holds exactly what the prefix tree says. For tests."""
+        self._kv.check()
 
     def close(self) -> None:
         if self._closed:
@@ -438,9 +419,9 @@ class LlamaCppEngine(Engine):
             )
             # What the prefix cache holds now is a fair guess of what it will hold when
             # the prefill starts; a wrong guess costs an eviction or a KV-full error.
-            need = sum(len(t) - self._peek(job.scope, t) for t in prompts)
+            need = sum(len(t) - self._kv.peek(job.scope, t) for t in prompts)
             headroom = running + len(choices)
-            if self._running + len(choices) > self._capacity or (
+            if self._kv.running + len(choices) > self._capacity or (
                 pinned + pending_prompt + need + headroom > self.n_ctx and running
             ):
                 break
@@ -450,7 +431,7 @@ class LlamaCppEngine(Engine):
                     out.append(EngineStep(ej.job_id, TokenDelta(c.index, [], finish=LENGTH)))
             seqs = [
                 _Seq(
-                    seq_id=self._take_id(job.scope),
+                    seq_id=self._kv.take_id(job.scope),
                     job=job,
                     index=c.index,
                     chain=sampler_chain(
@@ -473,142 +454,12 @@ class LlamaCppEngine(Engine):
             if not seqs:
                 del self._jobs[ej.job_id]
 
-    def _peek(self, scope: str, tokens: list[int]) -> int:
-        if not self.prefix_cache:
-            return 0
-        return self._tree.match(scope, tokens, limit=len(tokens) - 1).length
-
-    def _take_id(self, scope: str) -> int:
-        """A free sequence id for a running choice, evicting a cached sequence whole
-        when every id is taken (there are ``MAX_SEQ_IDS - capacity`` for the cache)."""
-        seq = self._take_spare()
-        assert seq is not None  # running sequences never exceed capacity
-        self._tree.begin(seq, scope)
-        self._running += 1
-        return seq
-
     def _start_prefill(self, job: _Job, p: _Prefill) -> None:
-        """The prompt's longest cached prefix becomes its sequences' own cells (shared,
-        not copied), and the prefill starts after it. At least the prompt's last token
-        is decoded: its logits give the first sample."""
+        """The prefill starts after the longest cached prefix (``KvCells.start``)."""
         p.started = True
-        if not self.prefix_cache:
-            return
-        m = self._tree.match(job.scope, p.tokens, limit=len(p.tokens) - 1)
-        if self._host is not None:
-            self._restore(job.scope, p.tokens, m.length, len(p.tokens) - 1)
-            m = self._tree.match(job.scope, p.tokens, limit=len(p.tokens) - 1)
-        self._queried += len(p.tokens)
-        if m.length and m.source is not None:
-            for s in p.seqs:
-                lc.llama_memory_seq_cp(self._mem, m.source, s.seq_id, 0, m.length)
-            for seq in self._tree.share(m, [s.seq_id for s in p.seqs]):
-                # A cached sequence whose every cell the new one now holds: its id is
-                # worth more than it (removing it frees no cell).
-                lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                self._tree.drop(seq)
-                self._free_ids.append(seq)
-            p.done = m.length
-            self._hits += m.length
-        if job.cached_tokens is None:
+        p.done = self._kv.start(job.scope, p.tokens, [s.seq_id for s in p.seqs])
+        if self.prefix_cache and job.cached_tokens is None:
             job.cached_tokens = min(p.done, len(job.job.prompt_ids))
-
-    def _make_room(self, n: int) -> None:
-        """Evict cached prefixes, least recently used first, until ``n`` cells are free."""
-        self._evict(lambda: self.n_ctx - self._tree.cells < n)
-
-    def _evict(self, more: Callable[[], bool]) -> None:
-        """Evict cached prefixes block by block, least recently used first, while
-        ``more()`` says so and something is evictable."""
-        while more():
-            trims = self._tree.evict_block()
-            if not trims:
-                return
-            for t in trims:
-                lc.llama_memory_seq_rm(self._mem, t.seq, t.start, -1)
-            live = self._tree.sequences
-            for t in trims:
-                if t.seq not in live and t.seq not in self._free_ids:
-                    self._free_ids.append(t.seq)
-
-    def _save(self, seq: int, scope: str) -> None:
-        """Copy ``seq``'s KV to host memory, less the prefix other sequences hold (a
-        temporary sequence id takes just the rest: ``seq_cp`` of a position range)."""
-        assert self._host is not None
-        tokens = self._tree.tokens(seq)
-        base = self._tree.shared_length(seq)
-        if base >= len(tokens):
-            return
-        src = seq
-        tmp: int | None = None
-        if base:
-            tmp = self._take_spare()
-            if tmp is None:
-                return
-            lc.llama_memory_seq_cp(self._mem, seq, tmp, base, -1)
-            src = tmp
-        try:
-            size = lc.llama_state_seq_get_size(self._ctx, src)
-            buf = (ctypes.c_uint8 * size)()
-            if lc.llama_state_seq_get_data(self._ctx, buf, size, src) == size:
-                self._host.put(HostEntry(scope, tokens, base, bytes(buf)))
-        finally:
-            if tmp is not None:
-                lc.llama_memory_seq_rm(self._mem, tmp, -1, -1)
-                self._free_ids.append(tmp)
-
-    def _take_spare(self) -> int | None:
-        """A sequence id for a moment (not a running one), freeing a cached one if needed."""
-        if not self._free_ids:
-            seq = self._tree.evict_entry()
-            if seq is None:
-                return None
-            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._free_ids.append(seq)
-        return self._free_ids.pop()
-
-    def _restore(
-        self, scope: str, tokens: list[int], have: int, limit: int, depth: int = 0
-    ) -> None:
-        """Bring back from host memory a saved sequence that shares more of ``tokens``
-        (up to ``limit``) than the KV's ``have``: it becomes a cached sequence the
-        prefill then shares. A saved sequence that left out a prefix other sequences
-        held needs that prefix in the KV first: from the KV, or restored the same way."""
-        assert self._host is not None
-        entry, n = self._host.match(scope, tokens, limit=limit)
-        if entry is None or n < have + self._tree.block or n <= entry.base:
-            return
-        if entry.base:
-            held = self._tree.match(scope, entry.tokens, limit=entry.base).length
-            if held < entry.base and depth < 4:
-                self._restore(scope, entry.tokens, held, entry.base, depth + 1)
-        need = len(entry.tokens) - entry.base
-        self._make_room(need)
-        seq = self._take_spare()
-        if seq is None:
-            return
-        prefix = self._tree.match(scope, entry.tokens, limit=entry.base)
-        if prefix.length < entry.base or self.n_ctx - self._tree.cells < need:
-            self._free_ids.append(seq)  # the prefix it leaves out is gone, or no room
-            return
-        blob = entry.blob
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        if lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq) != len(blob):
-            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._free_ids.append(seq)
-            logger.warning("could not restore a cached prefix of %d tokens", len(entry.tokens))
-            return
-        self._tree.begin(seq, scope)
-        if entry.base and prefix.source is not None:
-            lc.llama_memory_seq_cp(self._mem, prefix.source, seq, 0, entry.base)
-            for r in self._tree.share(prefix, [seq]):
-                lc.llama_memory_seq_rm(self._mem, r, -1, -1)
-                self._tree.drop(r)
-                self._free_ids.append(r)
-        self._tree.extend([seq], entry.tokens[entry.base :])
-        self._tree.retire(seq)
-        self._host.touch(entry)
-        self.restored_tokens += len(entry.tokens) - entry.base
 
     def _plan(self) -> list[_Entry]:
         """This step's batch: every running sequence's last token, then prompt chunks."""
@@ -654,12 +505,12 @@ class LlamaCppEngine(Engine):
     def _after_decode(self, entries: list[_Entry], out: list[EngineStep]) -> None:
         """Account the decoded tokens, then sample every sequence that got logits."""
         to_sample: list[tuple[int, list[_Seq]]] = []
-        tree = self._tree
+        kv = self._kv
         prompt: list[int] = []
         for i, e in enumerate(entries):
             if e.seq is not None:
                 e.seq.pos += 1
-                tree.extend([e.seq.seq_id], [e.token])
+                kv.extend([e.seq.seq_id], [e.token])
                 to_sample.append((i, [e.seq]))
                 continue
             p = e.prefill
@@ -674,7 +525,7 @@ class LlamaCppEngine(Engine):
         if prompt:  # one prefill's chunk per step (_plan), contiguous at the batch's end
             p = entries[-1].prefill
             assert p is not None
-            tree.extend([s.seq_id for s in p.seqs], prompt)
+            kv.extend([s.seq_id for s in p.seqs], prompt)
             self.prompt_tokens_decoded += len(prompt)
         for idx, seqs in to_sample:
             self._sample(idx, seqs, out)
@@ -781,15 +632,7 @@ class LlamaCppEngine(Engine):
             return
         s.done = True
         lc.llama_sampler_free(s.chain)
-        self._running -= 1
-        if self.prefix_cache and s.trusted and self._tree.length(s.seq_id):
-            if self._host is not None:
-                self._save(s.seq_id, s.job.scope)
-            self._tree.retire(s.seq_id)
-        else:
-            lc.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)
-            self._tree.drop(s.seq_id)
-            self._free_ids.append(s.seq_id)
+        self._kv.free(s.seq_id, s.job.scope, keep=s.trusted)
         if not s.job.live:
             s.job.prefills.clear()
 
