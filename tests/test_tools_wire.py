@@ -43,7 +43,7 @@ from app.tools import (
     detect_tool_call_parser,
 )
 from web.responses import ChunkStream
-from web.ws import server_message
+from web.ws_messages import server_message
 from workers.streamer_state import request_decoder
 
 WEATHER = {

@@ -423,7 +423,7 @@ def test_a_client_that_misses_pongs_is_dropped(locked_url: str) -> None:
 
 
 def _parse(raw: str | bytes, max_bytes: int = 4096) -> Any:
-    from web.ws import parse_client_message
+    from web.ws_messages import parse_client_message
 
     return parse_client_message(raw, max_bytes=max_bytes)
 
@@ -431,7 +431,7 @@ def _parse(raw: str | bytes, max_bytes: int = 4096) -> Any:
 def test_parse_client_messages() -> None:
     """The envelope only: chat bodies are validated by Runner.start like HTTP bodies
     (their errors are covered by the socket tests above)."""
-    from web.ws import CancelChat, ChatStart, Ping, RejectedMessage, ResumeChat
+    from web.ws_messages import CancelChat, ChatStart, Ping, RejectedMessage, ResumeChat
 
     chat = _parse('{"type":"chat","id":"q","messages":[{"role":"user","content":"a\tb"}]}')
     assert isinstance(chat, ChatStart) and chat.id == "q"
@@ -461,7 +461,7 @@ def test_parse_client_messages() -> None:
 
 def test_server_messages_from_output_events() -> None:
     from app.messages import FinishReason, LogprobEntry, OutputEvent, OutputKind
-    from web.ws import server_message
+    from web.ws_messages import server_message
 
     delta = OutputEvent(
         OutputKind.DELTA, 1, "hi", logprobs=[LogprobEntry(5, "hi", -0.5, [104, 105])]
