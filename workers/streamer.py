@@ -9,7 +9,8 @@ One loop per process (several processes may run):
    entry per engine step for all its requests), back to its own stream after a gap;
 3. run each request's choice Decoders and append the resulting events to each
    request's output stream in ONE pipelined round trip (deltas coalesced per cycle,
-   each entry carrying the ordinal of the last token chunk it was decoded from);
+   each entry carrying the ordinal of the last token chunk it was decoded from; this
+   step is ``workers.streamer_relay.Relay``, which ``Streamer`` extends);
 4. when every choice has ended, append usage, cancel the request upstream if it
    stopped locally (stop string / stop token), and acknowledge the hand-off entry;
 5. every half second, the watchdog: resume requests whose worker lost its lease,
@@ -39,44 +40,36 @@ import socket
 import sys
 import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from celery import Celery
-from orjson import loads
 from tokenizers import Tokenizer
 
-from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
+from app.messages import EngineFinish, OutputEvent, OutputKind
 from app.model_card import load_model_card, load_tokenizer
 from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
-from broker.chunks import ChunkLog, entry_chunks, phase_of
+from broker.chunks import ChunkLog, phase_of
 from broker.connection import as_str, redis_client
-from broker.direct import DirectConnection, read_rest, xread_command
-from broker.handoff import RequestHandoff
-from broker.keys import Keys
-from broker.outputs import OutputEntry, OutputStreams, encode_events, encode_text
+from broker.direct import read_rest, xread_command
+from broker.outputs import OutputEntry
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
-from broker.requests import RequestStatus, RequestStore, decode_deltas
+from broker.requests import RequestStatus, decode_deltas
 from broker.step_lines import below_ms, step_entry_columns
 from workers.backoff import Backoff
 from workers.service_main import run_service
+from workers.streamer_relay import Relay
 from workers.streamer_state import (
     BACKBONE_ERRORS,
     DEADLINE_MESSAGE,
-    DECODE_FAULT,
     EXPIRED_MESSAGE,
     LOST_MESSAGE,
     REQUEST_FAULT,
-    Commit,
     LiveModels,
-    RequestFault,
     Tracked,
-    cmp_ids,
     request_decoder,
 )
 
@@ -96,7 +89,10 @@ READ_COUNT = 512  # token entries per stream per read
 STEP_QUIET_S = 1.0
 
 
-class Streamer:
+class Streamer(Relay):
+    """The streamer process's loop: claims, reads, takeovers and the watchdog; the
+    decoding and writing of outputs is ``Relay``'s (``workers.streamer_relay``)."""
+
     def __init__(
         self,
         settings: Settings,
@@ -107,24 +103,10 @@ class Streamer:
         consumer: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.settings = settings
-        self.redis = client
-        self.tokenizer = tokenizer
-        self.celery = celery_app
-        self.clock = clock
-        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        keys = Keys(settings.key_prefix)
-        self.keys = keys
-        self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
-        self.outputs = OutputStreams(client, keys, ttl_s=settings.stream_ttl_s)
-        self.handoff = RequestHandoff(client, keys)
-        # The loop's read (and the write it carries) go on a connection of their own.
-        self.direct = DirectConnection(client)
-        self.workers = worker_registry(client, keys)
-        self.registry = streamer_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
-        self.tracked: dict[str, Tracked] = {}
+        super().__init__(settings, client, tokenizer, celery_app, consumer=consumer, clock=clock)
+        self.workers = worker_registry(client, self.keys)
+        self.registry = streamer_registry(client, self.keys, ttl_s=5 * HEARTBEAT_S)
         self._handoff_cursor = "0-0"
-        self._step_cursors: dict[str, str] = {}  # worker step stream -> read position
         self._last_watchdog = 0.0
         self._last_heartbeat = 0.0
         # Touch our hand-off entries well within the takeover time: at a period close to
@@ -137,10 +119,6 @@ class Streamer:
         # Ask the group for new requests only when the wake-up read saw one (or the
         # watchdog says so): one round trip less per cycle while requests stream.
         self._claim_due = True
-        self._commits: deque[Commit] = deque()
-        # Output writes staged so far: the clock of the requests' output ChunkLogs (the
-        # index of the write the next commit makes).
-        self._writes = 0
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
         self.started = clock()
@@ -265,69 +243,6 @@ class Streamer:
             # Written by the next read's round trip, or by whatever talks to Redis first.
             self._append_commit(c)
 
-    def _decode_all(self, got: dict[str, list[Any]]) -> Commit:
-        """Every request's new chunks of this cycle (``got``: request id -> its token
-        entries and step lines) decoded into this cycle's commit. A request with one
-        step line and a plain decoder (most, at most steps) takes ``_decode_plain``."""
-        c = Commit([], [], [], [])
-        now = self.clock()
-        for rid, entries in got.items():
-            t = self.tracked.get(rid)
-            if t is None:  # dropped meanwhile (taken over)
-                continue
-            try:
-                if t.plain is not None and len(entries) == 1 and entries[0][0] is None:
-                    out = self._decode_plain(t, entries[0][1], now)
-                else:
-                    out = self._decode_entries(t, entries)
-            except BACKBONE_ERRORS:
-                raise
-            except Exception:
-                logger.exception("request %s: failed while decoding; ending it", rid)
-                c.outputs.append(self._fail(t, REQUEST_FAULT, 500))
-                c.failed.append(t)
-                c.cancels.append(rid)  # no worker should spend more on it
-                continue
-            if t.choices.all_done:
-                c.ended.append(t)
-            if out is not None:
-                c.outputs.append(out)
-        return c
-
-    def _append_commit(self, c: Commit) -> None:
-        """Queue ``c``, numbered as the next write (its outputs were staged for it)."""
-        if c.outputs:
-            c.stamp = str(self._writes)
-            self._writes += 1
-        self._commits.append(c)
-
-    def _restage_due(self, outputs: list[OutputEntry]) -> None:
-        """Add a checkpoint for every request whose output chunks since its last one are
-        due one (broker/chunks.py) and that this write carries nothing for: it stopped
-        producing, and its tail would otherwise outlive the step entries holding it."""
-        writing = {e.request_id for e in outputs}
-        index = self._writes
-        for rid, t in self.tracked.items():
-            if rid not in writing and t.out.due(index):
-                outputs.append(t.restaged(index))
-
-    def _output(
-        self,
-        t: Tracked,
-        events: list[OutputEvent],
-        *,
-        first: bool,
-        terminal: bool = False,
-        published: bytes | None = None,
-    ) -> OutputEntry:
-        """``t``'s events of this cycle as its next output chunk, staged for the next
-        write: a checkpoint when it is this streamer's first for ``t`` or its last."""
-        payload = encode_events(events)
-        n, mark, prior = t.out.stage(payload, self._writes, t.mark_next or terminal)
-        t.mark_next = False
-        t.out_source = str(t.n)
-        return t.staged(n, mark, prior, payload, events, first, published)
-
     def _take_steps(
         self,
         key: str,
@@ -386,224 +301,6 @@ class Streamer:
         """How long the next read may block: until the watchdog is due."""
         due_s = self._last_watchdog + WATCHDOG_S - self.clock()
         return max(1, min(int(due_s * 1000), READ_BLOCK_MAX_MS))
-
-    def _commit(
-        self,
-        outputs: Sequence[OutputEntry],
-        ended: Sequence[Tracked] = (),
-        failed: Sequence[Tracked] = (),
-        cancels: Sequence[str] = (),
-    ) -> None:
-        """Write ``outputs`` in one round trip, then end the requests they end.
-
-        Once a request's decoders have moved on, their events must be committed before
-        any other round trip that could fail and lose them."""
-        self._append_commit(Commit(list(outputs), list(ended), list(failed), list(cancels)))
-        self._flush()
-
-    def _flush(self) -> None:
-        while self._commits:
-            c = self._commits[0]
-            if not c.written:
-                c.tries += 1
-                if c.tries > 1 and c.outputs and self.outputs.landed(self.consumer, c.stamp):
-                    # The failed round trip ran after all (Redis answered too late, or
-                    # ran it and died before answering): written again, every chunk
-                    # would be read twice by nobody, but its ordinals would be taken.
-                    self._mark_written(c, set())
-                else:
-                    # Fenced: written only for requests whose hand-off entry is still
-                    # ours. A retry sends the same chunks, numbered the same.
-                    written = self.outputs.write(c.outputs, owner=self.consumer, stamp=c.stamp)
-                    self._mark_written(c, written)
-            self._settle(c)
-            self._commits.popleft()
-
-    def _mark_written(self, c: Commit, taken: set[str]) -> None:
-        """``c``'s outputs are in Redis, but for ``taken`` (fenced: another streamer
-        has those requests now, so we leave them alone). No round trip: this runs the
-        moment the write's reply arrives."""
-        c.written = True
-        if taken:
-            self._forget_taken_over(taken)
-            c.drop(taken)
-
-    def _settle(self, c: Commit) -> None:
-        """After ``c``'s outputs are written: cancel what it cancels, end the requests
-        it ends (each step idempotent: safe to redo after an outage)."""
-        # One round trip for the whole commit: the requests of a burst end together.
-        pipe = self.redis.pipeline(transaction=False)
-        for rid in c.cancels:
-            self.store.queue_cancel(pipe, rid)
-        for t in c.ended:
-            if len(t.engine_finished) < t.record.num_choices:
-                # Stopped locally: the worker may stop spending on it.
-                self.store.queue_cancel(pipe, t.record.request_id)
-        for t in (*c.ended, *c.failed):
-            self.handoff.queue_ack(pipe, t.entry_id)
-        if len(pipe):
-            pipe.execute()
-        c.cancels = []
-        for t in (*c.ended, *c.failed):  # ending is idempotent: safe to redo after an outage
-            self.tracked.pop(t.record.request_id, None)
-
-    def _decode_plain(
-        self, t: Tracked, line: tuple[int, bytes, bytes | None], now: float
-    ) -> OutputEntry | None:
-        """``_decode_entries`` for one step line of a request with a plain decoder
-        (``Tracked.plain``), which ``_take_steps`` found to be its next chunk.
-
-        Why: the streamer's decode of a step's requests is the largest part of the
-        chain each step's tokens go through (docs/benchmarks.md, issue 12). For a chunk
-        that is one delta of token ids for choice 0, this steps the Decoder directly and
-        writes the text's chunk (``encode_text``) with no ``TokenDelta``, no event and no
-        call per layer: the same text and the same output, about half the time. Any
-        other chunk, an ended choice, and a first or last output take the general path
-        (``_events_output``)."""
-        n, payload, published = line
-        try:
-            deltas = loads(payload)
-        except Exception as exc:
-            raise RequestFault(f"malformed token chunk {n}") from exc
-        dec = t.plain
-        if (
-            dec is None
-            or dec.done
-            or type(deltas) is not list
-            or len(deltas) != 1
-            or type(delta := deltas[0]) is not dict
-            or len(delta) != 2
-            or delta.get("c") != 0
-            or type(ids := delta.get("t")) is not list
-        ):
-            return self._decode_entries(t, [(None, line)])
-        if ids and t.first_token_at is None:
-            t.first_token_at = now
-        events: list[OutputEvent] | None
-        try:
-            text = dec.step(ids)
-        except Exception:
-            events = self._choice_fault(t, 0)
-        else:
-            events = None
-        t.n = n
-        t.progress_at = now
-        if events is None:
-            if dec.done:
-                events = t.choices.ended(text)
-            elif not text:
-                return None
-            elif t.mark_next or not t.wrote_output:
-                events = [OutputEvent(OutputKind.DELTA, 0, text)]
-            else:  # the plain chunk: not a checkpoint unless its log says it is due
-                chunk = encode_text(text)
-                n_out, mark, prior = t.out.stage(chunk, self._writes, False)
-                t.out_source = str(n)
-                return t.staged(n_out, mark, prior, chunk, None, False, published)
-        return self._events_output(t, events, published)
-
-    def _decode_entries(self, t: Tracked, entries: list[Any]) -> OutputEntry | None:
-        """One request's new token entries and step lines (id None, then the line's
-        ordinal, payload and publish time) -> its output entry for this cycle. Chunks it
-        has are skipped by their ordinals."""
-        events: list[OutputEvent] = []
-        follow: dict[bytes, Any] | None = None  # the last token entry naming its worker
-        for eid, fields in entries:
-            try:
-                chunks = [fields[:2]] if eid is None else entry_chunks(fields)
-            except Exception as exc:
-                raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
-            for n, payload in chunks:
-                if n <= t.n:
-                    continue
-                if n != t.n + 1:  # a token stream is whole from its start: a bug
-                    raise RequestFault(f"token chunks {t.n + 1}..{n - 1} are missing")
-                try:
-                    deltas = decode_deltas(payload)
-                except Exception as exc:
-                    raise RequestFault(f"malformed token chunk {n}") from exc
-                events += self._apply(t, deltas)
-                t.n = n
-            if eid is not None:
-                t.cursor = as_str(eid)
-                if fields.get(b"w"):
-                    follow = fields
-        t.progress_at = self.clock()
-        if follow is not None:  # read what follows from its worker's step stream
-            start = as_str(follow.get(b"s") or below_ms(t.cursor))
-            self._follow_step(t, self.keys.steps(as_str(follow[b"w"])), start)
-        eid, fields = entries[-1]
-        return self._events_output(t, events, fields[2] if eid is None else fields.get(b"t"))
-
-    def _events_output(
-        self, t: Tracked, events: list[OutputEvent], published: bytes | None
-    ) -> OutputEntry | None:
-        """``t``'s output entry for this cycle's ``events`` (None when there are none),
-        with its usage event when they end it. ``published``: the worker's publish time
-        of the last chunk they were decoded from."""
-        done = t.choices.all_done
-        if done:
-            events.append(self._usage_event(t))
-        if not events:
-            return None
-        out = self._output(t, events, first=not t.wrote_output, terminal=done, published=published)
-        t.wrote_output = True
-        return out
-
-    def _follow_step(self, t: Tracked, key: str, start: str) -> None:
-        """Read ``t``'s next chunks from its worker's step stream ``key``, from the
-        entry ``start`` (its last checkpoint's) on at the latest (chunks read twice are
-        skipped by their ordinals)."""
-        t.step = key
-        t.watch = False
-        current = self._step_cursors.get(key)
-        if current is None or cmp_ids(start, current) < 0:
-            self._step_cursors[key] = start
-
-    def _apply(self, t: Tracked, deltas: list[TokenDelta]) -> list[OutputEvent]:
-        events: list[OutputEvent] = []
-        for d in deltas:
-            if t.first_token_at is None and d.token_ids:
-                t.first_token_at = self.clock()
-            if d.finish is not None:
-                t.engine_finished.add(d.choice)
-            try:
-                events += t.choices.feed(d)
-            except Exception:
-                events += self._choice_fault(t, d.choice)
-        return events
-
-    def _choice_fault(self, t: Tracked, choice: int) -> list[OutputEvent]:
-        """A decoder fault ends that choice with an error; the others go on."""
-        rid = t.record.request_id
-        if not 0 <= choice < t.record.num_choices:
-            logger.error("request %s: token entry for invalid choice index %s", rid, choice)
-            raise RequestFault(f"invalid choice index {choice}")
-        logger.exception("request %s: decode error on choice %d; ending that choice", rid, choice)
-        ending = TokenDelta(
-            choice, [], finish=EngineFinish.ERROR, error=DECODE_FAULT, error_code=500
-        )
-        return t.choices.feed(ending)
-
-    def _usage_event(self, t: Tracked) -> OutputEvent:
-        usage = dict(t.choices.usage)
-        if t.claimed_by_worker is None:  # finished before the watchdog saw the claim
-            with contextlib.suppress(redis.RedisError):  # timings are not worth the text
-                t.claimed_by_worker = self.store.claimed_at(t.record.request_id)
-        now = self.clock()
-        rec = t.record
-        usage["timings"] = {
-            "queue_s": None
-            if t.claimed_by_worker is None
-            else round(t.claimed_by_worker - rec.created, 4),
-            "ttft_s": None
-            if t.first_token_at is None
-            else round(t.first_token_at - rec.created, 4),
-            "decode_s": None if t.first_token_at is None else round(now - t.first_token_at, 4),
-            "e2e_s": round(now - rec.created, 4),
-        }
-        usage["streamer"] = self.consumer  # internal: the web tier drops it
-        return OutputEvent(OutputKind.USAGE, usage=usage)
 
     # -- adopting requests (new or taken over) ---------------------------------------------
     def _adopt_all(self, claimed: Sequence[tuple[str, str]]) -> None:
@@ -723,17 +420,6 @@ class Streamer:
                 taken.setdefault(rid, entry_id)
         self._adopt_all([(entry_id, rid) for rid, entry_id in taken.items()])
 
-    def _forget_taken_over(self, rids: set[str]) -> None:
-        """Requests whose output another streamer writes now (our write was fenced):
-        stop decoding them, and leave their hand-off entries to their new owner."""
-        for rid in rids:
-            logger.warning(
-                "request %s was taken over by another streamer; its output was not "
-                "written twice; dropping it",
-                rid,
-            )
-            self.tracked.pop(rid, None)
-
     def _drop_taken_over(self) -> None:
         """Stop decoding requests another streamer took over (we were silent too long,
         e.g. stalled): two streamers writing one output stream would repeat text."""
@@ -851,19 +537,6 @@ class Streamer:
             events += t.choices.finish_all(EngineFinish.CANCELLED)
         events.append(self._usage_event(t))
         return self._output(t, events, first=not t.wrote_output, terminal=True)
-
-    def _fail(self, t: Tracked, message: str, code: int) -> OutputEntry:
-        """End every open choice, then the request, with an error.
-
-        ``first`` (set the TTL) always: after Redis lost its data the output stream is
-        a new key, and setting a TTL again on an existing one is harmless."""
-        try:
-            events = t.choices.finish_all(EngineFinish.ERROR, message, code)
-        except Exception:  # a broken decoder still gets its request-level error
-            logger.exception("request %s: cannot close its choices", t.record.request_id)
-            events = []
-        events.append(OutputEvent(OutputKind.ERROR, error=message, code=code))
-        return self._output(t, events, first=True, terminal=True)
 
 
 def _ordinal(fields: dict[bytes, Any]) -> int:
