@@ -53,13 +53,8 @@ from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys
 from broker.outputs import OutputEntry, OutputStreams, decode_events, encode_events
-from broker.requests import (
-    KnownEpoch,
-    PublishItem,
-    RequestStore,
-    encode_deltas,
-    publish_stamp,
-)
+from broker.publish import KnownEpoch, PublishItem, encode_deltas, publish_stamp
+from broker.requests import RequestStore
 from broker.server import RedisServer
 from broker.step_lines import split_step
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.messages import TokenDelta
 from app.prepare import prepare_bundled_model
 from broker.celery_app import create_celery
-from broker.requests import encode_deltas
+from broker.publish import encode_deltas
 from broker.server import RedisServer
 from tests.stack import isolated_settings, make_record
 from workers.streamer import Streamer

@@ -30,7 +30,8 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
-from broker.requests import RequestStore, decode_deltas
+from broker.publish import decode_deltas
+from broker.requests import RequestStore
 from broker.server import RedisServer
 from tests.stack import isolated_settings, worker_process
 from workers.engines.base import ChoiceJob, EngineJob

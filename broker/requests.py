@@ -7,13 +7,11 @@ web tier creates requests, workers claim and publish, streamers read and resume.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-import orjson
 import redis
 from celery import Celery
 from redis.client import Pipeline
@@ -22,11 +20,11 @@ from app.messages import EngineFinish, TokenDelta
 from app.records import RequestRecord, RequestState
 from broker import scripts
 from broker.celery_app import send_generate
-from broker.chunks import Chunk, encode_prior, expand
+from broker.chunks import Chunk, expand
 from broker.connection import as_str
-from broker.direct import DirectConnection
 from broker.keys import Keys
-from broker.step_lines import READ_LOG_TRIES, TailAt, last_entries, read_checkpointed, step_head
+from broker.publish import TokenPublishing, decode_deltas, lease_value, seal_call
+from broker.step_lines import READ_LOG_TRIES, TailAt, read_checkpointed
 
 
 class ClaimResult(str, Enum):
@@ -47,12 +45,6 @@ class Admission(int, Enum):
 
     def __bool__(self) -> bool:
         return self is Admission.ADMITTED
-
-
-class PublishStatus(int, Enum):
-    OK = 0
-    FENCED = 1  # the lease is no longer ours: stop generating, publish nothing more
-    CANCEL = 2  # a cancel was requested: stop generating
 
 
 @dataclass(slots=True)
@@ -86,49 +78,6 @@ class TokenLog:
 
 
 @dataclass(frozen=True, slots=True)
-class FencedTail:
-    """What an attempt that was fenced had published since its last checkpoint
-    (``ChunkLog.unsealed``), to seal (``RequestStore.seal_fenced``)."""
-
-    request_id: str
-    attempt: int
-    checkpointed: int  # the ordinal of its last checkpoint (the token stream's last entry)
-    chunks: list[tuple[int, bytes]]  # (ordinal, payload), in order; not empty
-
-
-def _seal_call(
-    keys: Keys, rid: str, lease: str, attempt: int, recorded: int, chunks: list[tuple[int, bytes]]
-) -> tuple[list[str], list[Any]]:
-    """``scripts.SEAL``'s keys and arguments: seal ``chunks`` after ordinal ``recorded``."""
-    (*prior, (n, payload)) = chunks
-    args = [lease, attempt, publish_stamp(), recorded, n, payload, encode_prior(prior)]
-    return [keys.lease(rid), keys.tokens(rid)], args
-
-
-@dataclass(slots=True)
-class PublishItem:
-    """One request's contribution to one engine step's publish round trip.
-
-    ``payload`` is already encoded (``encode_deltas``; empty = a lease refresh only):
-    the engine thread encodes each request on its own, so one request whose deltas
-    cannot be encoded fails alone instead of failing the whole step's round trip.
-    """
-
-    request_id: str
-    lease_value: str
-    attempt: int
-    payload: bytes
-    first: bool = False
-    done: bool = False
-    refresh: bool = True  # extend the lease (False: it was extended recently)
-    # The chunk's ordinal (``broker.chunks``); 0: the next after the token stream's last
-    # entry, written there whatever (a publisher that keeps no ``ChunkLog``).
-    ordinal: int = 0
-    checkpoint: bool = False  # write it (and ``prior``) to the request's token stream
-    prior: bytes = b""  # ``encode_prior``: the chunks since the last checkpoint
-
-
-@dataclass(frozen=True, slots=True)
 class RequestStatus:
     """What a streamer's watchdog needs to know about one request, read in one batch."""
 
@@ -142,18 +91,7 @@ class RequestStatus:
 LOAD_FIELDS = ("body", "state", "attempt")
 
 
-def lease_value(worker_id: str, attempt: int) -> str:
-    return f"{worker_id}:{attempt}"
-
-
-# A plain publish item's parts (``RequestStore._plain_parts_of``): worker id, attempt,
-# lease value, (lease key, cancel key), step line head.
-_PlainParts = tuple[str, int, str, tuple[str, str], bytes]
-# Kept for this many requests at most (a worker holds far fewer at once).
-PLAIN_PARTS_KEPT = 4096
-
-
-class RequestStore:
+class RequestStore(TokenPublishing):
     """Typed access to request records and their token streams."""
 
     def __init__(self, client: redis.Redis, keys: Keys, *, stream_ttl_s: int = 3600):
@@ -162,11 +100,9 @@ class RequestStore:
         self.stream_ttl_s = stream_ttl_s
         self._claim = client.register_script(scripts.CLAIM)
         self._resume = client.register_script(scripts.RESUME)
-        self._publish = client.register_script(scripts.PUBLISH)
-        self._seal = client.register_script(scripts.SEAL)
         self._refresh_leases = client.register_script(scripts.REFRESH_LEASES)
         self._admit = client.register_script(scripts.ADMIT)
-        self._plain_parts: dict[str, _PlainParts] = {}  # request id -> ``_plain_parts_of``
+        self._init_publishing(client)
 
     # -- web tier -----------------------------------------------------------------
     def create(self, record: RequestRecord) -> None:
@@ -367,7 +303,7 @@ class RequestStore:
                 break
             last = log.tail[-1]
             tail = [(c.n, c.payload) for c in log.tail]
-            keys, args = _seal_call(self.keys, rid, lease, last.attempt, log.recorded, tail)
+            keys, args = seal_call(self.keys, rid, lease, last.attempt, log.recorded, tail)
             res = self._seal(keys=keys, args=args)
             if int(res) >= 0:  # sealed, or fenced: its first publish will say so
                 break
@@ -375,19 +311,6 @@ class RequestStore:
             raise RuntimeError(f"request {rid}: its token stream kept changing while sealed")
         last_n = log.chunks[-1].n if log.chunks else 0
         return log.progress(num_choices), last_n
-
-    def seal_fenced(self, tails: Sequence[FencedTail]) -> list[int]:
-        """Attempts that a publish just fenced seal the chunks they published since
-        their last checkpoint into their token streams, in one round trip
-        (``scripts.SEAL`` without a lease: a successor that has written wins).
-        Per tail: 1 sealed, -1 a successor wrote first (it read the tail itself)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for t in tails:
-            keys, args = _seal_call(
-                self.keys, t.request_id, "", t.attempt, t.checkpointed, t.chunks
-            )
-            self._seal(keys=keys, args=args, client=pipe)
-        return [int(r) for r in pipe.execute()]
 
     # -- workers ------------------------------------------------------------------
     def claim(
@@ -425,155 +348,6 @@ class RequestStore:
             args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, load],
         )
 
-    def publish(
-        self,
-        items: Sequence[PublishItem],
-        lease_ttl_s: float,
-        worker_id: str | None = None,
-        stamp: str | None = None,
-    ) -> list[PublishStatus]:
-        """Append one engine step's deltas for many requests in ONE round trip.
-
-        Also extends the leases of the items that ask (``refresh``) and reports cancels
-        and lost leases. With ``worker_id``, the token entries appended are also written,
-        together, as one entry of the worker's step stream (``Keys.steps``). The engine
-        thread uses ``publish_begin`` (on its own connection, the reply read after its
-        next step); this is the same call, whole. ``stamp`` (``publish_stamp()``, by
-        default a new one) is the call's publish time, written in each entry it appends:
-        ``landed`` tells from it whether a call whose reply was lost ran.
-        """
-        if not items:
-            return []
-        keys, args, order, plain, _ = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
-        return publish_reply(self._publish(keys=keys, args=args), order, plain).statuses
-
-    def publish_begin(
-        self,
-        items: Sequence[PublishItem],
-        lease_ttl_s: float,
-        via: DirectConnection,
-        worker_id: str | None = None,
-        stamp: str | None = None,
-        known: KnownEpoch | None = None,
-    ) -> PendingPublish:
-        """``publish``, split in two: send it now, read its statuses later with the
-        result's ``statuses()``, so the engine can run its next step meanwhile.
-
-        ``known``: the fence epoch this sender's publishes on ``via`` ran under, kept
-        up to date by ``statuses()``; while it is current the script skips checking
-        each request's lease and cancel key (``scripts.PUBLISH``)."""
-        generation = via.connect()
-        epoch = known.argument(generation) if known is not None else ""
-        keys, args, order, plain, plain_keys = self._publish_args(
-            items, lease_ttl_s, worker_id, stamp, epoch
-        )
-        via.send_evalsha(self._publish, keys, args)
-        return PendingPublish(
-            via, self._publish, keys, args, order, plain, known, generation, plain_keys
-        )
-
-    def _publish_args(
-        self,
-        items: Sequence[PublishItem],
-        lease_ttl_s: float,
-        worker_id: str | None,
-        stamp: str | None,
-        epoch: str,
-    ) -> tuple[list[str], list[Any], list[int], int, list[str]]:
-        """``scripts.PUBLISH``'s keys and arguments, the items' indexes in the order of
-        its reply: those written out, then the plain ones (see the script), whose step
-        lines are written here, as the step entry holds them; how many are plain; and
-        their keys. Those are in the call's keys only without an ``epoch`` expected: under
-        one the script needs them only if the epoch changed, and then asks for them
-        (``PendingPublish.statuses`` sends the call again with them)."""
-        k = self.keys
-        keys: list[str] = [k.fence_epoch]
-        plain_keys: list[str] = []
-        lines: list[bytes] = []
-        order: list[int] = []
-        plain: list[int] = []
-        each: list[Any] = []
-        # Once per request per step, on the way to every token: the key prefixes are
-        # concatenated rather than built by ``Keys``' methods.
-        known = self._plain_parts
-        for i, it in enumerate(items):
-            rid = it.request_id
-            if (
-                worker_id is not None
-                and it.payload
-                and it.ordinal
-                and not (it.first or it.done or it.refresh or it.checkpoint)
-            ):
-                parts = known.get(rid)
-                if parts is None or parts[0] != worker_id or parts[1] != it.attempt:
-                    parts = self._plain_parts_of(rid, worker_id, it.attempt)
-                if it.lease_value == parts[2]:
-                    plain_keys += parts[3]
-                    lines.append(b"%s%d\n%s" % (parts[4], it.ordinal, it.payload))
-                    plain.append(i)
-                    continue
-            elif it.done:
-                known.pop(rid, None)
-            keys += [k.lease(rid), k.tokens(rid), k.request(rid), k.cancel(rid)]
-            flags = it.first | 2 * it.done | (0 if it.refresh else 4) | 8 * it.checkpoint
-            each += [it.lease_value, it.attempt, it.payload, flags | it.ordinal << 4]
-            order.append(i)
-        if not epoch:
-            keys += plain_keys
-        # The publish time travels with each entry so the relay's added latency can be
-        # measured to the microsecond (entry ids only carry milliseconds); it also names
-        # the call, for ``landed``.
-        stamp = stamp or publish_stamp()
-        args: list[Any] = [int(lease_ttl_s * 1000), self.stream_ttl_s, stamp, epoch]
-        args += [len(order), len(plain), b"\n".join(lines), *each]
-        if worker_id is not None:
-            keys.append(k.steps(worker_id))
-            args.append(worker_id)
-            args += [it.prior for it in items if it.checkpoint and it.payload]
-        return keys, args, order + plain, len(plain), plain_keys
-
-    def _plain_parts_of(self, rid: str, worker_id: str, attempt: int) -> _PlainParts:
-        """What a plain item of ``rid``'s ``attempt`` published by ``worker_id`` needs in
-        the publish's arguments, built once per attempt, not per step: its expected
-        lease value, its lease and cancel keys, and its step line's head
-        (``step_head``). Forgotten at the attempt's last publish, or all at once when
-        more than ``PLAIN_PARTS_KEPT`` are kept (attempts that ended elsewhere)."""
-        if len(self._plain_parts) >= PLAIN_PARTS_KEPT:
-            self._plain_parts.clear()
-        k = self.keys
-        parts = (
-            worker_id,
-            attempt,
-            lease_value(worker_id, attempt),
-            (k.lease(rid), k.cancel(rid)),
-            step_head(k.tokens(rid), attempt),
-        )
-        self._plain_parts[rid] = parts
-        return parts
-
-    def landed(
-        self, calls: Sequence[tuple[str, int, str]], worker_id: str | None = None
-    ) -> list[bool]:
-        """For each ``(request_id, attempt, stamp)`` of a publish whose reply was lost
-        (the connection broke, Redis restarted): whether it ran. One round trip.
-
-        A publish is not idempotent: retrying one that ran appends its tokens twice. Its
-        sender publishes nothing more until it knows. So, with ``worker_id`` (the call
-        wrote that worker's step stream), the call ran if the step stream's last entry
-        is the one it appended (a part fenced there is fenced again when retried);
-        without, if the last entry of the request's token stream is. A call that ran
-        but that Redis lost with its AOF tail counts as not landed, which is what it is
-        now."""
-        if worker_id is not None:
-            (last,) = last_entries(self.redis, [self.keys.steps(worker_id)])
-            ran = all(last.get(b"t") == stamp.encode() for _rid, _a, stamp in calls)
-            return [ran] * len(calls)
-        lasts = last_entries(self.redis, [self.keys.tokens(rid) for rid, _a, _s in calls])
-        return [
-            last.get(b"a") == str(attempt).encode() and last.get(b"t") == stamp.encode()
-            for (_rid, attempt, stamp), last in zip(calls, lasts, strict=True)
-        ]
-
     def refresh_leases(self, leases: Sequence[tuple[str, str]], lease_ttl_s: float) -> int:
         """Extend the leases ``(request_id, lease_value)`` still held with those values;
         how many were. Only the lease: tokens and cancels wait for the next publish."""
@@ -592,93 +366,3 @@ class RequestStore:
         keys = [self.keys.request(rid), self.keys.lease(rid), self.keys.fence_epoch]
         res = int(self._resume(keys=keys))
         return None if res < 0 else res
-
-
-@dataclass(slots=True)
-class KnownEpoch:
-    """The fence epoch (``Keys.fence_epoch``) one sender's last publish ran under, and
-    the connection generation (``DirectConnection.generation``) it came over.
-
-    Trusted only on the same connection: a new one may be to a Redis that restarted
-    without its last writes (a claim's lease lost, then claimed again by another worker
-    under an epoch this sender already knows), so the first publish on it checks every
-    request again."""
-
-    generation: int = -1
-    value: str = ""
-
-    def argument(self, generation: int) -> str:
-        """The publish script's epoch argument for a call on ``generation``."""
-        return "e:" + self.value if generation == self.generation else ""
-
-    def learn(self, generation: int, value: str) -> None:
-        self.generation, self.value = generation, value
-
-
-@dataclass(frozen=True, slots=True)
-class PublishReply:
-    statuses: list[PublishStatus]
-    epoch: str  # the fence epoch the call ran under
-    # The call ran nothing: the epoch changed, and it left the plain items' keys out.
-    recheck: bool = False
-
-
-def publish_reply(res: Any, order: Sequence[int], plain: int) -> PublishReply:
-    """``scripts.PUBLISH``'s reply, parsed: the statuses of the items whose indexes
-    ``order`` lists, in that order, put back in the items' order. The last ``plain`` of
-    them are the plain items, whose statuses the reply holds only when the script
-    checked them; otherwise each was published."""
-    *replied, epoch = res
-    if replied == [b"recheck"]:
-        return PublishReply([], as_str(epoch), recheck=True)
-    if len(replied) not in (len(order), len(order) - plain):
-        raise ValueError(f"publish replied {len(replied)} statuses for {len(order)} items")
-    statuses = [PublishStatus.OK] * len(order)
-    for i, x in zip(order, replied, strict=False):
-        statuses[i] = PublishStatus(int(x))
-    return PublishReply(statuses, as_str(epoch))
-
-
-@dataclass(slots=True)
-class PendingPublish:
-    """A publish sent on ``via`` whose reply has not been read yet."""
-
-    via: DirectConnection
-    script: Any  # the registered publish script (reloaded if Redis lost it)
-    keys: list[str]
-    args: list[Any]
-    order: list[int]  # the items' indexes in the reply's order
-    plain: int  # how many of them (the last) are plain
-    known: KnownEpoch | None = None  # updated from the reply
-    generation: int = 0  # ``via``'s when it was sent
-    plain_keys: list[str] = field(default_factory=list)  # when left out of ``keys``
-
-    def statuses(self) -> list[PublishStatus]:
-        """Read the reply (waits for it if Redis has not answered yet). A call that
-        asks for the plain items' keys (the epoch changed since the last) is sent again
-        with them, now: it ran nothing."""
-        res = self.via.evalsha_reply(self.script, self.keys, self.args)
-        reply = publish_reply(res, self.order, self.plain)
-        if reply.recheck:
-            # Before the step stream key, the last (there is one: plain items need it).
-            self.keys = [*self.keys[:-1], *self.plain_keys, self.keys[-1]]
-            self.plain_keys = []
-            self.via.send_evalsha(self.script, self.keys, self.args)
-            res = self.via.evalsha_reply(self.script, self.keys, self.args)
-            reply = publish_reply(res, self.order, self.plain)
-        if self.known is not None and self.via.generation == self.generation:
-            self.known.learn(self.generation, reply.epoch)
-        return reply.statuses
-
-
-def publish_stamp() -> str:
-    """A publish call's time (unix seconds, full precision), as its entries carry it."""
-    return repr(time.time())
-
-
-def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:
-    return orjson.dumps([d.encode() for d in deltas])
-
-
-def decode_deltas(raw: str | bytes) -> list[TokenDelta]:
-    return [TokenDelta.decode(x) for x in orjson.loads(raw)]

@@ -39,16 +39,16 @@ from app.messages import EngineFinish, TokenDelta
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection
-from broker.requests import (
+from broker.publish import (
     FencedTail,
     KnownEpoch,
     PendingPublish,
     PublishItem,
     PublishStatus,
-    RequestStore,
     encode_deltas,
     publish_stamp,
 )
+from broker.requests import RequestStore
 from workers.backoff import Backoff
 from workers.engines.base import Engine, EngineJob, JobRejected
 from workers.lease_keeper import LeaseKeeper

@@ -24,8 +24,9 @@ from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.prefix_routes import PrefixAdverts
+from broker.publish import lease_value
 from broker.registry import WorkerInfo, worker_registry
-from broker.requests import ClaimResult, RequestStore, lease_value
+from broker.requests import ClaimResult, RequestStore
 from workers.backoff import Backoff
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem
 from workers.engines import load_engine

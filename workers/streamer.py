@@ -56,8 +56,9 @@ from broker.chunks import ChunkLog, phase_of
 from broker.connection import as_str, redis_client
 from broker.direct import read_rest, xread_command
 from broker.outputs import OutputEntry
+from broker.publish import decode_deltas
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
-from broker.requests import RequestStatus, decode_deltas
+from broker.requests import RequestStatus
 from broker.step_lines import below_ms, step_entry_columns
 from workers.backoff import Backoff
 from workers.service_main import run_service

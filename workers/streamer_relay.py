@@ -33,7 +33,8 @@ from broker.direct import DirectConnection
 from broker.handoff import RequestHandoff
 from broker.keys import Keys
 from broker.outputs import OutputEntry, OutputStreams, encode_events, encode_text
-from broker.requests import RequestStore, decode_deltas
+from broker.publish import decode_deltas
+from broker.requests import RequestStore
 from broker.step_lines import below_ms
 from workers.streamer_state import (
     BACKBONE_ERRORS,

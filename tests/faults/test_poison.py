@@ -23,14 +23,8 @@ from app.messages import FinishReason, OutputKind, TokenDelta
 from app.records import RequestRecord
 from app.settings import Settings
 from broker.chunks import ChunkLog
-from broker.requests import (
-    ClaimResult,
-    PublishItem,
-    PublishStatus,
-    RequestStore,
-    encode_deltas,
-    lease_value,
-)
+from broker.publish import PublishItem, PublishStatus, encode_deltas, lease_value
+from broker.requests import ClaimResult, RequestStore
 from broker.server import RedisServer
 from tests.pipeline import TEXT, Client, OutageReader, classify, reference
 from tests.stack import Proc, isolated_settings, make_record, streamer_process, worker_process

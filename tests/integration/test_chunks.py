@@ -29,17 +29,16 @@ from broker.chunks import (
     phase_of,
 )
 from broker.keys import Keys
-from broker.requests import (
-    ClaimResult,
+from broker.publish import (
     FencedTail,
     PublishItem,
     PublishStatus,
-    RequestStore,
     decode_deltas,
     encode_deltas,
     lease_value,
     publish_stamp,
 )
+from broker.requests import ClaimResult, RequestStore
 from tests.stack import make_record
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep

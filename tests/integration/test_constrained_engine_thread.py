@@ -20,7 +20,8 @@ from app.messages import EngineFinish, OutputConstraint, SamplingParams, StopCon
 from app.model_card import load_model_card
 from app.records import RequestRecord
 from broker.celery_app import TaskOutcome
-from broker.requests import ClaimResult, RequestStore, lease_value
+from broker.publish import lease_value
+from broker.requests import ClaimResult, RequestStore
 from tests.engines.test_constrained import PERSON, validate
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, EngineJob

@@ -17,14 +17,8 @@ from app.messages import EngineFinish, StopConditions, TokenDelta
 from app.records import RequestRecord
 from broker.celery_app import TaskOutcome
 from broker.keys import Keys
-from broker.requests import (
-    ClaimResult,
-    PublishItem,
-    PublishStatus,
-    RequestStore,
-    encode_deltas,
-    lease_value,
-)
+from broker.publish import PublishItem, PublishStatus, encode_deltas, lease_value
+from broker.requests import ClaimResult, RequestStore
 from broker.server import RedisServer
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep

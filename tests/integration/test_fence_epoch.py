@@ -16,16 +16,15 @@ import redis
 from app.messages import TokenDelta
 from app.settings import Settings
 from broker.direct import DirectConnection
-from broker.requests import (
-    ClaimResult,
+from broker.publish import (
     KnownEpoch,
     PublishItem,
     PublishStatus,
-    RequestStore,
     encode_deltas,
     lease_value,
     publish_reply,
 )
+from broker.requests import ClaimResult, RequestStore
 from broker.step_lines import split_step
 from tests.stack import make_record
 

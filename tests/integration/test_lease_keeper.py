@@ -13,7 +13,8 @@ import pytest
 from app.messages import StopConditions
 from app.records import RequestRecord
 from broker.celery_app import TaskOutcome
-from broker.requests import ClaimResult, RequestStore, lease_value
+from broker.publish import lease_value
+from broker.requests import ClaimResult, RequestStore
 from workers.engine_thread import EngineThread, WorkItem
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine

@@ -25,7 +25,8 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys
 from broker.outputs import OutputStreams
-from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
+from broker.publish import PublishItem, encode_deltas, lease_value
+from broker.requests import ClaimResult, RequestStore
 from broker.step_lines import below_ms, split_step, step_columns, step_head, step_line
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record

@@ -21,7 +21,8 @@ from broker.celery_app import create_celery
 from broker.handoff import RequestHandoff
 from broker.keys import Keys
 from broker.outputs import OutputEntry, OutputStreams
-from broker.requests import ClaimResult, PublishItem, RequestStore, encode_deltas, lease_value
+from broker.publish import PublishItem, encode_deltas, lease_value
+from broker.requests import ClaimResult, RequestStore
 from tests.pipeline import EOS, TEXT, collect
 from tests.stack import make_record
 from workers.streamer import Streamer

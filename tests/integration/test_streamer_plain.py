@@ -24,7 +24,7 @@ from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.chunks import CHECKPOINT_STEPS
 from broker.outputs import OutputEntry, decode_events, encode_events, encode_text
-from broker.requests import encode_deltas
+from broker.publish import encode_deltas
 from tests.pipeline import EOS, TEXT
 from tests.stack import make_record
 from workers.streamer import Streamer
