@@ -50,39 +50,16 @@ from broker.publish import (
 )
 from broker.requests import RequestStore
 from workers.backoff import Backoff
-from workers.engines.base import Engine, EngineJob, JobRejected
+from workers.engines.base import Engine, JobRejected
 from workers.lease_keeper import LeaseKeeper
 from workers.prefix_adverts import PrefixAdvertiser
+from workers.work_items import JobHandle, WorkItem
 
 logger = logging.getLogger(__name__)
 
 DEADLINE_MESSAGE = "The request exceeded its deadline."
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating; please retry."
 JOB_FAILURE_MESSAGE = "The worker failed while handling this request; please retry."
-
-
-@dataclass(slots=True)
-class WorkItem:
-    """One request (attempt) to generate: its engine jobs and how to publish them."""
-
-    request_id: str
-    attempt: int
-    lease_value: str
-    jobs: list[EngineJob]
-    deadline: float  # unix time
-    ordinal: int = 0  # the request's last chunk before this attempt (broker/chunks.py)
-
-
-@dataclass
-class JobHandle:
-    """What a task thread waits on; ``result`` is set when the request ended here."""
-
-    item: WorkItem
-    done: threading.Event = field(default_factory=threading.Event)
-    result: GenerateResult | None = None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.done.wait(timeout)
 
 
 @dataclass(slots=True)

@@ -28,10 +28,11 @@ from broker.publish import lease_value
 from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore
 from workers.backoff import Backoff
-from workers.engine_thread import DEADLINE_MESSAGE, EngineThread, WorkItem
+from workers.engine_thread import DEADLINE_MESSAGE, EngineThread
 from workers.engines import load_engine
 from workers.engines.base import ChoiceJob, Engine, EngineJob
 from workers.prefix_adverts import PrefixAdvertiser
+from workers.work_items import WorkItem
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from app.model_card import ModelCard
 from app.settings import Settings
 from tests.engines.exllamav2_standin import VOCAB, StandInDynamicGenerator, stand_in_api
 from workers.celery_worker import build_app, engine_info_step
-from workers.engine_thread import WorkItem
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.exllamav2 import ExLlamaV2Engine
 from workers.engines.exllamav2_startup import StartupPlan
 from workers.runtime import WorkerRuntime
+from workers.work_items import WorkItem
 
 # --- item 5: shutdown never races the engine thread ----------------------------------------
 

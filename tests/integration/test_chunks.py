@@ -40,9 +40,10 @@ from broker.publish import (
 )
 from broker.requests import ClaimResult, RequestStore
 from tests.stack import make_record
-from workers.engine_thread import EngineThread, WorkItem
+from workers.engine_thread import EngineThread
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine
+from workers.work_items import WorkItem
 
 pytestmark = pytest.mark.integration
 

@@ -23,9 +23,10 @@ from broker.celery_app import TaskOutcome
 from broker.publish import lease_value
 from broker.requests import ClaimResult, RequestStore
 from tests.engines.test_constrained import PERSON, validate
-from workers.engine_thread import EngineThread, WorkItem
+from workers.engine_thread import EngineThread
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine
+from workers.work_items import WorkItem
 
 pytestmark = pytest.mark.integration
 

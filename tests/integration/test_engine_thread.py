@@ -20,9 +20,10 @@ from broker.keys import Keys
 from broker.publish import PublishItem, PublishStatus, encode_deltas, lease_value
 from broker.requests import ClaimResult, RequestStore
 from broker.server import RedisServer
-from workers.engine_thread import EngineThread, WorkItem
+from workers.engine_thread import EngineThread
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine
+from workers.work_items import WorkItem
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,10 @@ from app.records import RequestRecord
 from broker.celery_app import TaskOutcome
 from broker.publish import lease_value
 from broker.requests import ClaimResult, RequestStore
-from workers.engine_thread import EngineThread, WorkItem
+from workers.engine_thread import EngineThread
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine
+from workers.work_items import WorkItem
 
 pytestmark = pytest.mark.integration
 
