@@ -33,7 +33,6 @@ every write is fenced by the lock, a takeover neither loses nor duplicates a lin
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import socket
@@ -41,9 +40,8 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -73,8 +71,15 @@ from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileQuota, FileStore
 from broker.keys import Keys
 from broker.registry import BatcherInfo, batcher_registry
-from broker.run import Run
 from broker.runner import Runner
+from workers.batch_state import (
+    DrivenBatch,
+    LineRun,
+    LockLost,
+    WakingEvent,
+    line_request_id,
+    result_file_id,
+)
 from workers.service_main import run_service
 
 logger = logging.getLogger(__name__)
@@ -90,63 +95,6 @@ WIND_DOWN_S = 10.0
 MAX_STRIKES = 3
 
 Plan = list[PlannedLine[PreparedRequest] | RejectedLine]
-
-
-class _WakingEvent(threading.Event):
-    """The stop flag: setting it also sets ``wakes`` (what the loop sleeps on), so a
-    stop does not wait for the loop's sleep to run out."""
-
-    def __init__(self, wakes: threading.Event) -> None:
-        super().__init__()
-        self._wakes = wakes
-
-    def set(self) -> None:
-        super().set()
-        self._wakes.set()
-
-
-def line_request_id(batch_id: str, index: int) -> str:
-    """Line ``index``'s request id: deterministic, so a takeover finds what was sent."""
-    return f"{batch_id}-{index}"
-
-
-def result_file_id(batch_id: str, kind: str) -> str:
-    """Output/error file ids derived from the batch, so writing them twice is harmless."""
-    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
-
-
-@dataclass(slots=True)
-class LineRun:
-    """A line whose request was submitted: its run's events are being folded."""
-
-    index: int
-    custom_id: str
-    run: Run
-    fold: ResponseFold | ResponsesFold
-
-    @property
-    def request_id(self) -> str:
-        return self.run.request_id
-
-
-@dataclass
-class DrivenBatch:
-    """A batch this driver holds the lock of."""
-
-    body: BatchBody
-    custom_ids: dict[int, str] = field(default_factory=dict)  # valid lines
-    pending: deque[PlannedLine[PreparedRequest]] = field(default_factory=deque)
-    running: dict[str, LineRun] = field(default_factory=dict)  # by request id
-    ending: str | None = None  # "batch_cancelled" / "batch_expired" while winding down
-    wind_down_since: float = 0.0
-
-    @property
-    def id(self) -> str:
-        return self.body.id
-
-
-class LockLost(Exception):
-    """Another driver holds the batch now: stop driving it, touch nothing of it."""
 
 
 class BatchDriver:
@@ -175,7 +123,7 @@ class BatchDriver:
         self.registry = batcher_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.output_ready = threading.Event()  # set by the hub for any line's output
         self.driven: dict[str, DrivenBatch] = {}
-        self.stopping: threading.Event = _WakingEvent(self.output_ready)
+        self.stopping: threading.Event = WakingEvent(self.output_ready)
         self.started = clock()
         self._last_maintain = -MAINTAIN_S
         self._last_heartbeat = -HEARTBEAT_S

@@ -22,7 +22,8 @@ from broker.batches import BatchBody, BatchStore
 from broker.files import FileStore
 from broker.keys import Keys
 from broker.runner import Runner
-from workers.batcher import MAX_STRIKES, BatchDriver, DrivenBatch
+from workers.batch_state import DrivenBatch
+from workers.batcher import MAX_STRIKES, BatchDriver
 
 pytestmark = pytest.mark.integration
 
