@@ -23,7 +23,7 @@ level and per missing required property.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import llguidance
 import numpy as np
@@ -31,6 +31,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from app.grammar import constraint_grammar, grammar_problem
 from app.messages import OutputConstraint
+from workers.engines.base import EngineJob, JobRejected
 
 logger = logging.getLogger(__name__)
 
@@ -148,3 +149,23 @@ __all__ = [
     "JobGrammar",
     "SequenceGrammar",
 ]
+
+
+def job_grammars(job: EngineJob, vocab: Callable[[], GrammarVocab]) -> dict[int, SequenceGrammar]:
+    """Each choice's grammar state when ``job`` is constrained, else nothing; ``vocab``
+    gives the engine's vocabulary (built on its first constrained job).
+
+    Engines call it at submit so that a grammar that cannot be built (a schema the web
+    tier did not check, a resumed prefix that does not fit it) rejects the job as a 400
+    instead of failing later inside a step."""
+    constraint = job.sampling.constraint
+    if constraint is None:
+        return {}
+    try:
+        compiled = JobGrammar(vocab(), constraint)
+        return {c.index: compiled.start(c.prefix_ids) for c in job.choices}
+    except ConstraintError as exc:
+        raise JobRejected(str(exc)) from exc
+    except Exception as exc:
+        logger.exception("cannot build the output grammar of job %s", job.job_id)
+        raise JobRejected("the output grammar could not be built") from exc

@@ -35,7 +35,7 @@ from app.messages import EngineFinish, TokenDelta
 from app.model_card import ModelCard
 from app.settings import Settings
 from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
-from workers.engines.constraint import ConstraintError, GrammarVocab, JobGrammar
+from workers.engines.constraint import ConstraintError, GrammarVocab, job_grammars
 from workers.engines.exllamav2_filter import GrammarFilter
 from workers.engines.exllamav2_jobs import (
     OutputPenalties,
@@ -419,26 +419,17 @@ class ExLlamaV2Engine(Engine):
                 )
 
     def _filters(self, job: EngineJob) -> dict[int, GrammarFilter]:
-        """Each choice's grammar filter when the job is constrained (built here so that
-        a grammar that cannot be compiled rejects the job as a 400 up front)."""
-        constraint = job.sampling.constraint
-        if constraint is None:
-            return {}
-        try:
-            if self._grammar_vocab is None:
-                if self._grammar_vocab_factory is None:
-                    raise ConstraintError("this engine has no tokenizer for output grammars")
-                self._grammar_vocab = self._grammar_vocab_factory()
-            compiled = JobGrammar(self._grammar_vocab, constraint)
-            return {
-                c.index: GrammarFilter(compiled.start(c.prefix_ids), c.max_new_tokens)
-                for c in job.choices
-            }
-        except ConstraintError as exc:
-            raise JobRejected(str(exc)) from exc
-        except Exception as exc:
-            logger.exception("cannot build the output grammar of job %s", job.job_id)
-            raise JobRejected("the output grammar could not be built") from exc
+        """Each choice's grammar filter when the job is constrained (``job_grammars``)."""
+        states = job_grammars(job, self._vocab)
+        limits = {c.index: c.max_new_tokens for c in job.choices}
+        return {i: GrammarFilter(state, limits[i]) for i, state in states.items()}
+
+    def _vocab(self) -> GrammarVocab:
+        if self._grammar_vocab is None:
+            if self._grammar_vocab_factory is None:
+                raise ConstraintError("this engine has no tokenizer for output grammars")
+            self._grammar_vocab = self._grammar_vocab_factory()
+        return self._grammar_vocab
 
     def _token_bias(self, api: ExllamaApi, logit_bias: dict[int, float]) -> Any:
         if not logit_bias:
