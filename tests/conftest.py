@@ -18,6 +18,8 @@ from tokenizers import Tokenizer
 if TYPE_CHECKING:
     import openai
 
+    from app.model_card import ModelCard
+
 
 def bundled_gguf() -> Path:
     from app.prepare import bundled_gguf_path
@@ -41,6 +43,14 @@ def bundled_model_dir(models_dir: Path) -> Path:
     from app.prepare import prepare_bundled_model
 
     return prepare_bundled_model(models_dir, progress=lambda _msg: None)
+
+
+@pytest.fixture(scope="session")
+def card(bundled_model_dir: Path) -> ModelCard:
+    """The bundled model's card (template, tokenizer, special tokens)."""
+    from app.model_card import load_model_card
+
+    return load_model_card(bundled_model_dir)
 
 
 @pytest.fixture(scope="session")

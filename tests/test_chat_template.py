@@ -17,7 +17,7 @@ from app.chat_template import (
     render_chat_template,
 )
 from app.errors import InvalidRequest, ModelError
-from app.model_card import ModelCard, load_model_card
+from app.model_card import ModelCard
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -32,13 +32,8 @@ IM_START, IM_END = 1, 2
 
 
 @pytest.fixture(scope="session")
-def smollm_card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
-
-
-@pytest.fixture(scope="session")
-def builder(smollm_card: ModelCard) -> PromptBuilder:
-    return PromptBuilder.from_card(smollm_card)
+def builder(card: ModelCard) -> PromptBuilder:
+    return PromptBuilder.from_card(card)
 
 
 def test_smollm_prompt_text(builder: PromptBuilder) -> None:
@@ -190,29 +185,25 @@ def test_templates_compile_once() -> None:
     assert compile_chat_template(source) is compile_chat_template(source)
 
 
-def test_bad_template_is_a_model_error(smollm_card: ModelCard, builder: PromptBuilder) -> None:
+def test_bad_template_is_a_model_error(card: ModelCard, builder: PromptBuilder) -> None:
     with pytest.raises(ModelError, match="does not compile"):
         compile_chat_template("{% for %}")
-    broken = smollm_card.model_copy(update={"chat_template": "{% if %}"})
+    broken = card.model_copy(update={"chat_template": "{% if %}"})
     with pytest.raises(ModelError):
         PromptBuilder(broken, builder.tokenizer)
 
 
-def test_no_template_is_an_invalid_request(smollm_card: ModelCard, builder: PromptBuilder) -> None:
-    bare = PromptBuilder(smollm_card.model_copy(update={"chat_template": None}), builder.tokenizer)
+def test_no_template_is_an_invalid_request(card: ModelCard, builder: PromptBuilder) -> None:
+    bare = PromptBuilder(card.model_copy(update={"chat_template": None}), builder.tokenizer)
     with pytest.raises(InvalidRequest, match="no chat template"):
         bare.render_chat(CHAT)
 
 
-def test_bos_added_only_when_asked_and_missing(
-    smollm_card: ModelCard, builder: PromptBuilder
-) -> None:
-    assert smollm_card.add_bos_token is False
+def test_bos_added_only_when_asked_and_missing(card: ModelCard, builder: PromptBuilder) -> None:
+    assert card.add_bos_token is False
     assert builder.encode("hello") == builder.tokenizer.encode("hello").ids
-    with_bos = PromptBuilder(
-        smollm_card.model_copy(update={"add_bos_token": True}), builder.tokenizer
-    )
-    bos = smollm_card.bos_token_id
+    with_bos = PromptBuilder(card.model_copy(update={"add_bos_token": True}), builder.tokenizer)
+    bos = card.bos_token_id
     assert bos == IM_START
     assert with_bos.encode("hello") == [bos, *builder.encode("hello")]
     # The ChatML prompt already starts with <|im_start|> (SmolLM2's BOS): not doubled.
@@ -239,8 +230,8 @@ def test_encode_gives_the_tokenizers_own_ids_and_many_keep_their_order(
     assert builder.encode_many([]) == []
 
 
-def test_prepared_dir_exists(smollm_card: ModelCard) -> None:
-    assert isinstance(smollm_card.path, Path) and (smollm_card.path / "tokenizer.json").is_file()
+def test_prepared_dir_exists(card: ModelCard) -> None:
+    assert isinstance(card.path, Path) and (card.path / "tokenizer.json").is_file()
 
 
 @pytest.mark.parametrize(

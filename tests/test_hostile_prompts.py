@@ -8,7 +8,6 @@ token-count check.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from app.chat_template import PromptBuilder
 from app.errors import ContextLengthExceeded
 from app.intake import Endpoint, Intake, Limits, RecordBuilder, max_chars_per_token
-from app.model_card import ModelCard, load_model_card
+from app.model_card import ModelCard
 
 EIGHT_MB = "word " * (8 * 1024 * 1024 // 5)
 
@@ -39,11 +38,6 @@ class CountingTokenizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-@pytest.fixture(scope="module")
-def card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
 
 
 @pytest.fixture

@@ -11,20 +11,11 @@ from app.decoder import RequestDecoder
 from app.errors import InvalidRequest
 from app.intake import Endpoint, Intake
 from app.messages import EngineFinish, StopConditions, TokenDelta
-from app.model_card import ModelCard, load_model_card
+from app.model_card import ModelCard
 from app.records import cache_scope
 from app.settings import Settings
 
 BODY = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def card(tmp_path_factory: pytest.TempPathFactory) -> ModelCard:
-    from app.prepare import prepare_bundled_model
-
-    return load_model_card(
-        prepare_bundled_model(tmp_path_factory.mktemp("models"), progress=lambda _: None)
-    )
 
 
 def intake(card: ModelCard, **settings: object) -> Intake:

@@ -67,11 +67,6 @@ TIME = {
 }
 
 
-@pytest.fixture(scope="module")
-def card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
-
-
 def builder_for(card: ModelCard) -> RecordBuilder:
     return RecordBuilder(
         card,

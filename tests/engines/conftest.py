@@ -1,18 +1,12 @@
-"""Fixtures the engine tests on the bundled model share: its card and prompt builder."""
+"""Fixtures the engine tests on the bundled model share: its prompt builder (the card is
+tests/conftest.py's)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from app.chat_template import PromptBuilder
-from app.model_card import ModelCard, load_model_card
-
-
-@pytest.fixture(scope="module")
-def card(bundled_model_dir: Path) -> ModelCard:
-    return load_model_card(bundled_model_dir)
+from app.model_card import ModelCard
 
 
 @pytest.fixture(scope="module")
