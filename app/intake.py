@@ -390,11 +390,14 @@ class Intake:
         request_id: str | None = None,
         stream: bool | None = None,
         owner: str = "",
+        context: list[Any] | None = None,
     ) -> PreparedRequest:
         """Validate ``body`` (raw bytes/text are read leniently) and build its record.
 
         ``stream`` overrides the body's own ``stream`` (a WebSocket always streams; a
-        batch line never does); ``owner`` (the key's hash) is who may resume it.
+        batch line never does); ``owner`` (the key's hash) is who may resume it;
+        ``context`` is the conversation a Responses body continues, settled from stored
+        responses (``broker.response_service``; None: there is no stored state).
         Raises a ``TokenRelayError`` naming what is wrong.
         """
         if isinstance(body, bytes | str):
@@ -404,7 +407,9 @@ class Intake:
         if stream is not None:
             body = {**body, "stream": stream}
         if endpoint is Endpoint.RESPONSES:
-            return self._prepare_responses(body, queue=queue, request_id=request_id, owner=owner)
+            return self._prepare_responses(
+                body, queue=queue, request_id=request_id, owner=owner, context=context
+            )
         req: ChatCompletionRequest | CompletionRequest
         if endpoint is Endpoint.CHAT:
             req = parse_chat_request(body, **self.limits.parse_args())
@@ -424,18 +429,25 @@ class Intake:
         return PreparedRequest(endpoint, record, shape_of(record), stream=bool(req.stream))
 
     def _prepare_responses(
-        self, body: dict[str, Any], *, queue: QueueName, request_id: str | None, owner: str
+        self,
+        body: dict[str, Any],
+        *,
+        queue: QueueName,
+        request_id: str | None,
+        owner: str,
+        context: list[Any] | None,
     ) -> PreparedRequest:
-        """A Responses body with no stored state to draw on: its own input only."""
+        """A Responses body, translated to chat over ``context`` + its own input. Without
+        stored state (a batch line) it may not continue or outlive its request."""
         responses = parse_responses_request(body)
         for name in ("previous_response_id", "background"):
-            if getattr(responses, name):
+            if context is None and getattr(responses, name):
                 raise InvalidRequest(
                     f"'{name}' needs stored responses: use POST /v1/responses.",
                     param=name,
                     code="unsupported_parameter",
                 )
-        chat = to_chat_body(responses, responses.input_items)
+        chat = to_chat_body(responses, (context or []) + responses.input_items)
         try:
             prepared = self.prepare(
                 Endpoint.CHAT, chat, queue=queue, request_id=request_id, owner=owner

@@ -141,19 +141,23 @@ class Runner:
         route: str | None = None,
         stream: bool | None = None,
         owner: str = "",
+        context: list[Any] | None = None,
     ) -> Run:
         """Prepare, check, admit and submit one interactive request; its ``Run``.
 
         Raises the ``TokenRelayError`` the client is answered with (400, 404, 429, 501,
         503, ...), after reporting it as a rejection. ``route`` labels the metrics
         (the WebSocket's path for its requests; the endpoint's by default); ``owner``
-        (the API key's hash, web.auth) is the only tenant that may resume it.
+        (the API key's hash, web.auth) is the only tenant that may resume it;
+        ``context`` is a Responses body's settled conversation (``Intake.prepare``).
         """
         label = route or endpoint.value
         # One start at a time in this process, in arrival order (``START_TURN_WAIT_S``).
         turn = self._start_turn.acquire(timeout=START_TURN_WAIT_S)
         try:
-            prepared = self.intake.prepare(endpoint, body, stream=stream, owner=owner)
+            prepared = self.intake.prepare(
+                endpoint, body, stream=stream, owner=owner, context=context
+            )
             self.check_ready()
             prepared = self._admit_and_submit(prepared)
         except Exception as exc:

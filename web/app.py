@@ -14,9 +14,10 @@ from flask import Flask
 from flask_sock import Sock
 
 from app.settings import Settings
+from broker.response_service import ResponseService
 from broker.runner import Runner
 from web import batch, errors, metrics, openai_routes, page_headers, responses_api, ws
-from web.context import RUNNER, SETTINGS
+from web.context import RESPONSES, RUNNER, SETTINGS
 
 
 def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> Flask:
@@ -26,6 +27,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions[SETTINGS] = settings
     app.extensions[RUNNER] = runner
+    app.extensions[RESPONSES] = ResponseService(runner, ttl_s=settings.responses_ttl_s)
     errors.register(app)
     metrics.register(app)
     app.register_blueprint(openai_routes.blueprint)

@@ -1,4 +1,5 @@
-"""What every blueprint of the app reads from it: the settings and the ``Runner``.
+"""What every blueprint of the app reads from it: the settings, the ``Runner`` and the
+``ResponseService``.
 
 A module of its own so that ``web.app`` (which registers the blueprints) and the
 blueprints (which read these) do not import each other.
@@ -9,10 +10,12 @@ from __future__ import annotations
 from flask import Flask
 
 from app.settings import Settings
+from broker.response_service import ResponseService
 from broker.runner import Runner
 
 SETTINGS = "tokenrelay.settings"
 RUNNER = "tokenrelay.runner"
+RESPONSES = "tokenrelay.responses"
 
 
 def runner_of(app: Flask) -> Runner:
@@ -23,3 +26,8 @@ def runner_of(app: Flask) -> Runner:
 def settings_of(app: Flask) -> Settings:
     s: Settings = app.extensions[SETTINGS]
     return s
+
+
+def responses_of(app: Flask) -> ResponseService:
+    service: ResponseService = app.extensions[RESPONSES]
+    return service

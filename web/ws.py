@@ -33,11 +33,11 @@ from app.errors import (
 from app.intake import Endpoint
 from app.settings import Settings
 from broker import drive
+from broker.response_service import ResponseService, StartedResponse
 from broker.run import Run
 from broker.runner import Runner
 from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
-from web.context import runner_of, settings_of
-from web.responses_api import StartedResponse, relay, start_response
+from web.context import responses_of, runner_of, settings_of
 from web.ws_messages import (
     CancelChat,
     ChatStart,
@@ -125,10 +125,16 @@ class ChatSocket:
     """One client connection: reads messages, runs its requests, writes their output."""
 
     def __init__(
-        self, ws: Any, runner: Runner, settings: Settings, tenant: Tenant | None = None
+        self,
+        ws: Any,
+        runner: Runner,
+        responses: ResponseService,
+        settings: Settings,
+        tenant: Tenant | None = None,
     ) -> None:
         self.ws = ws
         self.runner = runner
+        self.responses = responses
         self.settings = settings
         # Whose requests these are: only they may resume them (web.auth).
         self.tenant = tenant or Tenant(owner="", sees_all=True)
@@ -198,9 +204,7 @@ class ChatSocket:
         started: StartedResponse | None = None
         try:
             if isinstance(msg, ResponseStart):
-                started = start_response(
-                    self.runner, self.settings, msg.body, self.tenant, route=WS_PATH, stream=True
-                )
+                started = self.responses.start(msg.body, self.tenant, route=WS_PATH, stream=True)
                 assert started.run is not None  # streamed: always watched
                 run = started.run
             elif isinstance(msg, ChatStart):
@@ -249,7 +253,7 @@ class ChatSocket:
         assert run is not None
         error: BaseException | None = None
         try:
-            relay(
+            self.responses.relay(
                 started,
                 lambda ev: self.send({"type": "response_event", "id": id, "event": ev}),
                 self._closed.is_set,
@@ -337,7 +341,7 @@ def register(sock: Sock) -> None:
             _refuse(ws, AuthenticationFailed("Invalid or missing API key."), "invalid api key")
             return
         tenant = tenant_for_key(settings, presented_key(request))
-        ChatSocket(ws, runner_of(current_app), settings, tenant).serve()
+        ChatSocket(ws, runner_of(current_app), responses_of(current_app), settings, tenant).serve()
 
 
 def _refuse(ws: Any, error: TokenRelayError, reason: str) -> None:
