@@ -29,10 +29,10 @@ from app.messages import (
     LogprobEntry,
     OutputEvent,
     OutputKind,
-    StopConditions,
     TokenDelta,
 )
 from app.reasoning import REASONING_PARSERS, prompt_opens_block
+from app.records import RequestRecord, StopConditions
 from app.token_texts import TokenTexts
 from app.toolcalls import TOOL_PARSERS, new_call_id
 
@@ -307,27 +307,7 @@ class RequestDecoder:
         if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
         self._reasoning = bool(reasoning_parser)
-        self._parsers: list[ChoiceParser] | None = None
-        if tools is not None or reasoning_parser:
-            # A template may open the think block in the prompt (the output starts in it).
-            opens = [
-                prompt_opens_block(
-                    tokenizer.decode(list(p[-PROMPT_CONTEXT:]), skip_special_tokens=False),
-                    reasoning_parser,
-                )
-                if reasoning_parser
-                else False
-                for p in prompts
-            ]
-            self._parsers = [
-                ChoiceParser(
-                    reasoning_parser=reasoning_parser,
-                    start_in_reasoning=opens[c // n],
-                    tool_parser=tools,
-                    new_id=new_call_id,
-                )
-                for c in range(len(self._choices))
-            ]
+        self._parsers = _choice_parsers(tokenizer, prompts, n, reasoning_parser, tools, new_call_id)
         self._texts = (
             TokenTexts(tokenizer, skip_special_tokens=skip_special_tokens) if logprobs else None
         )
@@ -336,6 +316,23 @@ class RequestDecoder:
         self._n = n
         # Per prompt index: the prompt tokens the engine took from its prefix cache.
         self._cached_tokens: dict[int, int] = {}
+
+    @classmethod
+    def for_record(cls, tokenizer: Tokenizer, record: RequestRecord) -> RequestDecoder:
+        """The decoders of a stored request: its stop conditions, parsers and choices
+        as the web tier wrote them (choice c runs on prompt c // n)."""
+        return cls(
+            tokenizer,
+            record.prompts[0],
+            record.stop,
+            n=record.n,
+            skip_special_tokens=record.skip_special_tokens,
+            logprobs=record.sampling.logprobs is not None,
+            more_prompts=record.prompts[1:],
+            tool_parser=record.tool_parser,
+            reasoning_parser=record.reasoning_parser,
+            tools_enabled=record.tools_enabled,
+        )
 
     @property
     def choices(self) -> Sequence[Decoder]:
@@ -495,3 +492,36 @@ class RequestDecoder:
                 )
             )
         return events
+
+
+def _choice_parsers(
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    reasoning_parser: str | None,
+    tools: str | None,
+    new_id: Callable[[], str],
+) -> list[ChoiceParser] | None:
+    """One ``ChoiceParser`` per choice when the request parses reasoning or tool calls
+    (None: its text is passed on as it is)."""
+    if tools is None and not reasoning_parser:
+        return None
+    # A template may open the think block in the prompt (the output starts in it).
+    opens = [
+        prompt_opens_block(
+            tokenizer.decode(list(p[-PROMPT_CONTEXT:]), skip_special_tokens=False),
+            reasoning_parser,
+        )
+        if reasoning_parser
+        else False
+        for p in prompts
+    ]
+    return [
+        ChoiceParser(
+            reasoning_parser=reasoning_parser,
+            start_in_reasoning=opens[c // n],
+            tool_parser=tools,
+            new_id=new_id,
+        )
+        for c in range(len(prompts) * n)
+    ]

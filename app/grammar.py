@@ -21,7 +21,7 @@ from typing import Any
 import llguidance
 
 from app.errors import InvalidRequest
-from app.messages import OutputConstraint
+from app.records import OutputConstraint
 
 # How the JSON is laid out. llguidance's default allows any run of whitespace between
 # tokens; a small model then easily spends its whole budget on newlines. Fixed

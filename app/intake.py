@@ -27,17 +27,14 @@ from app.errors import (
 )
 from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
-from app.messages import OutputConstraint
 from app.model_card import ModelCard
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
-    to_sampling_params,
-    to_stop_conditions,
 )
-from app.records import QueueName, RequestRecord, cache_scope
+from app.records import OutputConstraint, QueueName, RequestRecord, cache_scope
 from app.responses_api import (
     ResponsesRequest,
     parse_responses_request,
@@ -281,8 +278,8 @@ class RecordBuilder:
                 f"the completion). Please reduce the length of the prompt or completion.",
                 param="max_tokens",
             )
-        stop = to_stop_conditions(
-            req, eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
+        stop = req.stop_conditions(
+            eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
         )
         now = self.clock()
         chat = isinstance(req, ChatCompletionRequest)
@@ -291,7 +288,7 @@ class RecordBuilder:
             model=self.model_name,
             prompts=prompts,
             n=req.n,
-            sampling=to_sampling_params(req, constraint=constraint),
+            sampling=req.sampling_params(constraint=constraint),
             stop=stop,
             echo_ids=echo_ids,
             skip_special_tokens=req.skip_special_tokens,

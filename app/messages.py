@@ -1,6 +1,6 @@
 """Typed messages that travel between tokenrelay's processes.
 
-The web tier writes a request (``StopConditions`` + ``SamplingParams``), a worker
+The web tier writes a request (``app.records``), a worker
 publishes ``TokenDelta`` values (token ids, never text), and a streamer turns them into
 ``OutputEvent`` values that the web tier frames as SSE or WebSocket messages.
 
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 
 class FinishReason(str, Enum):
@@ -39,68 +37,6 @@ class EngineFinish(str, Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
-
-
-class StopConditions(BaseModel):
-    """Everything that ends a choice, applied by the Decoder (and partly by engines).
-
-    ``eos_token_ids`` come from the model card and end a choice silently (no
-    stop_reason); ``stop_token_ids`` come from the user and are reported as the
-    stop_reason. Both are hidden from the text.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
-    min_tokens: int = Field(default=0, ge=0, description="No stop applies before this many.")
-    stop: tuple[str, ...] = Field(default=(), description="Stop strings.")
-    stop_token_ids: tuple[int, ...] = Field(default=(), description="User stop token ids.")
-    eos_token_ids: tuple[int, ...] = Field(default=(), description="The model's EOS ids.")
-    include_stop_str_in_output: bool = Field(
-        default=False, description="Keep the matched stop string in the text."
-    )
-    ignore_eos: bool = Field(default=False, description="Do not stop on the model's EOS ids.")
-
-
-class OutputConstraint(BaseModel):
-    """What a choice's output must be, enforced by the engine while sampling (a grammar
-    per sequence): ``prefix`` + one JSON value + ``suffix``, then EOS.
-
-    ``kind``: ``json_object`` (any JSON object; ``json_schema`` None), ``json_schema``
-    (``response_format`` with a schema), ``tool_call`` (``tool_choice`` required or
-    named: one call object ``{"name", "arguments"}`` in the model's tool-call syntax,
-    whose ``prefix``/``suffix`` are that syntax's tags).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["json_object", "json_schema", "tool_call"]
-    json_schema: str | None = Field(default=None, description="The JSON schema, as JSON text.")
-    prefix: str = ""
-    suffix: str = ""
-
-
-class SamplingParams(BaseModel):
-    """Sampling settings with OpenAI's neutral defaults (engines map them explicitly)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 disables top-k.")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    logit_bias: dict[int, float] = Field(default_factory=dict)
-    seed: int | None = None
-    logprobs: int | None = Field(
-        default=None,
-        ge=0,
-        le=20,
-        description="None: no logprobs; 0: the sampled token's only; k: plus the top k.",
-    )
-    constraint: OutputConstraint | None = None
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ Requests
     ``parse_chat_request`` / ``parse_completion_request`` validate a decoded JSON body
     against limits taken from settings and raise ``InvalidRequest`` (400) whose ``param``
     names the offending field (``"temperature"``, ``"messages[0].content"``). Unknown
-    fields are rejected as OpenAI does. ``to_sampling_params`` / ``to_stop_conditions``
-    turn a validated request into the internal messages of ``app.messages``.
+    fields are rejected as OpenAI does. A validated request builds the parts of its record
+    itself (``sampling_params``, ``stop_conditions``: ``app.records``).
 
 Responses live in ``app.response_models``.
 """
@@ -16,7 +16,7 @@ Responses live in ``app.response_models``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from pydantic import (
     Field,
@@ -25,14 +25,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
-from app.messages import OutputConstraint, SamplingParams, StopConditions
+from app.chat_message import ChatMessage
+from app.records import OutputConstraint, SamplingParams, StopConditions
 from app.tools import (
     FunctionDefinition,
     NamedToolChoice,
     ResponseFormat,
-    ToolCall,
     ToolChoice,
     ToolDefinition,
     forced_functions,
@@ -202,96 +201,50 @@ class _GenerationRequest(RequestModel):
         """Whether a streaming client asked for a final usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-
-class TextContentPart(RequestModel):
-    type: Literal["text"]
-    text: str
-
-
-ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
-class ChatMessage(RequestModel):
-    """One message of a conversation. Only text content is supported."""
-
-    role: ChatRole
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _check_content(cls, value: Any) -> str | list[TextContentPart] | None:
-        if value is None or isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise invalid("Message content must be a string or a list of text parts.")
-        parts = []
-        unknown: list[str] = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict):
-                raise invalid(f"Content part {i} must be an object.", subpath=f"[{i}]")
-            kind = part.get("type")
-            if kind != "text":
-                raise invalid(
-                    f"Content part type {kind!r} is not supported; only 'text' parts are.",
-                    subpath=f"[{i}].type",
-                )
-            unknown += [f"[{i}].{name}" for name in part if name not in ("type", "text")]
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise invalid(f"Content part {i} needs a string 'text'.", subpath=f"[{i}].text")
-            parts.append(TextContentPart(type="text", text=text))
-        if unknown:
-            # One error naming every unknown key ("also"), so the 400 can list them all.
-            raise PydanticCustomError(
-                "extra_forbidden",
-                "Extra inputs are not permitted",
-                {"subpath": unknown[0], "also": tuple(unknown[1:])},
-            )
-        return parts
-
-    @model_validator(mode="after")
-    def _check_role_content(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise invalid(
-                f"Missing required parameter: 'content' of a {self.role!r} message.",
-                subpath="content",
-            )
-        if self.role == "tool" and not self.tool_call_id:
-            raise invalid(
-                "Missing required parameter: 'tool_call_id' of a 'tool' message.",
-                subpath="tool_call_id",
-            )
-        if self.tool_calls is not None and self.role != "assistant":
-            raise invalid(
-                f"Only 'assistant' messages may have 'tool_calls' (got a {self.role!r} message).",
-                subpath="tool_calls",
-            )
-        return self
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates receive it (``app.chat_template``): content as
-        text ("" for null: templates concatenate it), and ``name``, ``tool_calls``,
-        ``tool_call_id`` when present."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        return out
-
     @property
-    def text(self) -> str:
-        """The content as one string (text parts joined by newlines, as vLLM does)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
+    def top_logprobs_wanted(self) -> int | None:
+        """How many alternatives to report per token (None: no logprobs at all)."""
+        raise NotImplementedError
+
+    def sampling_params(self, *, constraint: OutputConstraint | None = None) -> SamplingParams:
+        """The request's sampling settings; what it leaves unset gets OpenAI's neutral
+        value. ``constraint`` is what the output must be (built from the request and
+        the model's tool-call syntax: ``app.tools``)."""
+
+        def pick(value: float | None, default: float) -> float:
+            return default if value is None else value
+
+        return SamplingParams(
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=max(self.top_k or 0, 0),
+            min_p=pick(self.min_p, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            logit_bias=dict(self.logit_bias or {}),
+            seed=self.seed,
+            logprobs=self.top_logprobs_wanted,
+            constraint=constraint,
+        )
+
+    def stop_conditions(
+        self, *, eos_token_ids: Iterable[int], default_max_tokens: int | None
+    ) -> StopConditions:
+        """Everything that ends a choice of this request: what the Decoder applies.
+
+        ``max_tokens`` is ``max_completion_tokens``, else ``max_tokens``, else
+        ``default_max_tokens`` (e.g. what is left of the context; None: no limit).
+        """
+        return StopConditions(
+            max_tokens=self.max_new_tokens or default_max_tokens,
+            min_tokens=self.min_tokens,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            eos_token_ids=tuple(eos_token_ids),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -411,6 +364,10 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
     def uses_deprecated_functions(self) -> bool:
         """True when the deprecated function-calling API is used (the web tier: 501)."""
         return (
@@ -494,6 +451,10 @@ class CompletionRequest(_GenerationRequest):
         return self
 
     @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    @property
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this batch (choice index = prompt_index * n + i)."""
         prompt = self.prompt
@@ -555,54 +516,3 @@ def parse_completion_request(
 # ---------------------------------------------------------------------------------------
 # Conversions to the internal messages
 # ---------------------------------------------------------------------------------------
-
-
-def _pick(value: float | None, default: float) -> float:
-    return default if value is None else value
-
-
-def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, constraint: OutputConstraint | None = None
-) -> SamplingParams:
-    """The request's sampling settings; what it leaves unset gets OpenAI's neutral value.
-    ``constraint`` is what the output must be (built from the request and the model's
-    tool-call syntax: ``app.tools``)."""
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    return SamplingParams(
-        temperature=_pick(req.temperature, 1.0),
-        top_p=_pick(req.top_p, 1.0),
-        top_k=max(req.top_k or 0, 0),
-        min_p=_pick(req.min_p, 0.0),
-        presence_penalty=_pick(req.presence_penalty, 0.0),
-        frequency_penalty=_pick(req.frequency_penalty, 0.0),
-        repetition_penalty=_pick(req.repetition_penalty, 1.0),
-        logit_bias=dict(req.logit_bias or {}),
-        seed=req.seed,
-        logprobs=logprobs,
-        constraint=constraint,
-    )
-
-
-def to_stop_conditions(
-    req: ChatCompletionRequest | CompletionRequest,
-    *,
-    eos_token_ids: Iterable[int],
-    default_max_tokens: int | None,
-) -> StopConditions:
-    """Everything that ends a choice of this request.
-
-    ``max_tokens`` is ``max_completion_tokens``, else ``max_tokens``, else
-    ``default_max_tokens`` (e.g. what is left of the context; None: no limit).
-    """
-    return StopConditions(
-        max_tokens=req.max_new_tokens or default_max_tokens,
-        min_tokens=req.min_tokens,
-        stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-        eos_token_ids=tuple(eos_token_ids),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        ignore_eos=req.ignore_eos,
-    )

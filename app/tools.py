@@ -24,8 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.messages import OutputConstraint
 from app.reasoning import REASONING_PARSERS
+from app.records import OutputConstraint
 
 # OpenAI's rule for function and schema names.
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"

@@ -31,9 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.chat_template import PromptBuilder
-from app.messages import OutputConstraint, SamplingParams
 from app.model_card import load_model_card
 from app.prepare import prepare_bundled_model
+from app.records import OutputConstraint, SamplingParams
 from workers.engines import constraint as constraint_module
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine

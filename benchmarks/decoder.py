@@ -24,7 +24,8 @@ from tokenizers.decoders import DecodeStream
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.decoder import Decoder, RequestDecoder
-from app.messages import StopConditions, TokenDelta
+from app.messages import TokenDelta
+from app.records import StopConditions
 
 VOCABULARY = (
     "the of and to in is that it for was on are as with his they at be this from have "

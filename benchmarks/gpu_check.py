@@ -243,7 +243,7 @@ def exercise(
     greedy ``reference`` is known: a logit bias that bans the first greedy token (it must
     change), a stop token id taken from the reference (the choice must end on it, with
     ``eos``), and a cancel mid-request (``cancelled``, and the engine runs the next job)."""
-    from app.messages import SamplingParams
+    from app.records import SamplingParams
 
     out: dict[str, Any] = {}
     first = reference[0]
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tokenizers import Tokenizer
 
-    from app.messages import SamplingParams
+    from app.records import SamplingParams
     from workers.engines.base import ChoiceJob, EngineJob
     from workers.engines.exllamav2 import ExLlamaV2Engine
 

@@ -26,9 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.chat_template import PromptBuilder
-from app.messages import SamplingParams
 from app.model_card import load_model_card
 from app.prepare import prepare_bundled_model
+from app.records import SamplingParams
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine
 

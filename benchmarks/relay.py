@@ -39,9 +39,9 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.messages import OutputEvent, OutputKind, SamplingParams, StopConditions
+from app.messages import OutputEvent, OutputKind
 from app.prepare import prepare_bundled_model
-from app.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState, SamplingParams, StopConditions
 from broker.celery_app import create_celery
 from broker.hub import OutputHub, Pumped, Subscription
 from broker.keys import Keys

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.decoder import RequestDecoder
 from app.messages import TokenDelta
 from app.prepare import prepare_bundled_model
 from broker.celery_app import create_celery
@@ -34,7 +35,7 @@ from broker.publish import encode_deltas
 from broker.server import RedisServer
 from tests.stack import isolated_settings, make_record
 from workers.streamer import Streamer
-from workers.streamer_state import Tracked, request_decoder
+from workers.streamer_state import Tracked
 
 TEXT = " the quick brown fox jumps over the lazy dog and runs back to the barn at night"
 
@@ -49,7 +50,7 @@ def measure(models_dir: Path, requests: int, steps: int) -> dict[str, float]:
         step_key = streamer.keys.steps("w1")
         records = [make_record(settings, [[1, 2, 3]], max_tokens=10**6) for _ in range(requests)]
         for record in records:
-            t = Tracked("1-0", record, request_decoder(tokenizer, record))
+            t = Tracked("1-0", record, RequestDecoder.for_record(tokenizer, record))
             t.step = step_key
             streamer.tracked[record.request_id] = t
         ids = tokenizer.encode(TEXT).ids

@@ -23,10 +23,9 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.chat_template import PromptBuilder
-from app.messages import SamplingParams, StopConditions
 from app.model_card import load_model_card
 from app.prepare import prepare_bundled_model
-from app.records import RequestRecord
+from app.records import RequestRecord, SamplingParams, StopConditions
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys

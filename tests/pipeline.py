@@ -13,6 +13,7 @@ from typing import Any
 import redis
 from tokenizers import Tokenizer
 
+from app.decoder import RequestDecoder
 from app.messages import FinishReason, OutputEvent, OutputKind
 from app.records import RequestRecord
 from app.settings import Settings
@@ -22,7 +23,6 @@ from broker.outputs import OutputStreams, decode_events, is_terminal
 from broker.requests import RequestStore
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
-from workers.streamer import request_decoder
 
 EOS = 2
 TEXT = "The quick brown fox 🦊 jumps over the lazy dog; 東京 is far. END of story, friend."
@@ -70,7 +70,7 @@ def reference(tokenizer: Tokenizer, record: RequestRecord) -> Result:
                 min_tokens=record.stop.min_tokens,
             )
         )
-    decoders = request_decoder(tokenizer, record)
+    decoders = RequestDecoder.for_record(tokenizer, record)
     events: list[OutputEvent] = []
     while engine.has_work():
         for s in engine.step():

@@ -18,8 +18,7 @@ from typing import Any
 
 import redis
 
-from app.messages import SamplingParams, StopConditions
-from app.records import RequestRecord
+from app.records import RequestRecord, SamplingParams, StopConditions
 from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys

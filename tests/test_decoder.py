@@ -13,10 +13,10 @@ from app.messages import (
     FinishReason,
     OutputEvent,
     OutputKind,
-    StopConditions,
     TokenDelta,
     TokenLogprob,
 )
+from app.records import StopConditions
 
 EOS = 2  # <|im_end|>
 PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"

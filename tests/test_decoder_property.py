@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from app.decoder import Decoder
-from app.messages import EngineFinish, FinishReason, StopConditions
+from app.messages import EngineFinish, FinishReason
+from app.records import StopConditions
 
 PROMPT = "<|im_start|>user\nWrite.<|im_end|>\n<|im_start|>assistant\n"
 CHARS = [*"ab <|>\n.,x", "é", "ß", "日", "本", "語", "😀", "🍕", "🎉"]

@@ -17,12 +17,10 @@ from app.messages import (
     FinishReason,
     OutputEvent,
     OutputKind,
-    StopConditions,
     TokenDelta,
     TokenLogprob,
 )
-from app.records import RequestRecord
-from workers.streamer import request_decoder
+from app.records import RequestRecord, StopConditions
 
 EOS = 2  # <|im_end|>
 PROMPT = "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
@@ -273,7 +271,7 @@ def test_the_streamer_builds_parsers_from_the_record(smollm_tokenizer: Tokenizer
         reasoning_parser="think",
         tools_enabled=True,
     )
-    req = request_decoder(tok, record)
+    req = RequestDecoder.for_record(tok, record)
     events = feed_one_by_one(req, [*ids_of(tok, "<think>a</think>" + CALL), EOS])
     content, reasoning, calls = summary(events)
     assert (content, reasoning) == ("", "a")

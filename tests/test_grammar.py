@@ -19,7 +19,7 @@ from app.grammar import (
     constraint_grammar,
     grammar_problem,
 )
-from app.messages import OutputConstraint
+from app.records import OutputConstraint
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

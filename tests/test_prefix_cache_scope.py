@@ -10,9 +10,9 @@ from tokenizers import Tokenizer
 from app.decoder import RequestDecoder
 from app.errors import InvalidRequest
 from app.intake import Endpoint, Intake
-from app.messages import EngineFinish, StopConditions, TokenDelta
+from app.messages import EngineFinish, TokenDelta
 from app.model_card import ModelCard
-from app.records import cache_scope
+from app.records import StopConditions, cache_scope
 from app.settings import Settings
 
 BODY = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}

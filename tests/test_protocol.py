@@ -11,16 +11,15 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from app.errors import InvalidRequest, error_body
-from app.messages import FinishReason, LogprobEntry, SamplingParams, StopConditions
+from app.messages import FinishReason, LogprobEntry
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
-    to_sampling_params,
-    to_stop_conditions,
     validation_error_to_invalid_request,
 )
+from app.records import SamplingParams, StopConditions
 from app.response_models import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -361,7 +360,7 @@ def test_ranges(field: str, good: list[Any], bad: list[Any]) -> None:
 
 def test_null_sampling_fields_mean_default() -> None:
     req = chat(temperature=None, top_p=None, seed=None, stop=None, logit_bias=None)
-    assert to_sampling_params(req) == SamplingParams()
+    assert req.sampling_params() == SamplingParams()
 
 
 def test_n_limit_comes_from_the_caller() -> None:
@@ -432,7 +431,7 @@ def test_stop_token_ids() -> None:
 def test_logit_bias_keys_become_token_ids() -> None:
     req = chat(logit_bias={"0": 100, "50256": -100, "7": 0.5})
     assert req.logit_bias == {0: 100.0, 50256: -100.0, 7: 0.5}
-    assert to_sampling_params(req).logit_bias == {0: 100.0, 50256: -100.0, 7: 0.5}
+    assert req.sampling_params().logit_bias == {0: 100.0, 50256: -100.0, 7: 0.5}
 
 
 @pytest.mark.parametrize(
@@ -501,7 +500,7 @@ def test_completion_defaults_follow_openai() -> None:
     req = completion()
     assert req.max_tokens == 16
     assert req.logprobs is None
-    assert to_stop_conditions(req, eos_token_ids=[2], default_max_tokens=100).max_tokens == 16
+    assert req.stop_conditions(eos_token_ids=[2], default_max_tokens=100).max_tokens == 16
 
 
 def test_completion_echo_suffix_best_of() -> None:
@@ -573,29 +572,27 @@ def test_long_inputs_are_not_echoed() -> None:
 
 
 def test_defaults_map_to_neutral_sampling_params() -> None:
-    params = to_sampling_params(chat())
+    params = chat().sampling_params()
     assert params == SamplingParams()
     assert params.temperature == 1.0
     assert params.top_p == 1.0
     assert params.top_k == 0
     assert params.repetition_penalty == 1.0
     assert params.logprobs is None
-    assert to_sampling_params(completion()) == SamplingParams()
+    assert completion().sampling_params() == SamplingParams()
 
 
 def test_sampling_params_carry_the_request() -> None:
-    params = to_sampling_params(
-        chat(
-            temperature=0,
-            top_p=0.5,
-            top_k=-1,
-            min_p=0.1,
-            presence_penalty=0.5,
-            frequency_penalty=0.25,
-            repetition_penalty=1.2,
-            seed=7,
-        )
-    )
+    params = chat(
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.2,
+        seed=7,
+    ).sampling_params()
     assert params == SamplingParams(
         temperature=0.0,
         top_p=0.5,
@@ -606,15 +603,15 @@ def test_sampling_params_carry_the_request() -> None:
         repetition_penalty=1.2,
         seed=7,
     )
-    assert to_sampling_params(chat(top_k=40)).top_k == 40
+    assert chat(top_k=40).sampling_params().top_k == 40
 
 
 def test_logprobs_conversion() -> None:
-    assert to_sampling_params(chat(logprobs=False)).logprobs is None
-    assert to_sampling_params(chat(logprobs=True)).logprobs == 0
-    assert to_sampling_params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
-    assert to_sampling_params(completion(logprobs=0)).logprobs == 0
-    assert to_sampling_params(completion(logprobs=5)).logprobs == 5
+    assert chat(logprobs=False).sampling_params().logprobs is None
+    assert chat(logprobs=True).sampling_params().logprobs == 0
+    assert chat(logprobs=True, top_logprobs=3).sampling_params().logprobs == 3
+    assert completion(logprobs=0).sampling_params().logprobs == 0
+    assert completion(logprobs=5).sampling_params().logprobs == 5
 
 
 def test_stop_conditions() -> None:
@@ -625,7 +622,7 @@ def test_stop_conditions() -> None:
         include_stop_str_in_output=True,
         ignore_eos=True,
     )
-    assert to_stop_conditions(req, eos_token_ids=[2, 3], default_max_tokens=100) == (
+    assert req.stop_conditions(eos_token_ids=[2, 3], default_max_tokens=100) == (
         StopConditions(
             max_tokens=100,
             min_tokens=2,
@@ -640,13 +637,13 @@ def test_stop_conditions() -> None:
 
 def test_stop_conditions_max_tokens_precedence() -> None:
     def limit(req: ChatCompletionRequest | CompletionRequest) -> int | None:
-        return to_stop_conditions(req, eos_token_ids=(), default_max_tokens=99).max_tokens
+        return req.stop_conditions(eos_token_ids=(), default_max_tokens=99).max_tokens
 
     assert limit(chat()) == 99
     assert limit(chat(max_tokens=5)) == 5
     assert limit(chat(max_completion_tokens=7)) == 7
     assert limit(completion(max_tokens=None)) == 99
-    assert to_stop_conditions(chat(), eos_token_ids=(), default_max_tokens=None).max_tokens is None
+    assert chat().stop_conditions(eos_token_ids=(), default_max_tokens=None).max_tokens is None
 
 
 @given(
@@ -654,8 +651,8 @@ def test_stop_conditions_max_tokens_precedence() -> None:
     ids=st.lists(st.integers(min_value=0, max_value=10**6), max_size=8),
 )
 def test_stop_round_trip(stops: list[str], ids: list[int]) -> None:
-    conds = to_stop_conditions(
-        chat(stop=stops, stop_token_ids=ids), eos_token_ids=[0], default_max_tokens=None
+    conds = chat(stop=stops, stop_token_ids=ids).stop_conditions(
+        eos_token_ids=[0], default_max_tokens=None
     )
     assert conds.stop == tuple(dict.fromkeys(s for s in stops if s))
     assert conds.stop_token_ids == tuple(ids)

@@ -1,7 +1,7 @@
 """``skip_special_tokens`` from the request body to the text and logprobs a client gets.
 
 The body's field goes into the ``RequestRecord`` (``RecordBuilder``), and the streamer
-builds its decoders from the record (``request_decoder``): with the default (true) the
+builds its decoders from the record (``RequestDecoder.for_record``): with the default (true) the
 model's EOS, let through by ``min_tokens``, is no text and has empty logprob text; with
 false it is ``<|im_end|>`` in both.
 """
@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from app.chat_template import PromptBuilder
+from app.decoder import RequestDecoder
 from app.intake import RecordBuilder
 from app.messages import OutputKind, TokenDelta, TokenLogprob
 from app.model_card import load_model_card
 from app.protocol import parse_chat_request, parse_completion_request
-from workers.streamer import request_decoder
 
 EOS = 2  # SmolLM2's <|im_end|>
 
@@ -55,7 +55,7 @@ def test_the_request_field_reaches_text_and_logprobs(
     tok = builder.tokenizer
     hello = tok.encode("Hello", add_special_tokens=False).ids[0]
     ids = [hello, EOS, hello]  # the EOS is token 2 < min_tokens: text, not a stop
-    decoders = request_decoder(tok, record)
+    decoders = RequestDecoder.for_record(tok, record)
     events = decoders.feed(
         TokenDelta(0, ids, logprobs=[TokenLogprob(i, -0.5, [(EOS, -1.0)]) for i in ids])
     )

@@ -29,11 +29,11 @@ from app.messages import (
     FinishReason,
     OutputEvent,
     OutputKind,
-    StopConditions,
     TokenDelta,
     TokenLogprob,
     ToolCallDelta,
 )
+from app.records import StopConditions
 
 TAGS = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
 CHARS = [*'ab <>/{}[];\n\t_"|', "é", "日", "😀"]

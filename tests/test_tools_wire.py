@@ -1,7 +1,7 @@
 """Tools, structured outputs and reasoning on the wire, without servers.
 
 From a request body through ``RecordBuilder`` (prompt, constraint, parser names) and the
-streamer's decoders (``request_decoder``) to the exact OpenAI JSON of the framers: the
+streamer's decoders (``RequestDecoder.for_record``) to the exact OpenAI JSON of the framers: the
 SSE chunks (``ChunkStream``), the non-streamed body (``ResponseFold``, which batch lines
 share) and the WebSocket messages. Streamed chunks are reassembled by the openai SDK's
 own stream state and must equal the non-streamed message.
@@ -21,13 +21,13 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from app.chat_template import PromptBuilder, template_uses_tools
+from app.decoder import RequestDecoder
 from app.errors import InvalidRequest, ModelError
 from app.fold import ResponseFold
 from app.intake import RecordBuilder, ResponseShape, shape_of
 from app.messages import (
     EngineFinish,
     FinishReason,
-    OutputConstraint,
     OutputEvent,
     OutputKind,
     TokenDelta,
@@ -35,7 +35,7 @@ from app.messages import (
 )
 from app.model_card import ModelCard, load_model_card
 from app.protocol import parse_chat_request
-from app.records import RequestRecord
+from app.records import OutputConstraint, RequestRecord
 from app.toolcalls import TOOL_PARSERS
 from app.tools import (
     TOOL_CALL_FORMATS,
@@ -44,7 +44,6 @@ from app.tools import (
 )
 from web.responses import ChunkStream
 from web.ws_messages import server_message
-from workers.streamer_state import request_decoder
 
 WEATHER = {
     "type": "function",
@@ -511,7 +510,7 @@ def run_pipeline(
     """Feed ``text`` one token at a time through the streamer's decoders and frame the
     events both ways: (SSE chunk dicts, non-streamed body)."""
     ids = builder.tokenizer.encode(text, add_special_tokens=False).ids
-    decoders = request_decoder(builder.tokenizer, rec)
+    decoders = RequestDecoder.for_record(builder.tokenizer, rec)
     events: list[OutputEvent] = []
     for i, token in enumerate(ids):
         last = i == len(ids) - 1

@@ -47,6 +47,7 @@ import redis
 from celery import Celery
 from tokenizers import Tokenizer
 
+from app.decoder import RequestDecoder
 from app.messages import EngineFinish, OutputEvent, OutputKind
 from app.model_card import load_model_card, load_tokenizer
 from app.records import RequestState
@@ -71,7 +72,6 @@ from workers.streamer_state import (
     REQUEST_FAULT,
     LiveModels,
     Tracked,
-    request_decoder,
 )
 
 logger = logging.getLogger(__name__)
@@ -353,7 +353,7 @@ class Streamer(Relay):
             self.handoff.ack(entry_id)  # expired before anyone decoded it
             return None
         record, _state, _attempt = loaded
-        t = Tracked(entry_id, record, request_decoder(self.tokenizer, record))
+        t = Tracked(entry_id, record, RequestDecoder.for_record(self.tokenizer, record))
         t.out.phase = phase_of(rid)
         seal = None
         if written:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import redis
 from kombu.exceptions import OperationalError
-from tokenizers import Tokenizer
 
 from app.decoder import Decoder, RequestDecoder
 from app.messages import OutputEvent
@@ -34,22 +33,6 @@ DEADLINE_MESSAGE = "The request exceeded its deadline."
 
 class RequestFault(Exception):
     """Something about one request cannot be handled; that request ends with an error."""
-
-
-def request_decoder(tokenizer: Tokenizer, record: RequestRecord) -> RequestDecoder:
-    """The Decoders of all of a request's choices (choice c runs on prompt c // n)."""
-    return RequestDecoder(
-        tokenizer,
-        record.prompts[0],
-        record.stop,
-        n=record.n,
-        skip_special_tokens=record.skip_special_tokens,
-        logprobs=record.sampling.logprobs is not None,
-        more_prompts=record.prompts[1:],
-        tool_parser=record.tool_parser,
-        reasoning_parser=record.reasoning_parser,
-        tools_enabled=record.tools_enabled,
-    )
 
 
 @dataclass

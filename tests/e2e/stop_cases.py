@@ -17,13 +17,13 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from app.chat_template import PromptBuilder
+from app.decoder import RequestDecoder
 from app.intake import RecordBuilder
 from app.messages import OutputEvent, OutputKind
 from app.model_card import load_model_card
 from app.protocol import parse_chat_request
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
-from workers.streamer import request_decoder
 
 # The echo engine repeats the last user message: multi-byte characters, spaces,
 # punctuation, and words that recur, so stops can match early, late or across tokens.
@@ -87,7 +87,7 @@ def expected(case: str, model_dir: Path, model: str) -> Expected:
                 min_tokens=record.stop.min_tokens,
             )
         )
-    decoders = request_decoder(prompts.tokenizer, record)
+    decoders = RequestDecoder.for_record(prompts.tokenizer, record)
     events: list[OutputEvent] = []
     while engine.has_work():
         for step in engine.step():

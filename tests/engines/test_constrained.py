@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from app.chat_template import PromptBuilder
-from app.messages import EngineFinish, OutputConstraint, SamplingParams
+from app.messages import EngineFinish
+from app.records import OutputConstraint, SamplingParams
 from tests.engines.test_contract import (
     PROMPT,
     Choice,

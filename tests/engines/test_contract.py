@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from app.messages import EngineFinish, SamplingParams, TokenLogprob
+from app.messages import EngineFinish, TokenLogprob
+from app.records import SamplingParams
 from workers.engines.base import ChoiceJob, Engine, EngineJob, JobRejected
 
 GREEDY = SamplingParams(temperature=0.0)

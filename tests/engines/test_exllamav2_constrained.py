@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from app.messages import EngineFinish, OutputConstraint, SamplingParams
+from app.messages import EngineFinish
+from app.records import OutputConstraint, SamplingParams
 from tests.engines.test_constrained import HERMES_CLOSE, HERMES_OPEN, PERSON, WEATHER_CALL, validate
 from tests.engines.test_exllamav2_mapping import (
     StandInDynamicGenerator,

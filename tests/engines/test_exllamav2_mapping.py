@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.messages import EngineFinish, SamplingParams
+from app.messages import EngineFinish
+from app.records import SamplingParams
 from tests.engines.exllamav2_standin import (
     EXL_DEFAULTS,
     PADDED_VOCAB,

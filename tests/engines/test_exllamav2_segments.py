@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from app.messages import EngineFinish, OutputConstraint, SamplingParams
+from app.messages import EngineFinish
 from app.model_card import ModelCard
+from app.records import OutputConstraint, SamplingParams
 from app.settings import Settings
 from tests.engines.exllamav2_standin import (
     PADDED_VOCAB,

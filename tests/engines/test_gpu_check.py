@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.messages import SamplingParams
+from app.records import SamplingParams
 from benchmarks.gpu_check import check
 from tests.engines.exllamav2_standin import VOCAB, StandInDynamicGenerator, stand_in_api
 from workers.engines.base import ChoiceJob, EngineJob

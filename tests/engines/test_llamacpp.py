@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from app.chat_template import PromptBuilder
-from app.messages import EngineFinish, SamplingParams
+from app.messages import EngineFinish
 from app.model_card import ModelCard
+from app.records import SamplingParams
 from app.settings import Settings
 from tests.engines.test_contract import PROMPT, Run, advance, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected

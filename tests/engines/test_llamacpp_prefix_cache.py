@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 
 from app.chat_template import PromptBuilder
-from app.messages import SamplingParams, TokenLogprob
+from app.messages import TokenLogprob
 from app.prefix_blocks import block_names
+from app.records import SamplingParams
 from tests.engines.test_contract import Run, advance, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.llamacpp import LlamaCppEngine

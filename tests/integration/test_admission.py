@@ -9,8 +9,7 @@ import uuid
 import pytest
 import redis
 
-from app.messages import SamplingParams, StopConditions
-from app.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState, SamplingParams, StopConditions
 from broker.requests import Admission, ClaimResult, RequestStore
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,7 @@ import pytest
 import redis
 
 from app.batches import BatchStatus, not_run_line, success_line
-from app.messages import StopConditions
-from app.records import RequestRecord
+from app.records import RequestRecord, StopConditions
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileStore

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from app.chat_template import PromptBuilder
-from app.messages import EngineFinish, OutputConstraint, SamplingParams, StopConditions
+from app.messages import EngineFinish
 from app.model_card import load_model_card
-from app.records import RequestRecord
+from app.records import OutputConstraint, RequestRecord, SamplingParams, StopConditions
 from broker.celery_app import TaskOutcome
 from broker.publish import lease_value
 from broker.requests import ClaimResult, RequestStore

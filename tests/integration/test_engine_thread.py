@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import redis
 
-from app.messages import EngineFinish, StopConditions, TokenDelta
-from app.records import RequestRecord
+from app.messages import EngineFinish, TokenDelta
+from app.records import RequestRecord, StopConditions
 from broker.celery_app import TaskOutcome
 from broker.keys import Keys
 from broker.publish import PublishItem, PublishStatus, encode_deltas, lease_value

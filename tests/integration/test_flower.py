@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from app.messages import SamplingParams, StopConditions
-from app.records import RequestRecord, RequestState
+from app.records import RequestRecord, RequestState, SamplingParams, StopConditions
 from app.settings import Settings
 from broker.celery_app import create_celery
 from broker.keys import Keys

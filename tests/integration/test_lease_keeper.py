@@ -10,8 +10,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from app.messages import StopConditions
-from app.records import RequestRecord
+from app.records import RequestRecord, StopConditions
 from broker.celery_app import TaskOutcome
 from broker.publish import lease_value
 from broker.requests import ClaimResult, RequestStore

@@ -18,6 +18,7 @@ import pytest
 import redis
 from tokenizers import Tokenizer
 
+from app.decoder import RequestDecoder
 from app.messages import EngineFinish, TokenDelta
 from app.model_card import load_model_card, load_tokenizer
 from app.settings import Settings
@@ -28,7 +29,7 @@ from broker.publish import encode_deltas
 from tests.pipeline import EOS, TEXT
 from tests.stack import make_record
 from workers.streamer import Streamer
-from workers.streamer_state import Tracked, request_decoder
+from workers.streamer_state import Tracked
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ def run_both(
     first = make_record(settings, [[1, 2, 3]], **record)
     for plain in (True, False):
         rec = first if plain else first.model_copy(update={"request_id": uuid.uuid4().hex})
-        t = Tracked("1-0", rec, request_decoder(tokenizer, rec))
+        t = Tracked("1-0", rec, RequestDecoder.for_record(tokenizer, rec))
         assert t.plain is not None, "a plain record"
         if not plain:
             t.plain = None  # the general path for this one

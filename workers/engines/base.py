@@ -10,7 +10,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
-from app.messages import SamplingParams, TokenDelta
+from app.messages import TokenDelta
+from app.records import SamplingParams
 
 
 class JobRejected(Exception):

@@ -30,7 +30,7 @@ import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from app.grammar import constraint_grammar, grammar_problem
-from app.messages import OutputConstraint
+from app.records import OutputConstraint
 from workers.engines.base import EngineJob, JobRejected
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.messages import EngineFinish, SamplingParams, TokenDelta, TokenLogprob
+from app.messages import EngineFinish, TokenDelta, TokenLogprob
+from app.records import SamplingParams
 from workers.engines.base import EngineJob
 from workers.engines.exllamav2_filter import GrammarFilter
 

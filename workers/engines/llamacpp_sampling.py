@@ -13,7 +13,7 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
-from app.messages import SamplingParams
+from app.records import SamplingParams
 from workers.engines.base import EngineJob
 from workers.engines.constraint import GrammarVocab
 
