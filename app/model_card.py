@@ -210,24 +210,15 @@ def _load_hf_card(path: Path) -> ModelCard:
     eos_token = _token_text(tok_config.get("eos_token"), "eos_token", path)
     pad_token = _token_text(tok_config.get("pad_token"), "pad_token", path)
 
-    eos_ids: list[int] = []
-    if eos_token is not None:
-        eos_ids.extend(_as_ids([vocab.id_of(eos_token, "eos_token")], "eos_token", path))
+    eos_ids = [] if eos_token is None else [vocab.id_of(eos_token, "eos_token")]
     for source, file in (
         (config, "config.json"),
         (sub_config, "config.json"),
         (generation, "generation_config.json"),
     ):
         eos_ids.extend(_as_ids(source.get("eos_token_id"), f"{file} eos_token_id", path))
-
-    bos_id = vocab.id_of(bos_token, "bos_token") if bos_token is not None else None
-    if bos_id is None:
-        bos_id = _optional_int(config.get("bos_token_id"), "config.json bos_token_id", path)
-        bos_token = vocab.text_of(bos_id) if bos_id is not None else None
-    pad_id = vocab.id_of(pad_token, "pad_token") if pad_token is not None else None
-    if pad_id is None:
-        pad_id = _optional_int(config.get("pad_token_id"), "config.json pad_token_id", path)
-        pad_token = vocab.text_of(pad_id) if pad_id is not None else None
+    bos_token, bos_id = _named_token(vocab, bos_token, config, "bos", path)
+    pad_token, pad_id = _named_token(vocab, pad_token, config, "pad", path)
     if eos_token is None and eos_ids:
         eos_token = vocab.text_of(eos_ids[0])
 
@@ -235,14 +226,6 @@ def _load_hf_card(path: Path) -> ModelCard:
     if not isinstance(add_bos, bool):
         add_bos = vocab.post_processor_adds(bos_token)
 
-    architectures = config.get("architectures")
-    architecture = (
-        architectures[0]
-        if isinstance(architectures, list) and architectures and isinstance(architectures[0], str)
-        else config.get("model_type")
-        if isinstance(config.get("model_type"), str)
-        else None
-    )
     quant = config.get("quantization_config")
     gguf_files = sorted(p.name for p in path.glob("*.gguf"))
     vocab_size = _optional_int(
@@ -263,13 +246,34 @@ def _load_hf_card(path: Path) -> ModelCard:
             add_bos_token=add_bos,
             chat_template=_chat_template(path, tok_config),
             vocab_size=vocab_size,
-            architecture=architecture,
+            architecture=_architecture(config),
             gguf_file=gguf_files[0] if gguf_files else None,
             has_safetensors=bool(config) and any(path.glob("*.safetensors")),
             is_exl2=isinstance(quant, dict) and quant.get("quant_method") == "exl2",
         )
     except ValidationError as exc:
         raise ModelError(f"{path} does not describe a usable model: {_first_error(exc)}") from exc
+
+
+def _named_token(
+    vocab: _TokenVocab, token: str | None, config: dict[str, Any], key: str, path: Path
+) -> tuple[str | None, int | None]:
+    """A special token (``bos``, ``pad``) as the tokenizer config names it, else by the id
+    ``config.json`` gives: its text and id (None, None: the model has none)."""
+    token_id = vocab.id_of(token, f"{key}_token") if token is not None else None
+    if token_id is None:
+        token_id = _optional_int(config.get(f"{key}_token_id"), f"config.json {key}_token_id", path)
+        token = vocab.text_of(token_id) if token_id is not None else None
+    return token, token_id
+
+
+def _architecture(config: dict[str, Any]) -> str | None:
+    """The model class ``config.json`` names (else its ``model_type``)."""
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        return architectures[0]
+    model_type = config.get("model_type")
+    return model_type if isinstance(model_type, str) else None
 
 
 class _TokenVocab:

@@ -31,12 +31,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.errors import ModelError
 from app.model_card import CARD_FILE, ModelCard, load_model_card
+
+if TYPE_CHECKING:
+    from app.gguf_tokenizer import GGUFVocab
 
 logger = logging.getLogger(__name__)
 
@@ -167,31 +171,94 @@ def list_models(models_dir: Path) -> list[ModelCard]:
     return cards
 
 
+@dataclass(frozen=True, slots=True)
+class _TokenNames:
+    """The text of the tokens a Hugging Face config names (None: the GGUF has none)."""
+
+    bos: str | None
+    eos: str | None
+    pad_id: int | None
+    pad: str | None
+    unk: str | None
+
+    @classmethod
+    def of(cls, vocab: GGUFVocab) -> _TokenNames:
+        id_to_token = {i: t for t, i in vocab.special_tokens.items()}
+
+        def text(token_id: int | None) -> str | None:
+            if token_id is None:
+                return None
+            return id_to_token.get(token_id) or vocab.tokenizer.id_to_token(token_id)
+
+        meta = vocab.metadata
+        pad_id = meta.get("tokenizer.ggml.padding_token_id")
+        return cls(
+            bos=text(vocab.bos_token_id),
+            eos=text(vocab.eos_token_id),
+            pad_id=pad_id,
+            pad=text(pad_id),
+            unk=text(meta.get("tokenizer.ggml.unknown_token_id")),
+        )
+
+
+def _tokenizer_config(vocab: GGUFVocab, names: _TokenNames, context_length: int) -> dict[str, Any]:
+    """``tokenizer_config.json`` as ``transformers`` writes it for a fast tokenizer."""
+    return {
+        "add_bos_token": vocab.add_bos_token,
+        "add_eos_token": False,
+        "bos_token": names.bos,
+        "eos_token": names.eos,
+        "pad_token": names.pad,
+        "unk_token": names.unk,
+        "chat_template": vocab.chat_template,
+        "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t, i in sorted(vocab.special_tokens.items(), key=lambda kv: kv[1])
+        },
+    }
+
+
+def _hf_config(vocab: GGUFVocab, names: _TokenNames, context_length: int) -> dict[str, Any]:
+    """``config.json``: the architecture and the sizes the GGUF records."""
+    meta = vocab.metadata
+    arch = meta.get("general.architecture")
+    vocab_size = vocab.tokenizer.get_vocab_size(with_added_tokens=True)
+    config: dict[str, Any] = {
+        "architectures": [_HF_ARCHITECTURES.get(str(arch), str(arch))],
+        "model_type": arch,
+        "max_position_embeddings": context_length,
+        "bos_token_id": vocab.bos_token_id,
+        "eos_token_id": vocab.eos_token_id,
+        "pad_token_id": names.pad_id,
+        "vocab_size": meta.get(f"{arch}.vocab_size", vocab_size),
+    }
+    for gguf_key, hf_key in _CONFIG_KEYS.items():
+        if f"{arch}.{gguf_key}" in meta:
+            config[hf_key] = meta[f"{arch}.{gguf_key}"]
+    return config
+
+
 def _build(gguf: Path, work: Path, *, name: str, source: str, progress: Progress) -> None:
     from app.gguf_tokenizer import read_gguf_vocab  # needs gguf + numpy: load only here
 
     progress(f"reading the vocabulary of {gguf.name}")
     vocab = read_gguf_vocab(gguf)
-    meta = vocab.metadata
-    arch = meta.get("general.architecture")
     context_length = vocab.context_length
     if context_length is None:
         raise ModelError(f"{gguf.name} does not record its context length")
     if vocab.eos_token_id is None:
         raise ModelError(f"{gguf.name} does not record its EOS token")
-    id_to_token = {i: t for t, i in vocab.special_tokens.items()}
-    vocab_size = vocab.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def token_text(token_id: int | None) -> str | None:
-        if token_id is None:
-            return None
-        return id_to_token.get(token_id) or vocab.tokenizer.id_to_token(token_id)
-
-    bos_token = token_text(vocab.bos_token_id)
-    eos_token = token_text(vocab.eos_token_id)
-    pad_id = meta.get("tokenizer.ggml.padding_token_id")
-    pad_token = token_text(pad_id)
-    unk_token = token_text(meta.get("tokenizer.ggml.unknown_token_id"))
+    names = _TokenNames.of(vocab)
 
     progress(f"copying {gguf.name}")
     _link_or_copy(gguf, work / gguf.name)
@@ -200,44 +267,8 @@ def _build(gguf: Path, work: Path, *, name: str, source: str, progress: Progress
     vocab.tokenizer.save(str(work / "tokenizer.json"))
     if vocab.chat_template is not None:
         (work / "chat_template.jinja").write_text(vocab.chat_template, encoding="utf-8")
-    _write_json(
-        work / "tokenizer_config.json",
-        {
-            "add_bos_token": vocab.add_bos_token,
-            "add_eos_token": False,
-            "bos_token": bos_token,
-            "eos_token": eos_token,
-            "pad_token": pad_token,
-            "unk_token": unk_token,
-            "chat_template": vocab.chat_template,
-            "model_max_length": context_length,
-            "clean_up_tokenization_spaces": False,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "added_tokens_decoder": {
-                str(i): {
-                    "content": t,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "single_word": False,
-                    "special": True,
-                }
-                for t, i in sorted(vocab.special_tokens.items(), key=lambda kv: kv[1])
-            },
-        },
-    )
-    config: dict[str, Any] = {
-        "architectures": [_HF_ARCHITECTURES.get(str(arch), str(arch))],
-        "model_type": arch,
-        "max_position_embeddings": context_length,
-        "bos_token_id": vocab.bos_token_id,
-        "eos_token_id": vocab.eos_token_id,
-        "pad_token_id": pad_id,
-        "vocab_size": meta.get(f"{arch}.vocab_size", vocab_size),
-    }
-    for gguf_key, hf_key in _CONFIG_KEYS.items():
-        if f"{arch}.{gguf_key}" in meta:
-            config[hf_key] = meta[f"{arch}.{gguf_key}"]
+    _write_json(work / "tokenizer_config.json", _tokenizer_config(vocab, names, context_length))
+    config = _hf_config(vocab, names, context_length)
     _write_json(work / "config.json", config)
     _write_json(
         work / "generation_config.json",
@@ -249,11 +280,11 @@ def _build(gguf: Path, work: Path, *, name: str, source: str, progress: Progress
         path=work,
         context_length=context_length,
         eos_token_ids=(vocab.eos_token_id,),
-        eos_token=eos_token,
+        eos_token=names.eos,
         bos_token_id=vocab.bos_token_id,
-        bos_token=bos_token,
-        pad_token_id=pad_id,
-        pad_token=pad_token,
+        bos_token=names.bos,
+        pad_token_id=names.pad_id,
+        pad_token=names.pad,
         special_tokens=vocab.special_tokens,
         add_bos_token=vocab.add_bos_token,
         chat_template=vocab.chat_template,
