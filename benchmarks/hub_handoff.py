@@ -26,11 +26,12 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.messages import OutputEvent, OutputKind
-from broker.hub import OutputHub, Pumped, _Follow
+from broker.hub import OutputHub, _Follow
 from broker.keys import Keys
 from broker.outputs import encode_events
 from broker.server import RedisServer
 from broker.step_lines import step_line
+from broker.subscription import Pumped
 
 
 def measure(requests: int, steps: int) -> dict[str, float]:

@@ -43,11 +43,12 @@ from app.messages import OutputEvent, OutputKind
 from app.prepare import prepare_bundled_model
 from app.records import RequestRecord, RequestState, SamplingParams, StopConditions
 from broker.celery_app import create_celery
-from broker.hub import OutputHub, Pumped, Subscription
+from broker.hub import OutputHub
 from broker.keys import Keys
 from broker.outputs import is_terminal
 from broker.requests import RequestStore
 from broker.server import RedisServer
+from broker.subscription import Pumped, Subscription
 from tests.stack import isolated_settings, streamer_process, worker_process
 
 TICK = os.sysconf("SC_CLK_TCK")

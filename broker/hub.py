@@ -1,30 +1,29 @@
 """The output hub: one thread per web process that reads every output stream its
-requests follow and hands each reader its entries (``Subscription``), within a buffer
-per reader, or lets a pump write them from the hub's thread (``web.sse_pump``).
+requests follow and hands each reader its entries (``broker.subscription``), within a
+buffer per reader, or lets a pump write them from the hub's thread (``web.sse_pump``).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.client import Pipeline
 
-from app.messages import OutputEvent
 from broker.chunks import entry_chunks
 from broker.connection import as_str
 from broker.direct import DirectConnection, read_rest, xread_command
 from broker.keys import Keys
-from broker.outputs import MALFORMED_OUTPUT, decode_events
+from broker.outputs import MALFORMED_OUTPUT
 from broker.step_lines import step_entry_columns
+from broker.subscription import Subscription
 
 # How often the hub looks again at a paused subscription (full buffer) for room.
 PAUSED_POLL_MS = 100
@@ -36,16 +35,6 @@ STEP_QUIET_S = 1.0
 logger = logging.getLogger(__name__)
 
 
-def _hub_events(raw: bytes, eid: str, key: str) -> list[OutputEvent]:
-    """An output entry's events, as the hub hands them over: a malformed entry ends
-    that request (``MALFORMED_OUTPUT``), nothing else."""
-    try:
-        return decode_events(raw)
-    except Exception:
-        logger.exception("output hub: malformed entry %s of %s", eid, key)
-        return [MALFORMED_OUTPUT]
-
-
 def _min_id(a: str, b: str) -> str:
     return a if _id_order(a) <= _id_order(b) else b
 
@@ -54,122 +43,6 @@ def _id_order(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a comparable pair (ids compare numerically, not as text)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-class Pumped(enum.Enum):
-    """What a subscription's pump did with an entry the hub offered it."""
-
-    TAKEN = "taken"  # delivered; keep offering
-    TAKEN_LAST = "taken_last"  # delivered, but offer no more: wake the reader
-    DECLINED = "declined"  # not delivered: queue it (and all after it) for the reader
-
-
-# Queued by a pump that stopped after taking its entry: wakes a reader blocked in
-# ``take``, which then behaves as if its wait had timed out.
-_WAKE: tuple[str, list[OutputEvent] | bytes, int] = ("", [], 0)
-
-
-@dataclass(slots=True, eq=False)
-class Subscription:
-    """One reader's view of one output stream, fed by an ``OutputHub``.
-
-    The hub hands it entries until ``buffered`` (encoded bytes not yet taken) reaches
-    the hub's ``buffer_bytes``; the rest waits in Redis, so a client that does not read
-    costs its web process at most that much. Readers take entries with ``take`` (which
-    keeps the count); ``taken_at`` is when the reader last took one, which tells a
-    stalled reader (dropped: ``dropped`` is set, ``on_drop`` called) from a slow one.
-
-    A reader with nothing queued may install a *pump* (``start_pump``) before it waits:
-    the hub then calls the pump with each entry, on the hub's thread, instead of
-    queueing it and waking the reader, so a stream that flows costs no thread hand-off
-    per entry (the SSE route writes its frames from there, ``web.sse_pump``). The pump
-    runs under the subscription's lock, so ``stop_pump`` returns only once no call is
-    running and none will start: the reader owns its state again. A pump that declines
-    an entry (or takes it as its last) is removed, and the reader gets the entry (or a
-    wake-up) in its queue as before.
-    """
-
-    request_id: str
-    key: str
-    n: int  # the ordinal of the last chunk handed over (0: none)
-    entries: queue.SimpleQueue[tuple[str, list[OutputEvent] | bytes, int]]
-    notify: threading.Event | None = None  # set on every entry (one wait for many streams)
-    on_drop: Callable[[], None] | None = None
-    buffered: int = 0
-    taken_at: float = field(default_factory=time.monotonic)
-    dropped: bool = False
-    pump: Callable[[str, list[OutputEvent]], Pumped] | None = None
-    # The output stream's entries up to this one hold no chunk after ``n``: where the
-    # stream itself is read from when the subscription needs it (``reload``).
-    cursor: str = "0-0"
-    # Read the output stream itself next (at the start; after a chunk it could not
-    # take from a step stream: its buffer was full, or the chunk came after a gap).
-    reload: bool = True
-    _count_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def put(self, eid: str, chunk: list[OutputEvent] | bytes, size: int) -> None:
-        """Hand an entry to the reader: to its pump if it has one, else to its queue.
-
-        ``chunk``: its events, or the chunk as read (``encode_events``), decoded where it
-        is read: by the pump, or on the reader's own thread in ``take``. Why: a reader
-        that waits is woken only once the hub's thread lets go of the GIL, after it has
-        handed every line of the step it read, so the hub's share of each line (the
-        decode was a quarter of it) delays every queued reader's first line."""
-        with self._count_lock:
-            pump = self.pump
-            if pump is not None:
-                chunk = self._events(eid, chunk)
-                verdict = pump(eid, chunk)
-                if verdict is Pumped.TAKEN:
-                    self.taken_at = time.monotonic()
-                    return
-                self.pump = None
-                if verdict is Pumped.TAKEN_LAST:
-                    self.taken_at = time.monotonic()
-                    self.entries.put(_WAKE)
-                    return
-            self.buffered += size
-            # Under the lock: a pump started between the count and the put would
-            # deliver later entries ahead of this one.
-            self.entries.put((eid, chunk, size))
-
-    def start_pump(self, pump: Callable[[str, list[OutputEvent]], Pumped]) -> bool:
-        """Let the hub deliver entries through ``pump`` until it declines one or
-        ``stop_pump``. Refused (False) while entries wait in the queue: they come first."""
-        with self._count_lock:
-            if not self.entries.empty() or self.dropped:
-                return False
-            self.pump = pump
-            return True
-
-    def stop_pump(self) -> None:
-        """No pump call is running or will start once this returns."""
-        if self.pump is not None:
-            with self._count_lock:
-                self.pump = None
-
-    def take(self, timeout_s: float | None) -> tuple[str, list[OutputEvent]]:
-        """The next entry (``timeout_s`` None: do not wait); raises ``queue.Empty``
-        (also when a pump that stopped woke the reader)."""
-        if timeout_s is None:
-            entry = self.entries.get_nowait()
-        else:
-            entry = self.entries.get(timeout=max(timeout_s, 0.0))
-        if entry is _WAKE:
-            raise queue.Empty
-        eid, chunk, size = entry
-        with self._count_lock:
-            self.buffered -= size
-            self.taken_at = time.monotonic()
-        return eid, self._events(eid, chunk)
-
-    def _events(self, eid: str, chunk: list[OutputEvent] | bytes) -> list[OutputEvent]:
-        """A handed entry's events: decoded here, by whoever reads it, when the hub
-        handed the chunk's bytes (``put``)."""
-        return _hub_events(chunk, eid, self.key) if isinstance(chunk, bytes) else chunk
-
-    def full(self, limit: int | None) -> bool:
-        return limit is not None and self.buffered >= limit
 
 
 @dataclass(slots=True, eq=False)
@@ -423,33 +296,8 @@ class OutputHub:
                     logger.exception("output hub: dropping the reader of %s failed", sub.key)
 
     def _read_once(self) -> None:
-        limit = self.buffer_bytes
         now = time.monotonic()
-        streams: dict[Any, Any] = {}
-        steps: dict[str, str] = {}
-        planned: dict[str, list[Subscription]] = {}  # read on their own this time
-        paused = False
-        with self._lock:
-            for key, subs in self._subs.items():
-                open_subs = [sub for sub in subs if not sub.full(limit)]
-                paused = paused or len(open_subs) < len(subs)
-                if not open_subs:
-                    continue
-                f = self._follow.get(key)
-                if f is not None and f.steps is not None:
-                    cursor = self._step_cursors.get(f.steps) or f.sid
-                    if any(sub.reload for sub in open_subs):
-                        cursor = _min_id(cursor, f.sid)  # the tail after the checkpoint
-                    steps[f.steps] = _min_id(steps.get(f.steps, cursor), cursor)
-                if f is None or f.steps is None or now - f.at >= STEP_QUIET_S:
-                    planned[key] = list(open_subs)
-                elif any(sub.reload for sub in open_subs):
-                    planned[key] = [sub for sub in open_subs if sub.reload]
-                if key in planned:
-                    streams[key] = min((sub.cursor for sub in planned[key]), key=_id_order)
-            for key in [key for key in self._follow if key not in self._subs]:
-                del self._follow[key]
-        self._step_cursors = dict(steps)  # the step streams no stream needs are dropped
+        streams, steps, planned, paused = self._plan(now)
         streams[self.wake_key] = self._wake_cursor
         streams.update(steps)
         # Paused readers free room by taking, which does not wake the hub: look again soon.
@@ -486,6 +334,40 @@ class OutputHub:
             # rather than after this thread has built its next read and blocked in it:
             # a reader of a step's 64 streams got them ~0.14 ms sooner (relay paced run).
             time.sleep(0)
+
+    def _plan(
+        self, now: float
+    ) -> tuple[dict[Any, Any], dict[str, str], dict[str, list[Subscription]], bool]:
+        """What the next read asks for: the output streams read on their own (each from
+        its slowest subscriber's cursor), the step streams their chunks flow through,
+        which subscribers each own read serves, and whether a full reader was skipped."""
+        limit = self.buffer_bytes
+        streams: dict[Any, Any] = {}
+        steps: dict[str, str] = {}
+        planned: dict[str, list[Subscription]] = {}  # read on their own this time
+        paused = False
+        with self._lock:
+            for key, subs in self._subs.items():
+                open_subs = [sub for sub in subs if not sub.full(limit)]
+                paused = paused or len(open_subs) < len(subs)
+                if not open_subs:
+                    continue
+                f = self._follow.get(key)
+                if f is not None and f.steps is not None:
+                    cursor = self._step_cursors.get(f.steps) or f.sid
+                    if any(sub.reload for sub in open_subs):
+                        cursor = _min_id(cursor, f.sid)  # the tail after the checkpoint
+                    steps[f.steps] = _min_id(steps.get(f.steps, cursor), cursor)
+                if f is None or f.steps is None or now - f.at >= STEP_QUIET_S:
+                    planned[key] = list(open_subs)
+                elif any(sub.reload for sub in open_subs):
+                    planned[key] = [sub for sub in open_subs if sub.reload]
+                if key in planned:
+                    streams[key] = min((sub.cursor for sub in planned[key]), key=_id_order)
+            for key in [key for key in self._follow if key not in self._subs]:
+                del self._follow[key]
+        self._step_cursors = dict(steps)  # the step streams no stream needs are dropped
+        return streams, steps, planned, paused
 
     def _hand(self, sub: Subscription, n: int, raw: bytes, key: str, jump: bool = False) -> bool:
         """Hand chunk ``n`` to ``sub`` if it is the next one it needs and it has room;

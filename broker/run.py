@@ -32,8 +32,8 @@ from app.errors import (
 )
 from app.intake import PreparedRequest
 from app.messages import OutputEvent, OutputKind
-from broker.hub import Pumped
 from broker.outputs import MALFORMED_OUTPUT, is_terminal
+from broker.subscription import Pumped
 
 if TYPE_CHECKING:
     from broker.runner import Runner

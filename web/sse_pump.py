@@ -6,7 +6,7 @@ wrote it. At 200 streams that hand-off (a futex wake, a GIL hand-over, ~4.5 cont
 switches per token) was most of the web tier's CPU per token (docs/benchmarks.md).
 A stream whose events are plain deltas needs none of the request thread's judgement,
 so while it flows the hub frames each entry and writes it to the client socket
-itself (``broker.hub.Subscription.start_pump``); the request thread sleeps in
+itself (``broker.subscription.Subscription.start_pump``); the request thread sleeps in
 ``Run.next`` and wakes only for what needs it:
 
 - an entry with anything but deltas (a choice's end, usage, an error): declined, so
@@ -33,8 +33,8 @@ import ssl
 from typing import Any
 
 from app.messages import OutputEvent, OutputKind
-from broker.hub import Pumped
 from broker.run import Item, Run
+from broker.subscription import Pumped
 from web import sse
 from web.head_first import RESPONSE_KEY
 from web.responses import ChunkStream

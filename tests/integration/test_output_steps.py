@@ -16,9 +16,10 @@ import redis
 
 from app.messages import OutputEvent, OutputKind
 from broker import hub as hub_module
-from broker.hub import OutputHub, Subscription
+from broker.hub import OutputHub
 from broker.keys import Keys
 from broker.outputs import OutputEntry, OutputStreams
+from broker.subscription import Subscription
 
 pytestmark = pytest.mark.integration
 

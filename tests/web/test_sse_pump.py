@@ -25,9 +25,9 @@ from werkzeug.test import EnvironBuilder
 
 from app.messages import OutputEvent, OutputKind
 from app.settings import Settings
-from broker.hub import Pumped, Subscription
 from broker.outputs import MALFORMED_OUTPUT, encode_events
 from broker.runner import Runner
+from broker.subscription import Pumped, Subscription
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 from web.app import create_app
 from web.head_first import RESPONSE_KEY
