@@ -371,45 +371,12 @@ class EngineThread(threading.Thread):
             return
         if self._fenced_tails:
             self._seal_fenced()
-        refresh_after = self.lease_ttl_s / 3
-        # A lease is extended every fifth of it, not every step: at a thousand steps a
-        # second the PEXPIRE was a fifth of the publish script's commands.
-        extend_after = self.lease_ttl_s / 5
         items: list[tuple[_Active, PublishItem, list[TokenDelta]]] = []
-        index = self._publishes
         for rid, act in list(self._active.items()):
-            done = not act.open_choices
-            if (
-                not act.unpublished
-                and not done
-                and now - act.last_publish < refresh_after
-                and not act.log.due(index)
-            ):
-                continue
-            item = act.handle.item
-            payload = self._payload(act)  # may fail the request: ``done`` is read after
-            done = not act.open_choices
-            if payload:
-                ordinal, mark, prior = act.log.stage(payload, index, force=act.first or done)
-            elif act.log.due(index):  # its chunks since the last checkpoint: one now
-                ordinal, payload, prior = act.log.restage(index)
-                mark = True
-            else:
-                ordinal, mark, prior = 0, False, b""
-            pitem = PublishItem(
-                rid,
-                item.lease_value,
-                item.attempt,
-                payload,
-                first=act.first,
-                done=done,
-                refresh=now - act.last_refresh >= extend_after,
-                ordinal=ordinal,
-                checkpoint=mark,
-                prior=prior,
-            )
-            items.append((act, pitem, act.unpublished))
-            act.unpublished = []  # in flight now; put back if the publish fails
+            pitem = self._stage(rid, act, now)
+            if pitem is not None:
+                items.append((act, pitem, act.unpublished))
+                act.unpublished = []  # in flight now; put back if the publish fails
         if not items:
             return
         self._publishes += 1
@@ -427,6 +394,44 @@ class EngineThread(threading.Thread):
             self._publish_failed(items, now, stamp, exc)
             return
         self._in_flight = _InFlight(pending, items, now, stamp)
+
+    def _stage(self, rid: str, act: _Active, now: float) -> PublishItem | None:
+        """What this step publishes for one request (None: nothing is due): its new
+        chunk, or a checkpoint of its chunks so far, or only a lease refresh."""
+        index = self._publishes
+        done = not act.open_choices
+        # A lease is refreshed every third of it even when nothing was generated, and
+        # extended every fifth of it, not every step: at a thousand steps a second the
+        # PEXPIRE was a fifth of the publish script's commands.
+        if (
+            not act.unpublished
+            and not done
+            and now - act.last_publish < self.lease_ttl_s / 3
+            and not act.log.due(index)
+        ):
+            return None
+        payload = self._payload(act)  # may fail the request: ``done`` is read after
+        done = not act.open_choices
+        if payload:
+            ordinal, mark, prior = act.log.stage(payload, index, force=act.first or done)
+        elif act.log.due(index):  # its chunks since the last checkpoint: one now
+            ordinal, payload, prior = act.log.restage(index)
+            mark = True
+        else:
+            ordinal, mark, prior = 0, False, b""
+        item = act.handle.item
+        return PublishItem(
+            rid,
+            item.lease_value,
+            item.attempt,
+            payload,
+            first=act.first,
+            done=done,
+            refresh=now - act.last_refresh >= self.lease_ttl_s / 5,
+            ordinal=ordinal,
+            checkpoint=mark,
+            prior=prior,
+        )
 
     def _finish_publish(self) -> None:
         """Read the reply of the publish in flight, if any, and act on it."""
