@@ -61,7 +61,7 @@ from benchmarks.peer import (
     tokenrelay_up,
 )
 from broker.server import free_port
-from workers.engines.llamacpp import cpu_has_amx
+from workers.engines.llamacpp_load import cpu_has_amx
 
 RULES = [
     "Answer the question that was asked, and only that question.",

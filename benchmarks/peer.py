@@ -59,7 +59,7 @@ from benchmarks.relay import TICK, cpu_burner, cpu_seconds, pace_probe, percenti
 from benchmarks.sse_clients import tree_cpu
 from broker.server import free_port
 from tests.stack import Proc, wait_for
-from workers.engines.llamacpp import cpu_has_amx
+from workers.engines.llamacpp_load import cpu_has_amx
 
 PACKAGE = "llama-cpp-python"
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenrelay-peer"

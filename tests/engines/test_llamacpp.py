@@ -19,7 +19,8 @@ from app.records import SamplingParams
 from app.settings import Settings
 from tests.engines.test_contract import PROMPT, Run, advance, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
-from workers.engines.llamacpp import KV_FULL_MESSAGE, LlamaCppEngine, choice_seed, cpu_has_amx
+from workers.engines.llamacpp import KV_FULL_MESSAGE, LlamaCppEngine, choice_seed
+from workers.engines.llamacpp_load import cpu_has_amx
 
 GREEDY = SamplingParams(temperature=0.0)
 OTHER_PROMPTS = [

@@ -45,7 +45,7 @@ import llama_cpp as lc
 import numpy as np
 
 from app.messages import EngineFinish, TokenDelta, TokenLogprob
-from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
+from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep, JobRejected
 from workers.engines.constraint import (
     ConstraintError,
     GrammarVocab,
@@ -53,6 +53,7 @@ from workers.engines.constraint import (
 )
 from workers.engines.llamacpp_jobs import Entry, Job, Prefill, Seq
 from workers.engines.llamacpp_kv import KvCells
+from workers.engines.llamacpp_load import cpu_has_amx, load_model, new_context
 from workers.engines.llamacpp_sampling import (
     choice_seed,
     grammar_vocab,
@@ -78,17 +79,6 @@ KV_FULL_MESSAGE = (
     "the server ran out of KV cache memory for this request; retry with a shorter "
     "prompt or a smaller max_tokens"
 )
-
-
-def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU has Intel AMX (which ggml uses through its extra buffers)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    return any(
-        line.startswith("flags") and "amx_int8" in line.split() for line in text.splitlines()
-    )
 
 
 class LlamaCppEngine(Engine):
@@ -130,32 +120,20 @@ class LlamaCppEngine(Engine):
             # llama.cpp logs through llama-cpp-python's logger, which prints every level
             # unless raised (what Llama(verbose=False) does too).
             logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-        lc.llama_backend_init()
-        mparams = lc.llama_model_default_params()
         # ggml's extra weight buffers (repacked layouts, the AMX kernels) are on by
         # default; its AMX matmul crashes on batched decodes in this llama.cpp
         # (ggml-org/llama.cpp#20824; every batched test here segfaulted on an AMX CPU).
         self.extra_buffers = not cpu_has_amx() if extra_buffers is None else extra_buffers
-        mparams.use_extra_bufts = self.extra_buffers
-        self._model = lc.llama_model_load_from_file(str(model_path).encode(), mparams)
-        if not self._model:
-            raise RuntimeError(f"llama.cpp could not load {model_path}")
+        self._model = load_model(model_path, self.extra_buffers)
         self._n_batch = max(512, self.prefill_chunk + capacity)
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = self._n_batch
-        cparams.n_ubatch = self._n_batch
-        cparams.n_seq_max = n_seq_ids
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        # Unified: any sequence may grow to the whole context, and n choices of one
-        # prompt share its cells (a batch token may carry several sequence ids).
-        cparams.kv_unified = True
-        cparams.no_perf = True
-        self._ctx = lc.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            lc.llama_model_free(self._model)
-            raise RuntimeError(f"llama.cpp could not create a context for {model_path}")
+        self._ctx = new_context(
+            self._model,
+            model_path,
+            n_ctx=n_ctx,
+            n_batch=self._n_batch,
+            n_seq_max=n_seq_ids,
+            threads=threads,
+        )
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
         self.n_ctx = lc.llama_n_ctx(self._ctx)
         per_seq = lc.llama_n_ctx_seq(self._ctx)
@@ -372,30 +350,37 @@ class LlamaCppEngine(Engine):
             for c in ej.choices:
                 if c.max_new_tokens <= 0:  # a resume with nothing left to generate
                     out.append(EngineStep(ej.job_id, TokenDelta(c.index, [], finish=LENGTH)))
-            seqs = [
-                Seq(
-                    seq_id=self._kv.take_id(job.scope),
-                    job=job,
-                    index=c.index,
-                    chain=sampler_chain(
-                        ej, c.index, c.prefix_ids, self.n_vocab, self.context_limit
-                    ),
-                    max_new=c.max_new_tokens,
-                    generated=len(c.prefix_ids),
-                    grammar=job.grammars.get(c.index),
-                )
-                for c in choices
-            ]
-            job.seqs = seqs
-            if share:
-                job.prefills.append(Prefill(prompts[0], seqs))
-            else:
-                for s, tokens in zip(seqs, prompts, strict=True):
-                    job.prefills.append(Prefill(tokens, [s]))
+            seqs = self._seat(job, choices, prompts, share)
             running += len(seqs)
             pending_prompt += need
             if not seqs:
                 del self._jobs[ej.job_id]
+
+    def _seat(
+        self, job: Job, choices: list[ChoiceJob], prompts: list[list[int]], share: bool
+    ) -> list[Seq]:
+        """Give an admitted job's choices their sequence ids, sampler chains and
+        prefills: one prefill shared by every choice (``share``), else one each."""
+        ej = job.job
+        seqs = [
+            Seq(
+                seq_id=self._kv.take_id(job.scope),
+                job=job,
+                index=c.index,
+                chain=sampler_chain(ej, c.index, c.prefix_ids, self.n_vocab, self.context_limit),
+                max_new=c.max_new_tokens,
+                generated=len(c.prefix_ids),
+                grammar=job.grammars.get(c.index),
+            )
+            for c in choices
+        ]
+        job.seqs = seqs
+        if share:
+            job.prefills.append(Prefill(prompts[0], seqs))
+        else:
+            for s, tokens in zip(seqs, prompts, strict=True):
+                job.prefills.append(Prefill(tokens, [s]))
+        return seqs
 
     def _start_prefill(self, job: Job, p: Prefill) -> None:
         """The prefill starts after the longest cached prefix (``KvCells.start``)."""
@@ -506,19 +491,8 @@ class LlamaCppEngine(Engine):
         for i, s in enumerate(seqs):
             if raw is not None and row is not None and i:
                 row[:] = raw
-            grammar = s.grammar
             try:
-                if grammar is not None and row is not None:
-                    # The sampler copies the logits buffer: editing it is the mask.
-                    grammar.mask_logits(row, s.max_new - s.new)
-                elif stops and s.generated < job.min_tokens and row is not None:
-                    row[list(stops)] = -np.inf  # min_tokens bans the stop ids
-                if owner.greedy and row is not None:
-                    tok = int(row.argmax())  # what the greedy chain picks, ~30x cheaper
-                else:
-                    tok = int(lc.llama_sampler_sample(s.chain, self._ctx, idx))
-                if grammar is not None and tok not in stops:
-                    grammar.consume(tok)
+                tok = self._pick(s, idx, row, stops)
             except ConstraintError as exc:
                 logger.warning("job %s choice %d: %s", job.job_id, s.index, exc)
                 delta = TokenDelta(
@@ -531,25 +505,54 @@ class LlamaCppEngine(Engine):
             if k is not None and row is not None:
                 # The sampled token is never masked: row[tok] is its raw logit.
                 lps = [TokenLogprob(tok, float(row[tok]) - lse, list(top))]
-            if grammar is not None:
-                ends = tok in stops or grammar.complete
-            else:
-                ends = tok in stops and s.generated >= job.min_tokens
-            s.generated += 1
-            s.new += 1
-            finish = (
-                EngineFinish.EOS if ends else (EngineFinish.LENGTH if s.new >= s.max_new else None)
-            )
-            delta = TokenDelta(s.index, [tok], lps, finish)
-            if finish is not None:
-                delta.cached_tokens = owner.cached_tokens
-            out.append(EngineStep(job.job_id, delta))
-            if finish is None:
-                s.last = tok
-            else:
-                self._free_seq(s)
+            self._advance(s, tok, lps, stops, out)
         if not owner.live:
             self._jobs.pop(job.job_id, None)
+
+    def _pick(self, s: Seq, idx: int, row: np.ndarray | None, stops: frozenset[int]) -> int:
+        """The next token of one choice from the ``idx``-th batch token's logits (``row``,
+        when read): masked by its grammar or by min_tokens, then its sampler chain."""
+        grammar = s.grammar
+        job = s.job.job
+        if grammar is not None and row is not None:
+            # The sampler copies the logits buffer: editing it is the mask.
+            grammar.mask_logits(row, s.max_new - s.new)
+        elif stops and s.generated < job.min_tokens and row is not None:
+            row[list(stops)] = -np.inf  # min_tokens bans the stop ids
+        if s.job.greedy and row is not None:
+            tok = int(row.argmax())  # what the greedy chain picks, ~30x cheaper
+        else:
+            tok = int(lc.llama_sampler_sample(s.chain, self._ctx, idx))
+        if grammar is not None and tok not in stops:
+            grammar.consume(tok)
+        return tok
+
+    def _advance(
+        self,
+        s: Seq,
+        tok: int,
+        lps: list[TokenLogprob] | None,
+        stops: frozenset[int],
+        out: list[EngineStep],
+    ) -> None:
+        """Publish a choice's sampled token; end the choice on a stop id (after
+        min_tokens), a complete grammar or its length."""
+        job = s.job.job
+        if s.grammar is not None:
+            ends = tok in stops or s.grammar.complete
+        else:
+            ends = tok in stops and s.generated >= job.min_tokens
+        s.generated += 1
+        s.new += 1
+        finish = EngineFinish.EOS if ends else (LENGTH if s.new >= s.max_new else None)
+        delta = TokenDelta(s.index, [tok], lps, finish)
+        if finish is not None:
+            delta.cached_tokens = s.job.cached_tokens
+        out.append(EngineStep(job.job_id, delta))
+        if finish is None:
+            s.last = tok
+        else:
+            self._free_seq(s)
 
     # -- freeing ----------------------------------------------------------------------
 
