@@ -49,6 +49,7 @@ from workers.engines.exllamav2_startup import (
     MODE_PAGED,
     MODE_UNPAGED,
     ModelLimits,
+    StartupPlan,
     free_cuda_memory,
     plan_startup,
     resolve_paged,
@@ -181,34 +182,26 @@ class ExLlamaV2Engine(Engine):
         from exllamav2 import attn as exl_attn
         from exllamav2.generator import ExLlamaV2DynamicGenerator
 
-        caches = {
-            16: exllamav2.ExLlamaV2Cache,
-            8: exllamav2.ExLlamaV2Cache_Q8,
-            6: exllamav2.ExLlamaV2Cache_Q6,
-            4: exllamav2.ExLlamaV2Cache_Q4,
-        }
-        if cache_bits not in caches:
-            raise ValueError(f"cache_bits must be one of {sorted(caches)}, not {cache_bits}")
+        cache_class = _cache_class(cache_bits)
         config = exllamav2.ExLlamaV2Config(str(model_dir))  # reads no weights
         config.arch_compat_overrides()
-        paged = resolve_paged(
-            paged,
-            has_paged_attention=bool(exl_attn.has_flash_attn_with_paged),
-            no_flash_attn=bool(config.no_flash_attn),
-            allow_unpaged=allow_unpaged,
-        )
         plan = plan_startup(
             ModelLimits(config.max_seq_len, config.max_input_len, config.max_batch_size),
             cache_tokens=cache_tokens,
             max_batch_size=max_batch_size,
             max_chunk_size=max_chunk_size,
-            paged=paged,
+            paged=resolve_paged(
+                paged,
+                has_paged_attention=bool(exl_attn.has_flash_attn_with_paged),
+                no_flash_attn=bool(config.no_flash_attn),
+                allow_unpaged=allow_unpaged,
+            ),
         )
         for warning in plan.warnings:
             logger.warning("exllamav2: %s", warning)
 
         model = exllamav2.ExLlamaV2(config)
-        cache = caches[cache_bits](model, max_seq_len=plan.cache_tokens, lazy=True)
+        cache = cache_class(model, max_seq_len=plan.cache_tokens, lazy=True)
         model.load_autosplit(cache, progress=False)
         tokenizer = exllamav2.ExLlamaV2Tokenizer(config)
         generator = ExLlamaV2DynamicGenerator(
@@ -221,41 +214,16 @@ class ExLlamaV2Engine(Engine):
         )
         if warmup:
             generator.warmup()  # kernel autotune before the first real job (dyn:514)
-        logger.info(
-            "exllamav2 loaded %s: %s attention, capacity %d sequences, cache %d tokens, "
-            "prefill chunk %s tokens",
-            model_dir,
-            plan.mode,
-            plan.capacity,
-            plan.cache_tokens,
-            plan.max_chunk_size or config.max_input_len,
-        )
-
-        def grammar_vocab() -> GrammarVocab:
-            import llguidance
-
-            text = (Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8")
-            eos = eos_token_ids or [tokenizer.eos_token_id]
-            return GrammarVocab(
-                llguidance.LLTokenizer(text, n_vocab=config.vocab_size, eos_token=eos)
-            )
-
-        # Only this closure keeps the model and its cache once the engine drops the
-        # generator: ``close`` runs it, and the GPU memory is free afterwards.
-        gpu: dict[str, Any] = {"model": model, "cache": cache}
+        _log_loaded(model_dir, plan, config.max_input_len)
+        eos = eos_token_ids or [tokenizer.eos_token_id]
+        release = _releaser(model, cache)
         del model, cache
-
-        def release() -> None:
-            gpu["model"].unload()
-            gpu.clear()
-            free_cuda_memory()
-
         return cls(
             generator,
             vocab_size=config.vocab_size,
             api=ExllamaApi.load(),
             on_close=release,
-            grammar_vocab=grammar_vocab,
+            grammar_vocab=lambda: _grammar_vocab(Path(model_dir), config.vocab_size, eos),
             segment_tokens=segment_tokens,
         )
 
@@ -549,3 +517,51 @@ class ExLlamaV2Engine(Engine):
         elif not delta.token_ids:
             return None  # output held back by exllamav2 (incomplete UTF-8, dyn:2137)
         return EngineStep(state.job_id, delta)
+
+
+def _grammar_vocab(model_dir: Path, n_vocab: int, eos: list[int]) -> GrammarVocab:
+    """The model's vocabulary for llguidance, built on the first constrained job."""
+    import llguidance
+
+    text = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+    return GrammarVocab(llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos))
+
+
+def _cache_class(cache_bits: int) -> Any:
+    """exllamav2's KV cache class for ``cache_bits``: FP16, or the quantized Q8/Q6/Q4."""
+    import exllamav2
+
+    caches = {
+        16: exllamav2.ExLlamaV2Cache,
+        8: exllamav2.ExLlamaV2Cache_Q8,
+        6: exllamav2.ExLlamaV2Cache_Q6,
+        4: exllamav2.ExLlamaV2Cache_Q4,
+    }
+    if cache_bits not in caches:
+        raise ValueError(f"cache_bits must be one of {sorted(caches)}, not {cache_bits}")
+    return caches[cache_bits]
+
+
+def _releaser(model: Any, cache: Any) -> Callable[[], None]:
+    """What frees the GPU memory of a loaded model: only this closure keeps the model and
+    its cache once the engine drops the generator, and ``close`` runs it."""
+    gpu: dict[str, Any] = {"model": model, "cache": cache}
+
+    def release() -> None:
+        gpu["model"].unload()
+        gpu.clear()
+        free_cuda_memory()
+
+    return release
+
+
+def _log_loaded(model_dir: Path, plan: StartupPlan, max_input_len: int) -> None:
+    logger.info(
+        "exllamav2 loaded %s: %s attention, capacity %d sequences, cache %d tokens, "
+        "prefill chunk %s tokens",
+        model_dir,
+        plan.mode,
+        plan.capacity,
+        plan.cache_tokens,
+        plan.max_chunk_size or max_input_len,
+    )
