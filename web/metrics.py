@@ -44,6 +44,7 @@ from broker.celery_app import queue_depths
 from broker.run import RunOutcome
 
 if TYPE_CHECKING:
+    from broker.registry import WorkerInfo
     from broker.runner import Runner
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -85,84 +86,14 @@ class ClusterCollector:
             depths = queue_depths(svc.redis, svc.model_name)
         except redis.RedisError:
             return
-        labels = ["worker", "model", "engine"]
-        batch = GaugeMetricFamily(
-            "tokenrelay_worker_batch_size",
-            "Choices running in a worker's last step.",
-            labels=labels,
-        )
-        active = GaugeMetricFamily(
-            "tokenrelay_worker_active_requests", "Requests a worker is generating.", labels=labels
-        )
-        capacity = GaugeMetricFamily(
-            "tokenrelay_worker_capacity", "Concurrent requests a worker accepts.", labels=labels
-        )
-        tokens = CounterMetricFamily(
-            "tokenrelay_worker_tokens",
-            "Token ids a worker produced since it started (rate() gives tokens/s).",
-            labels=labels,
-        )
-        steps = CounterMetricFamily(
-            "tokenrelay_worker_steps", "Engine steps a worker ran since it started.", labels=labels
-        )
-        engine_capacity = GaugeMetricFamily(
-            "tokenrelay_worker_engine_capacity",
-            "Sequences a worker's engine runs at once, by its mode: an unpaged exllamav2 "
-            "worker runs 1 whatever its slots.",
-            labels=[*labels, "mode"],
-        )
-        paged = GaugeMetricFamily(
-            "tokenrelay_worker_paged",
-            "1 when an exllamav2 worker runs paged attention (continuous batching), 0 when "
-            "it runs unpaged (one sequence at a time).",
-            labels=labels,
-        )
-        cache = GaugeMetricFamily(
-            "tokenrelay_worker_cache_usage",
-            "Fraction of the engine's KV cache in use (engines that report it).",
-            labels=labels,
-        )
-        # The prefix cache (engines that have one): hits / queries is the hit rate.
-        prefix: list[CounterMetricFamily | GaugeMetricFamily] = [
-            CounterMetricFamily(
-                "tokenrelay_worker_prefix_cache_queries",
-                "Prompt tokens looked up in a worker's prefix cache since it started.",
-                labels=labels,
-            ),
-            CounterMetricFamily(
-                "tokenrelay_worker_prefix_cache_hits",
-                "Prompt tokens found in a worker's prefix cache (not computed again).",
-                labels=labels,
-            ),
-            CounterMetricFamily(
-                "tokenrelay_worker_prefix_cache_evicted",
-                "KV cells a worker's prefix cache evicted to make room.",
-                labels=labels,
-            ),
-            GaugeMetricFamily(
-                "tokenrelay_worker_prefix_cache_cells",
-                "KV cells that hold only cached prefixes (free to take when needed).",
-                labels=labels,
-            ),
-        ]
-        prefix_stats = ("queries", "hits", "evicted", "cells")
-        for w in workers:
-            lv = [w.worker_id, w.model, w.engine]
-            for family, stat in zip(prefix, prefix_stats, strict=True):
-                value = w.engine_stats.get(f"prefix_cache_{stat}")
+        for kind, name, doc, extra, sample in WORKER_FAMILIES:
+            family = kind(name, doc, labels=[*WORKER_LABELS, *extra])
+            for w in workers:
+                value = sample(w)
                 if value is not None:
-                    family.add_metric(lv, value)
-            batch.add_metric(lv, w.batch_size)
-            active.add_metric(lv, w.active_jobs)
-            capacity.add_metric(lv, w.capacity)
-            tokens.add_metric(lv, w.tokens_total)
-            steps.add_metric(lv, w.steps_total)
-            if w.mode:  # a worker from before modes were reported has none
-                engine_capacity.add_metric([*lv, w.mode], w.engine_capacity)
-            if w.mode in ("paged", "unpaged"):
-                paged.add_metric(lv, 1.0 if w.mode == "paged" else 0.0)
-            if "cache_usage" in w.engine_stats:
-                cache.add_metric(lv, w.engine_stats["cache_usage"])
+                    labels = [w.worker_id, w.model, w.engine, *(getattr(w, a) for a in extra)]
+                    family.add_metric(labels, float(value))
+            yield family
         depth = GaugeMetricFamily(
             "tokenrelay_queue_depth",
             "Generation tasks waiting in a Celery queue.",
@@ -172,9 +103,105 @@ class ClusterCollector:
             depth.add_metric([q], float(n))
         live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
         live.add_metric([], len(streamers))
-        yield from (batch, active, capacity, engine_capacity, paged, tokens, steps, cache)
-        yield from prefix
         yield from (depth, live)
+
+
+WORKER_LABELS = ("worker", "model", "engine")
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+# Each worker family: its kind, name, help, labels beyond WORKER_LABELS (attributes of
+# the worker) and its sample from one worker's heartbeat (None: that worker has none).
+WORKER_FAMILIES: tuple[
+    tuple[_Family, str, str, tuple[str, ...], Callable[[WorkerInfo], float | None]], ...
+] = (
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_batch_size",
+        "Choices running in a worker's last step.",
+        (),
+        lambda w: w.batch_size,
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_active_requests",
+        "Requests a worker is generating.",
+        (),
+        lambda w: w.active_jobs,
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_capacity",
+        "Concurrent requests a worker accepts.",
+        (),
+        lambda w: w.capacity,
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_engine_capacity",
+        "Sequences a worker's engine runs at once, by its mode: an unpaged exllamav2 "
+        "worker runs 1 whatever its slots.",
+        ("mode",),
+        # A worker from before modes were reported has none.
+        lambda w: w.engine_capacity if w.mode else None,
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_paged",
+        "1 when an exllamav2 worker runs paged attention (continuous batching), 0 when "
+        "it runs unpaged (one sequence at a time).",
+        (),
+        lambda w: {"paged": 1.0, "unpaged": 0.0}.get(w.mode),
+    ),
+    (
+        CounterMetricFamily,
+        "tokenrelay_worker_tokens",
+        "Token ids a worker produced since it started (rate() gives tokens/s).",
+        (),
+        lambda w: w.tokens_total,
+    ),
+    (
+        CounterMetricFamily,
+        "tokenrelay_worker_steps",
+        "Engine steps a worker ran since it started.",
+        (),
+        lambda w: w.steps_total,
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_cache_usage",
+        "Fraction of the engine's KV cache in use (engines that report it).",
+        (),
+        lambda w: w.engine_stats.get("cache_usage"),
+    ),
+    # The prefix cache (engines that have one): hits / queries is the hit rate.
+    (
+        CounterMetricFamily,
+        "tokenrelay_worker_prefix_cache_queries",
+        "Prompt tokens looked up in a worker's prefix cache since it started.",
+        (),
+        lambda w: w.engine_stats.get("prefix_cache_queries"),
+    ),
+    (
+        CounterMetricFamily,
+        "tokenrelay_worker_prefix_cache_hits",
+        "Prompt tokens found in a worker's prefix cache (not computed again).",
+        (),
+        lambda w: w.engine_stats.get("prefix_cache_hits"),
+    ),
+    (
+        CounterMetricFamily,
+        "tokenrelay_worker_prefix_cache_evicted",
+        "KV cells a worker's prefix cache evicted to make room.",
+        (),
+        lambda w: w.engine_stats.get("prefix_cache_evicted"),
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_prefix_cache_cells",
+        "KV cells that hold only cached prefixes (free to take when needed).",
+        (),
+        lambda w: w.engine_stats.get("prefix_cache_cells"),
+    ),
+)
 
 
 class WebMetrics:
