@@ -195,13 +195,7 @@ def _load_hf_card(path: Path) -> ModelCard:
     config = _read_json(path / "config.json")
     generation = _read_json(path / "generation_config.json")
     tok_config = _read_json(path / "tokenizer_config.json")
-    if not (path / "tokenizer.json").is_file():
-        raise ModelError(
-            f"{path} has no tokenizer.json (tokenrelay needs a fast tokenizer; "
-            "for a GGUF use `tokenrelay model prepare`)"
-        )
-    tok_json = _read_json(path / "tokenizer.json", required=True)
-    vocab = _TokenVocab(tok_json, path / "tokenizer.json")
+    vocab = _TokenVocab.read(path)
 
     text_config = config.get("text_config")
     sub_config = text_config if isinstance(text_config, dict) else {}
@@ -282,6 +276,17 @@ class _TokenVocab:
     Building a ``Tokenizer`` just to map a handful of special tokens would parse the
     whole BPE model; the added-tokens list (and the vocab dict) answer it directly.
     """
+
+    @classmethod
+    def read(cls, model_dir: Path) -> _TokenVocab:
+        """The vocabulary of a model directory's tokenizer.json (which must exist)."""
+        file = model_dir / "tokenizer.json"
+        if not file.is_file():
+            raise ModelError(
+                f"{model_dir} has no tokenizer.json (tokenrelay needs a fast tokenizer; "
+                "for a GGUF use `tokenrelay model prepare`)"
+            )
+        return cls(_read_json(file, required=True), file)
 
     def __init__(self, data: Mapping[str, Any], file: Path):
         self._file = file

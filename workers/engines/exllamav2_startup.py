@@ -111,19 +111,7 @@ def plan_startup(
             f"most {room // MAX_Q_SIZE}"
         )
 
-    chunk = max_chunk_size
-    if chunk is not None and chunk > input_len:
-        # Paged, a chunk is whole pages (dyn:406-408); unpaged, any length fits.
-        lowered = (input_len // PAGE_SIZE) * PAGE_SIZE if paged else input_len
-        if lowered > 0:
-            warnings.append(
-                f"TOKENRELAY_EXLLAMAV2_MAX_CHUNK_SIZE {chunk} exceeds the model's "
-                f"max_input_len {input_len}: prefilling {lowered} tokens per step instead"
-            )
-        chunk = lowered
-    elif chunk is None and paged and input_len % PAGE_SIZE:
-        # exllamav2's default chunk is max_input_len, which must then be whole pages.
-        chunk = (input_len // PAGE_SIZE) * PAGE_SIZE
+    chunk = _chunk_size(input_len, max_chunk_size, paged, warnings)
     if paged and chunk is not None and chunk < PAGE_SIZE:
         errors.append(
             f"the model's max_seq_len {model.max_seq_len} is shorter than one "
@@ -137,6 +125,32 @@ def plan_startup(
             "weights): " + "; ".join(errors)
         )
 
+    warnings += _cache_warnings(model, tokens, batch, paged)
+    return StartupPlan(paged, batch, tokens, chunk, warnings)
+
+
+def _chunk_size(input_len: int, chunk: int | None, paged: bool, warnings: list[str]) -> int | None:
+    """The prefill chunk exllamav2 accepts: at most ``max_input_len``, whole pages when
+    paged (a larger setting is lowered, with a warning)."""
+    if chunk is not None and chunk > input_len:
+        # Paged, a chunk is whole pages (dyn:406-408); unpaged, any length fits.
+        lowered = (input_len // PAGE_SIZE) * PAGE_SIZE if paged else input_len
+        if lowered > 0:
+            warnings.append(
+                f"TOKENRELAY_EXLLAMAV2_MAX_CHUNK_SIZE {chunk} exceeds the model's "
+                f"max_input_len {input_len}: prefilling {lowered} tokens per step instead"
+            )
+        chunk = lowered
+    elif chunk is None and paged and input_len % PAGE_SIZE:
+        # exllamav2's default chunk is max_input_len, which must then be whole pages.
+        chunk = (input_len // PAGE_SIZE) * PAGE_SIZE
+    return chunk
+
+
+def _cache_warnings(model: ModelLimits, tokens: int, batch: int, paged: bool) -> list[str]:
+    """What a cache of ``tokens`` costs the settings: sequences that wait for pages, a
+    context longer than the cache, cache tokens never used."""
+    warnings: list[str] = []
     pages = tokens // PAGE_SIZE
     if paged and pages < batch:
         warnings.append(
@@ -155,7 +169,7 @@ def plan_startup(
             f"tokens): {tokens - model.max_seq_len} of the "
             f"{tokens} cache tokens are never used"
         )
-    return StartupPlan(paged, batch, tokens, chunk, warnings)
+    return warnings
 
 
 def resolve_paged(
