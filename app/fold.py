@@ -59,9 +59,13 @@ class _Choice:
     stop_reason: int | str | None = None
     error: StreamError | None = None
 
-    @property
-    def error_body(self) -> ErrorBody | None:
-        return choice_error_body(self.error) if self.error is not None else None
+    def ending(self) -> dict[str, Any]:
+        """How the choice ended, as every response choice reports it."""
+        return {
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "error": choice_error_body(self.error) if self.error is not None else None,
+        }
 
     def add_calls(self, fragments: list[ToolCallDelta]) -> None:
         for fragment in fragments:
@@ -217,9 +221,7 @@ class ResponseFold:
                             if self.want_logprobs
                             else None
                         ),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        error=c.error_body,
+                        **c.ending(),
                     )
                     for i, c in enumerate(self.choices)
                 ],
@@ -239,9 +241,7 @@ class ResponseFold:
                         if self.want_logprobs
                         else None
                     ),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                    error=c.error_body,
+                    **c.ending(),
                 )
                 for i, c in enumerate(self.choices)
             ],

@@ -14,6 +14,16 @@ epoch that is still current knows nothing changed since (``PUBLISH``).
 
 from __future__ import annotations
 
+# The end of the plain requests' check (PUBLISH, WRITE_OUTPUTS): the step entry's data
+# ``d`` is the lines this call built, then the plain lines it kept, one per line.
+_JOIN_STEP_LINES = """  plain = table.concat(kept, '\\n')
+end
+local d = table.concat(lines, '\\n')
+if plain ~= '' then
+  if d == '' then d = plain else d = d .. '\\n' .. plain end
+end
+"""
+
 # KEYS: req, lease, cancel, fence epoch    ARGV: attempt, lease_value, lease_ttl_ms, now[, load]
 # -> 'ok' | 'missing' | 'stale' | 'done' | 'held' | 'cancelled'; with load = '1', a claim
 #    that succeeds returns {'ok', body, again}: the worker's start is one round trip, not
@@ -108,7 +118,8 @@ return attempt
 #    stop generating), 2 cancel requested; then the epoch the call ran under. (Leaving
 #    the plain ones out when unchecked took a fifth of the call's time: 64 zeros.)
 #    'recheck' and the epoch: checked, but the plain requests' keys were left out.
-PUBLISH = """
+PUBLISH = (
+    """
 local out = {}
 local n, np = tonumber(ARGV[5]), tonumber(ARGV[6])
 local steps = nil
@@ -187,13 +198,9 @@ if np > 0 and check then
       out[n + j + 1] = redis.call('EXISTS', KEYS[base + j * 2 + 2]) * 2
     end
   end
-  plain = table.concat(kept, '\\n')
-end
-local d = table.concat(lines, '\\n')
-if plain ~= '' then
-  if d == '' then d = plain else d = d .. '\\n' .. plain end
-end
-if d ~= '' then
+"""
+    + _JOIN_STEP_LINES
+    + """if d ~= '' then
   local sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 't', ARGV[3], 'd', d)
   redis.call('EXPIRE', steps, ARGV[2])
   for _, m in ipairs(marks) do
@@ -206,6 +213,7 @@ end
 out[#out + 1] = epoch
 return out
 """
+)
 
 # KEYS: lease, tokens       ARGV: lease_value ('' = none: see below), attempt, now,
 #                                 ordinal of the token stream's last entry as read (0 =
@@ -282,7 +290,8 @@ return 1
 # stream plus the step entries after its last entry's i hold every chunk.
 # -> the 1-based indexes of the entries not written (fenced), counting those written out
 #    first, then the plain ones
-WRITE_OUTPUTS = """
+WRITE_OUTPUTS = (
+    """
 local n = tonumber(ARGV[6])
 local owner = ARGV[2]
 local steps = nil
@@ -347,13 +356,9 @@ if plain ~= '' and check then
     end
     j = j + 1
   end
-  plain = table.concat(kept, '\\n')
-end
-local d = table.concat(lines, '\\n')
-if plain ~= '' then
-  if d == '' then d = plain else d = d .. '\\n' .. plain end
-end
-local sid = nil
+"""
+    + _JOIN_STEP_LINES
+    + """local sid = nil
 if d ~= '' then
   sid = redis.call('XADD', steps, 'MAXLEN', '~', 256, '*', 'c', ARGV[5], 'd', d)
   redis.call('EXPIRE', steps, ARGV[3])
@@ -371,6 +376,7 @@ for _, m in ipairs(marks) do
 end
 return fenced
 """
+)
 
 # KEYS: the hand-off stream, the hand-off epoch
 # ARGV: group, consumer, min_idle_ms, count, a new epoch (random)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -227,9 +227,10 @@ class ChatSocket:
         if started is not None:
             started_msg["response_id"] = started.stored.response_id
         self.send(started_msg)
+        read = self._reader(msg.id, run, started)
         threading.Thread(
-            target=self._follow if started is None else self._follow_response,
-            args=(msg.id, run) if started is None else (msg.id, started),
+            target=self._relay,
+            args=(msg.id, run, read),
             name=f"ws-reader-{run.request_id[:8]}",
             daemon=True,
         ).start()
@@ -247,39 +248,31 @@ class ChatSocket:
                 logger.exception("cancelling request %s failed", run.request_id)
 
     # -- one request's output ---------------------------------------------------------------
-    def _follow_response(self, id: str, started: StartedResponse) -> None:
-        """Relay one Responses API run: each typed event in a ``response_event``."""
-        run = started.run
-        assert run is not None
-        error: BaseException | None = None
-        try:
-            self.responses.relay(
+    def _reader(self, id: str, run: Run, started: StartedResponse | None) -> Callable[[], object]:
+        """What relays one run to the socket until its end or the socket's: a chat's
+        output items as ``server_message``s (with cursors), or a Responses API run's
+        typed events, each in a ``response_event``."""
+        if started is not None:
+            return lambda: self.responses.relay(
                 started,
                 lambda ev: self.send({"type": "response_event", "id": id, "event": ev}),
                 self._closed.is_set,
                 READ_BLOCK_S,
             )
-        except Exception as exc:
-            logger.exception("relaying response %s to a WebSocket failed", run.request_id)
-            error = exc
-            self.send(error_message(exc, id))
-        finally:
-            run.close(disconnected=self._closed.is_set(), resumable=True, error=error)
-            with self._state_lock:
-                self._running.pop(id, None)
-            self.send(done_message(id))
+        return lambda: drive.follow(
+            run,
+            lambda item: self.send(server_message(id, item[1], item[0])),
+            lambda: run.ended,
+            stopped=self._closed.is_set,
+            tick_s=READ_BLOCK_S,
+        )
 
-    def _follow(self, id: str, run: Run) -> None:
-        """Relay one run to the socket until its terminal event or the socket's end."""
+    def _relay(self, id: str, run: Run, read: Callable[[], object]) -> None:
+        """Run ``read`` on this request's thread; whatever happens, close the run once,
+        free the id and end with ``done``."""
         error: BaseException | None = None
         try:
-            drive.follow(
-                run,
-                lambda item: self.send(server_message(id, item[1], item[0])),
-                lambda: run.ended,
-                stopped=self._closed.is_set,
-                tick_s=READ_BLOCK_S,
-            )
+            read()
         except Exception as exc:
             logger.exception("relaying request %s to a WebSocket failed", run.request_id)
             error = exc
