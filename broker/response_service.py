@@ -228,8 +228,13 @@ class ResponseService:
         def follow() -> None:
             feed = ResponseFeed(stored, self.store)
             feed.opening()
+
+            def one(item: Item) -> bool:
+                feed.feed(item[1])
+                return True  # nobody to send to: never gone
+
             try:
-                drive.follow(run, lambda item: bool(feed.feed(item[1]) or True), lambda: feed.done)
+                drive.follow(run, one, lambda: feed.done)
                 run.close()
             except Exception as exc:  # one bad response never ends the process
                 logger.exception("background response %s failed", stored.response_id)
