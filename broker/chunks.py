@@ -68,6 +68,37 @@ def entry_chunks(fields: dict[bytes, Any]) -> list[tuple[int, bytes]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
+    """A token-stream entry as a reader uses it: its chunks in order; the worker's
+    publish time (``t``); and, at a checkpoint with a step stream, the worker (``w``)
+    and its step entry (``s``) after which the request's next chunks are lines."""
+
+    chunks: list[tuple[int, bytes]]
+    published: bytes | None
+    worker: str | None
+    step_id: str | None
+
+    @classmethod
+    def of(cls, fields: dict[bytes, Any]) -> TokenEntry:
+        """Raises ValueError/KeyError on a malformed entry."""
+        worker, sid = fields.get(b"w"), fields.get(b"s")
+        return cls(
+            entry_chunks(fields),
+            fields.get(b"t"),
+            worker.decode() if worker else None,
+            sid.decode() if sid else None,
+        )
+
+
+def entry_ordinal(fields: dict[bytes, Any]) -> int:
+    """A token entry's last ordinal; 0 if it has none (decoding it says what is wrong)."""
+    try:
+        return int(fields.get(b"n") or 0)
+    except ValueError:
+        return 0
+
+
 def expand(entries: list[Any], after: int) -> Iterator[Chunk]:
     """The chunks after ordinal ``after`` of token-stream ``entries`` (id, fields)."""
     for eid, fields in entries:

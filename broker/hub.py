@@ -457,7 +457,7 @@ class OutputHub:
         reads the stream itself again (``reload``), where a checkpoint holds the rest."""
         self._step_cursors[key] = as_str(entries[-1][0])
         follow, subs_of = self._follow, self._subs
-        for _fields, (okeys, ordinals, payloads) in step_entry_columns(key, entries):
+        for _published, (okeys, ordinals, payloads) in step_entry_columns(key, entries):
             # One pass: each line is handed as soon as it is split, not after every
             # line of the step was (a step's first lines reach their readers sooner).
             for okey_b, n, payload in zip(okeys, ordinals, payloads, strict=True):

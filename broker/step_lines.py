@@ -122,14 +122,14 @@ def step_columns(raw: bytes) -> tuple[list[bytes], list[int], list[bytes]]:
 
 def step_entry_columns(
     key: str, entries: list[Any]
-) -> Iterator[tuple[dict[bytes, Any], tuple[list[bytes], list[int], list[bytes]]]]:
-    """The fields and lines (``step_columns``) of each entry read from step stream
-    ``key``. A malformed entry is logged and skipped: a bug upstream, and the streams in
-    it find their gap."""
+) -> Iterator[tuple[bytes | None, tuple[list[bytes], list[int], list[bytes]]]]:
+    """The publish time (``t``; None: not stamped) and lines (``step_columns``) of each
+    entry read from step stream ``key``. A malformed entry is logged and skipped: a bug
+    upstream, and the streams in it find their gap."""
     for eid, fields in entries:
         try:
             columns = step_columns(fields[b"d"])
         except Exception:
             logger.error("malformed step entry %s in %s", as_str(eid), key)
             continue
-        yield fields, columns
+        yield fields.get(b"t"), columns

@@ -53,7 +53,7 @@ from app.model_card import load_model_card, load_tokenizer
 from app.records import RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
-from broker.chunks import ChunkLog, phase_of
+from broker.chunks import ChunkLog, entry_ordinal, phase_of
 from broker.connection import as_str, redis_client
 from broker.direct import read_rest, xread_command
 from broker.outputs import OutputEntry
@@ -234,7 +234,7 @@ class Streamer(Relay):
                 continue
             rid = owner.record.request_id
             got[rid] = entries
-            ends[rid] = max(owner.n, _ordinal(entries[-1][1]))
+            ends[rid] = max(owner.n, entry_ordinal(entries[-1][1]))
         for key, entries in read_steps:  # after the requests' own streams (their gaps)
             self._take_steps(key, entries, by_key, got, ends)
         c = self._decode_all(got)
@@ -258,8 +258,7 @@ class Streamer(Relay):
         stream was trimmed past us) the request reads its own token stream as well,
         where a checkpoint holds what it missed (broker/chunks.py)."""
         self._step_cursors[key] = as_str(entries[-1][0])
-        for fields, (tok_keys, ordinals, payloads) in step_entry_columns(key, entries):
-            published = fields.get(b"t")
+        for published, (tok_keys, ordinals, payloads) in step_entry_columns(key, entries):
             for tok_key, n, payload in zip(tok_keys, ordinals, payloads, strict=True):
                 t = by_key.get(tok_key)
                 if t is None:
@@ -538,14 +537,6 @@ class Streamer(Relay):
             events += t.choices.finish_all(EngineFinish.CANCELLED)
         events.append(self._usage_event(t))
         return self._output(t, events, first=not t.wrote_output, terminal=True)
-
-
-def _ordinal(fields: dict[bytes, Any]) -> int:
-    """A token entry's last ordinal; 0 if it has none (decoding it says what is wrong)."""
-    try:
-        return int(fields.get(b"n") or 0)
-    except ValueError:
-        return 0
 
 
 def build_streamer(settings: Settings) -> Streamer:

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
 from app.settings import Settings
-from broker.chunks import entry_chunks
+from broker.chunks import TokenEntry
 from broker.connection import as_str
 from broker.direct import DirectConnection
 from broker.handoff import RequestHandoff
@@ -265,12 +265,19 @@ class Relay:
         ordinal, payload and publish time) -> its output entry for this cycle. Chunks it
         has are skipped by their ordinals."""
         events: list[OutputEvent] = []
-        follow: dict[bytes, Any] | None = None  # the last token entry naming its worker
+        follow: TokenEntry | None = None  # the last token entry naming its worker
+        published: bytes | None = None
         for eid, fields in entries:
-            try:
-                chunks = [fields[:2]] if eid is None else entry_chunks(fields)
-            except Exception as exc:
-                raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
+            if eid is None:  # a step line
+                chunks, published = [fields[:2]], fields[2]
+            else:
+                try:
+                    entry = TokenEntry.of(fields)
+                except Exception as exc:
+                    raise RequestFault(f"malformed token entry {as_str(eid)}") from exc
+                chunks, published = entry.chunks, entry.published
+                if entry.worker:
+                    follow = entry
             for n, payload in chunks:
                 if n <= t.n:
                     continue
@@ -284,14 +291,11 @@ class Relay:
                 t.n = n
             if eid is not None:
                 t.cursor = as_str(eid)
-                if fields.get(b"w"):
-                    follow = fields
         t.progress_at = self.clock()
-        if follow is not None:  # read what follows from its worker's step stream
-            start = as_str(follow.get(b"s") or below_ms(t.cursor))
-            self._follow_step(t, self.keys.steps(as_str(follow[b"w"])), start)
-        eid, fields = entries[-1]
-        return self._events_output(t, events, fields[2] if eid is None else fields.get(b"t"))
+        if follow is not None and follow.worker:  # read what follows from its step stream
+            start = follow.step_id or below_ms(t.cursor)
+            self._follow_step(t, self.keys.steps(follow.worker), start)
+        return self._events_output(t, events, published)
 
     def _events_output(
         self, t: Tracked, events: list[OutputEvent], published: bytes | None
