@@ -10,10 +10,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import redis
@@ -23,7 +24,8 @@ from app.settings import Settings
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import batcher_registry, streamer_registry, worker_registry
-from broker.server import dies_with_parent
+from broker.requests import RequestStore
+from broker.server import RedisServer, dies_with_parent
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -106,6 +108,12 @@ class Proc:
             os.kill(self.pid, signal.SIGKILL)
             self.popen.wait()
 
+    def kill_group(self) -> None:
+        """SIGKILL the process and everything it started (gunicorn's master and workers):
+        the group we started it in (``start_new_session``), by its PID, never by name."""
+        os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait(10)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
@@ -117,6 +125,14 @@ class Proc:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
 
 
 def child_env(settings: Settings, **extra: str) -> dict[str, str]:
@@ -225,12 +241,16 @@ def web_process(
 
 @dataclass
 class Stack:
-    """A running stack: ``base_url`` of its web server and the settings all share."""
+    """A running stack (``full_stack``): ``base_url`` of its web server, the settings all
+    its processes share, their logs' directory, the processes by name, and its private
+    redis-server (``server``; None when it runs on ``settings.redis_url``)."""
 
     base_url: str
     settings: Settings
     log_dir: Path
     procs: dict[str, Proc] = field(default_factory=dict)
+    server: RedisServer | None = None
+    _exit: ExitStack = field(default_factory=ExitStack, repr=False)
 
     def redis(self) -> redis.Redis:
         return redis_client(self.settings.redis_url)
@@ -238,6 +258,18 @@ class Stack:
     def logs(self) -> str:
         """The tail of every process's log (for a failing test's message)."""
         return "\n".join(f"--- {n} ---\n{p.output()}" for n, p in self.procs.items())
+
+    def start(self, name: str, process: AbstractContextManager[Proc]) -> Proc:
+        """Another process on this stack (``worker_process(stack.settings, stack.log_dir,
+        name=...)``, a ``Proc``): listed as ``procs[name]`` (replacing what was there),
+        stopped by its PID when the stack ends, before the processes started earlier."""
+        proc = self._exit.enter_context(process)
+        self.procs[name] = proc
+        return proc
+
+    def callback(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` when the stack ends, before the processes started earlier stop."""
+        self._exit.callback(fn)
 
 
 def web_settings(settings: Settings, **overrides: object) -> Settings:
@@ -251,28 +283,59 @@ def web_settings(settings: Settings, **overrides: object) -> Settings:
 
 @contextmanager
 def full_stack(
-    settings: Settings, log_dir: Path, *, engine: str = "echo", start_redis: bool = True
+    settings: Settings,
+    log_dir: Path,
+    *,
+    engine: str = "echo",
+    start_redis: bool = True,
+    redis_server: RedisServer | None = None,
+    workers: Sequence[str] = ("worker",),
+    streamers: Sequence[str] = ("streamer",),
+    batcher: bool = False,
+    web: str | None = "web",
 ) -> Iterator[Stack]:
     """redis-server, a worker (``engine``), a streamer and the web server, each its own
-    process on free loopback ports; everything else comes from ``settings``.
+    process on free loopback ports; everything else comes from ``settings``. Every
+    process is stopped by the PID we started, the last started first.
 
-    ``start_redis=False`` uses ``settings.redis_url`` instead of a private redis-server.
+    ``start_redis=False`` uses ``settings.redis_url`` instead of a private redis-server
+    (a Sentinel group's URL, say). ``redis_server``: the private one to start and stop, a
+    ``RedisServer`` not yet started (its persistence chosen: ``appendonly=True``); a test
+    kills and restarts it as ``stack.server``.
+
+    ``workers`` and ``streamers``: one process per name (``("w1", "w2")`` for two),
+    ``batcher=True`` adds the batch driver, ``web=None`` starts no web server (else its
+    name); each is ``stack.procs[name]``, started in that order.
     Yields a ``Stack``; ``stack.settings`` is what the processes run with.
     """
-    from broker.server import RedisServer
-
     with ExitStack() as stack:
+        server: RedisServer | None = None
         if start_redis:
-            server = stack.enter_context(RedisServer())
+            server = stack.enter_context(redis_server or RedisServer())
             settings = settings.model_copy(update={"redis_url": server.url})
         settings = web_settings(settings, engine=engine)
         log_dir.mkdir(parents=True, exist_ok=True)
-        procs = {
-            "worker": stack.enter_context(worker_process(settings, log_dir)),
-            "streamer": stack.enter_context(streamer_process(settings, log_dir)),
-            "web": stack.enter_context(web_process(settings, log_dir)),
-        }
-        yield Stack(f"http://{settings.host}:{settings.port}", settings, log_dir, procs)
+        running = Stack(
+            f"http://{settings.host}:{settings.port}", settings, log_dir, server=server, _exit=stack
+        )
+        for name in workers:
+            running.start(name, worker_process(settings, log_dir, name=name))
+        for name in streamers:
+            running.start(name, streamer_process(settings, log_dir, name=name))
+        if batcher:
+            running.start("batcher", batcher_process(settings, log_dir))
+        if web is not None:
+            running.start(web, web_process(settings, log_dir, name=web))
+        yield running
+
+
+def in_flight(settings: Settings) -> int:
+    """Requests holding an admission slot right now."""
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        return RequestStore(client, Keys(settings.key_prefix)).in_flight(time.time())
+    finally:
+        client.close()
 
 
 def batcher_process(

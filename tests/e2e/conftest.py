@@ -8,17 +8,13 @@ stack's Redis (``tests.stack.web_process`` with ``web_settings(stack.settings, .
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
-from app.settings import Settings
-from broker.keys import Keys
-from broker.requests import RequestStore
 from tests.stack import Stack, full_stack, isolated_settings
+from tests.stack import in_flight as in_flight  # e2e tests import it from here
 
 
 @pytest.fixture(scope="session")
@@ -55,12 +51,3 @@ def slow_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     with full_stack(settings, tmp_path_factory.mktemp("slow-logs")) as running:
         yield running
-
-
-def in_flight(settings: Settings) -> int:
-    """Requests holding an admission slot right now."""
-    client = redis.Redis.from_url(settings.redis_url)
-    try:
-        return RequestStore(client, Keys(settings.key_prefix)).in_flight(time.time())
-    finally:
-        client.close()

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,17 +39,7 @@ from broker.outputs import OutputStreams
 from broker.runner import Runner
 from broker.server import RedisServer
 from tests.faults.web_clients import CHAT, words
-from tests.stack import (
-    Proc,
-    batcher_process,
-    inject_output_chunk,
-    isolated_settings,
-    streamer_process,
-    wait_for,
-    web_process,
-    web_settings,
-    worker_process,
-)
+from tests.stack import Proc, Stack, full_stack, inject_output_chunk, isolated_settings, wait_for
 from workers.batcher import BatchDriver
 
 pytestmark = pytest.mark.faults
@@ -62,17 +52,34 @@ BACK_WITHIN_S = 10.0
 
 @dataclass
 class BatchStack:
-    settings: Settings
-    base: str
-    procs: dict[str, Proc]
-    server: RedisServer
+    """A ``full_stack`` with the batch driver, and the Files and Batches API as a client
+    uses it."""
+
+    stack: Stack
+
+    @property
+    def settings(self) -> Settings:
+        return self.stack.settings
+
+    @property
+    def base(self) -> str:
+        return self.stack.base_url
+
+    @property
+    def procs(self) -> dict[str, Proc]:
+        return self.stack.procs
+
+    @property
+    def server(self) -> RedisServer:
+        assert self.stack.server is not None
+        return self.stack.server
 
     @property
     def model(self) -> str:
         return self.settings.served_name
 
     def report(self) -> str:
-        return "\n".join(f"--- {n} ---\n{p.output()}" for n, p in self.procs.items())
+        return self.stack.logs()
 
     def create_batch(self, contents: list[str]) -> str:
         """Upload a chat batch (one line per content) and create its batch; its id."""
@@ -142,27 +149,17 @@ class BatchStack:
 def batch_stack(
     models_dir: Path, log_dir: Path, *, appendonly: bool = False, **overrides: object
 ) -> Iterator[BatchStack]:
-    server = RedisServer(appendonly=appendonly)
-    server.start()
-    settings = web_settings(
-        isolated_settings(
-            server.url,
-            models_dir,
-            echo_tokens_per_second=RATE,
-            web_workers=1,
-            web_threads=16,
-            **overrides,
-        )
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        echo_tokens_per_second=RATE,
+        web_workers=1,
+        web_threads=16,
+        **overrides,
     )
-    with ExitStack() as stack:
-        stack.callback(server.stop)
-        procs = {
-            "worker": stack.enter_context(worker_process(settings, log_dir)),
-            "streamer": stack.enter_context(streamer_process(settings, log_dir)),
-            "batcher": stack.enter_context(batcher_process(settings, log_dir)),
-            "web": stack.enter_context(web_process(settings, log_dir)),
-        }
-        yield BatchStack(settings, f"http://{settings.host}:{settings.port}", procs, server)
+    server = RedisServer(appendonly=appendonly)
+    with full_stack(settings, log_dir, redis_server=server, batcher=True) as stack:
+        yield BatchStack(stack)
 
 
 def content_of(line: dict[str, Any]) -> str | None:

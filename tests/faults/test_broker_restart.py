@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,7 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.server import RedisServer
 from tests.pipeline import TEXT, Client, OutageReader, classify, reference
-from tests.stack import (
-    Proc,
-    isolated_settings,
-    make_record,
-    streamer_process,
-    worker_process,
-)
+from tests.stack import Proc, full_stack, isolated_settings, make_record
 
 pytestmark = pytest.mark.faults
 
@@ -73,19 +66,19 @@ def test_processes_and_requests_survive_a_redis_restart(
     appendonly: bool, outage_s: float, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
     server = RedisServer(appendonly=appendonly)
-    server.start()
     settings: Settings = isolated_settings(
-        server.url, models_dir, echo_tokens_per_second=RATE, worker_slots=4
+        "redis://unused", models_dir, echo_tokens_per_second=RATE, worker_slots=4
     )
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-    with ExitStack() as stack:
-        stack.callback(server.stop)
-        procs = [
-            stack.enter_context(worker_process(settings, tmp_path, name="w1")),
-            stack.enter_context(worker_process(settings, tmp_path, name="w2")),
-            stack.enter_context(streamer_process(settings, tmp_path, name="s1")),
-            stack.enter_context(streamer_process(settings, tmp_path, name="s2")),
-        ]
+    with full_stack(
+        settings,
+        tmp_path,
+        redis_server=server,
+        workers=("w1", "w2"),
+        streamers=("s1", "s2"),
+        web=None,
+    ) as stack:
+        settings, procs = stack.settings, list(stack.procs.values())
 
         def logs() -> str:
             return "\n".join(f"--- {p.log.name} ---\n{p.output()}" for p in procs)

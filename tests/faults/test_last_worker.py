@@ -16,51 +16,44 @@ from tokenizers import Tokenizer
 
 from broker.keys import Keys
 from broker.registry import worker_registry
-from broker.server import RedisServer
+from tests.faults.conftest import (
+    LEASE_TTL_S,
+    NO_WORKER_TIMEOUT_S,
+    REGISTRATION_TTL_S,
+    last_worker_settings,
+)
 from tests.pipeline import TEXT, Client, OutageReader
-from tests.stack import isolated_settings, make_record, streamer_process, worker_process
-from workers.runtime import HEARTBEAT_S
+from tests.stack import full_stack, make_record
 
 pytestmark = pytest.mark.faults
-
-NO_WORKER_TIMEOUT_S = 2.0
-LEASE_TTL_S = 1.5
-REGISTRATION_TTL_S = 5 * HEARTBEAT_S  # workers register with this TTL (workers.runtime)
 
 
 @pytest.mark.timeout(90)
 def test_requests_end_with_503_after_the_last_worker_dies(
     models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
 ) -> None:
-    with RedisServer() as server:
-        settings = isolated_settings(
-            server.url,
-            models_dir,
-            echo_tokens_per_second=10.0,
-            lease_ttl_s=LEASE_TTL_S,
-            no_worker_timeout_s=NO_WORKER_TIMEOUT_S,
-        )
+    with full_stack(last_worker_settings(models_dir), tmp_path, web=None) as stack:
+        settings, worker = stack.settings, stack.procs["worker"]
         ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
         client = Client(settings)
         reader = OutageReader(settings)
-        with worker_process(settings, tmp_path) as worker, streamer_process(settings, tmp_path):
-            running = make_record(settings, [ids], max_tokens=200)
-            client.submit(running)
-            f_running = reader.follow(running)
-            reader.poll(time.monotonic() + 20, stop=lambda: any(e.text for e in f_running.events))
-            assert any(e.text for e in f_running.events)
-            worker.kill()
-            killed = time.monotonic()
-            registry = worker_registry(client.redis, Keys(settings.key_prefix))
-            assert registry.live(), "the dead worker should still look alive for a while"
-            admitted = make_record(settings, [ids], max_tokens=200)
-            client.submit(admitted)
-            f_admitted = reader.follow(admitted)
-            bound = REGISTRATION_TTL_S + NO_WORKER_TIMEOUT_S + LEASE_TTL_S + 4.0
-            reader.poll(killed + bound + 5)
-        for f in (f_running, f_admitted):
-            assert f.ended_at is not None, "a request hangs after its last worker died"
-            assert f.ended_at - killed < bound, f.ended_at - killed
-            (err,) = f.result.errors
-            assert err.code == 503 and "No worker" in (err.error or "")
-            assert TEXT.startswith(f.result.texts.get(0, ""))
+        running = make_record(settings, [ids], max_tokens=200)
+        client.submit(running)
+        f_running = reader.follow(running)
+        reader.poll(time.monotonic() + 20, stop=lambda: any(e.text for e in f_running.events))
+        assert any(e.text for e in f_running.events)
+        worker.kill()
+        killed = time.monotonic()
+        registry = worker_registry(client.redis, Keys(settings.key_prefix))
+        assert registry.live(), "the dead worker should still look alive for a while"
+        admitted = make_record(settings, [ids], max_tokens=200)
+        client.submit(admitted)
+        f_admitted = reader.follow(admitted)
+        bound = REGISTRATION_TTL_S + NO_WORKER_TIMEOUT_S + LEASE_TTL_S + 4.0
+        reader.poll(killed + bound + 5)
+    for f in (f_running, f_admitted):
+        assert f.ended_at is not None, "a request hangs after its last worker died"
+        assert f.ended_at - killed < bound, f.ended_at - killed
+        (err,) = f.result.errors
+        assert err.code == 503 and "No worker" in (err.error or "")
+        assert TEXT.startswith(f.result.texts.get(0, ""))

@@ -25,9 +25,8 @@ from app.settings import Settings
 from broker.chunks import ChunkLog
 from broker.publish import PublishItem, PublishStatus, encode_deltas, lease_value
 from broker.requests import ClaimResult, RequestStore
-from broker.server import RedisServer
 from tests.pipeline import TEXT, Client, OutageReader, classify, reference
-from tests.stack import Proc, isolated_settings, make_record, streamer_process, worker_process
+from tests.stack import Proc, full_stack, isolated_settings, make_record
 from workers.engines.base import ChoiceJob, EngineJob
 from workers.engines.echo import EchoEngine
 
@@ -89,10 +88,9 @@ def stack(
     models_dir: Path, tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PoisonStack]:
     logs = tmp_path_factory.mktemp("poison-logs")
-    with RedisServer() as server:
-        settings = isolated_settings(server.url, models_dir, echo_tokens_per_second=15.0)
-        with worker_process(settings, logs), streamer_process(settings, logs) as streamer:
-            yield PoisonStack(settings, streamer, tokenizer)
+    settings = isolated_settings("redis://unused", models_dir, echo_tokens_per_second=15.0)
+    with full_stack(settings, logs, web=None) as running:
+        yield PoisonStack(running.settings, running.procs["streamer"], tokenizer)
 
 
 def run_with_injection(stack: PoisonStack, victim: RequestRecord, payload: Any) -> OutageReader:

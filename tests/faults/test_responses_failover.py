@@ -17,129 +17,27 @@ it must run to its end, and B must serve it exactly:
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
-import redis
 
-from app.settings import Settings
-from broker.keys import Keys
-from broker.requests import RequestStore
-from broker.server import RedisServer
-from tests.stack import (
-    Proc,
-    isolated_settings,
-    streamer_process,
-    wait_for,
-    web_process,
-    web_settings,
-    worker_process,
-)
+from tests.faults.conftest import TEXT, WAIT_S, Backbone, Web
+from tests.stack import in_flight, wait_for
 
 pytestmark = pytest.mark.faults
 
 logger = logging.getLogger(__name__)
 
-RATE = 25.0  # echo tokens per second: the reply below takes ~5 s
-TEXT = " ".join(
-    f"part {i}: the quick brown fox 🦊 jumps over the lazy dog; 東京 is far." for i in range(4)
-)
 READ_BEFORE_FAULT = 8  # text deltas read on A before the fault
-WAIT_S = 30.0  # bound of every wait
-
-
-@dataclass
-class Web:
-    url: str
-    proc: Proc
-    clients: list[openai.OpenAI] = field(default_factory=list)
-
-    def client(self) -> openai.OpenAI:
-        """A client of this web process, closed by its fixture (``close``). One left to
-        the garbage collector is a cycle: its sockets may be finalized before the client
-        closes them, a ResourceWarning (an error here) in whatever test runs then."""
-        c = openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
-        )
-        self.clients.append(c)
-        return c
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-
-    def kill_group(self) -> None:
-        """SIGKILL the gunicorn master and its workers: the group we started it in
-        (``start_new_session``), by its PID, never by name."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.popen.wait(10)
-        logger.info("killed web process group %s", self.proc.pid)
-
-
-@dataclass
-class Backbone:
-    settings: Settings
-    logs: Path
-    b: Web
-
-
-def base(settings: Settings) -> str:
-    return f"http://{settings.host}:{settings.port}"
 
 
 @pytest.fixture(scope="module")
-def backbone(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backbone]:
-    logs = tmp_path_factory.mktemp("responses-failover-logs")
-    with RedisServer() as server:
-        settings = isolated_settings(
-            server.url,
-            models_dir,
-            echo_tokens_per_second=RATE,
-            # A disconnect cancels at once: only the background follower may keep the
-            # generation alive, which is what these tests check.
-            resume_grace_s=0.0,
-            sse_keepalive_s=0.5,
-            web_workers=2,
-            web_threads=8,
-        )
-        b_settings = web_settings(settings)
-        with (
-            worker_process(settings, logs),
-            streamer_process(settings, logs),
-            web_process(b_settings, logs, name="web-b") as b,
-        ):
-            web_b = Web(base(b_settings), b)
-            try:
-                yield Backbone(settings, logs, web_b)
-            finally:
-                web_b.close()
-
-
-@pytest.fixture
-def web_a(backbone: Backbone) -> Iterator[Web]:
-    a_settings = web_settings(backbone.settings)
-    with web_process(a_settings, backbone.logs, name="web-a") as proc:
-        web = Web(base(a_settings), proc)
-        try:
-            yield web
-        finally:
-            web.close()
-
-
-def in_flight(settings: Settings) -> int:
-    """Requests holding an admission slot right now."""
-    client = redis.Redis.from_url(settings.redis_url)
-    try:
-        return RequestStore(client, Keys(settings.key_prefix)).in_flight(time.time())
-    finally:
-        client.close()
+def resume_grace_s() -> float:
+    """The backbone's (``tests.faults.conftest``): a disconnect cancels at once, so only
+    the background follower may keep the generation alive, which is what these tests
+    check."""
+    return 0.0
 
 
 def text_of(events: list[Any]) -> str:

@@ -15,103 +15,28 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 import websocket
 
-from app.settings import Settings
-from broker.server import RedisServer
-from tests.stack import (
-    Proc,
-    isolated_settings,
-    streamer_process,
-    web_process,
-    web_settings,
-    worker_process,
-)
+from tests.faults.conftest import TEXT, WAIT_S, Backbone, Web
 
 pytestmark = pytest.mark.faults
 
 logger = logging.getLogger(__name__)
 
-RATE = 25.0  # echo tokens per second: the reply below takes ~5 s
-# Emoji and CJK: multi-byte characters split over tokens must not be cut or repeated.
-TEXT = " ".join(
-    f"part {i}: the quick brown fox 🦊 jumps over the lazy dog; 東京 is far." for i in range(4)
-)
 READ_BEFORE_FAULT = 8  # content events read on A before the fault
 GRACE_S = 30.0  # resume_grace_s: far longer than any test here takes to resume
-WAIT_S = 30.0  # bound of every wait on a stream
-
-
-@dataclass
-class Web:
-    """One web server of the test: its base URL and its process."""
-
-    url: str
-    proc: Proc
-    settings: Settings
-
-    def kill_group(self) -> None:
-        """SIGKILL the gunicorn master and its workers: the group we started it in
-        (``start_new_session``), by its PID, never by name."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.popen.wait(10)
-        logger.info("killed web process group %s", self.proc.pid)
-
-
-@dataclass
-class Backbone:
-    """What every web server shares: settings (redis, worker, streamer) and web B."""
-
-    settings: Settings
-    logs: Path
-    b: Web
 
 
 @pytest.fixture(scope="module")
-def backbone(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backbone]:
-    logs = tmp_path_factory.mktemp("resume-logs")
-    with RedisServer() as server:
-        settings = isolated_settings(
-            server.url,
-            models_dir,
-            echo_tokens_per_second=RATE,
-            resume_grace_s=GRACE_S,
-            sse_keepalive_s=0.5,
-            web_workers=2,
-            web_threads=8,
-        )
-        b_settings = web_settings(settings)
-        with (
-            worker_process(settings, logs),
-            streamer_process(settings, logs),
-            web_process(b_settings, logs, name="web-b") as b,
-        ):
-            yield Backbone(settings, logs, Web(base(b_settings), b, b_settings))
-
-
-@pytest.fixture
-def web_a(backbone: Backbone) -> Iterator[Web]:
-    """Web A: the same settings as B but for its port, a fresh process per test."""
-    a_settings = web_settings(backbone.settings)
-    assert a_settings.model_dump(exclude={"port"}) == backbone.b.settings.model_dump(
-        exclude={"port"}
-    )
-    with web_process(a_settings, backbone.logs, name="web-a") as proc:
-        yield Web(base(a_settings), proc, a_settings)
-
-
-def base(settings: Settings) -> str:
-    return f"http://{settings.host}:{settings.port}"
+def resume_grace_s() -> float:
+    """The backbone's (``tests.faults.conftest``): a client has long to resume."""
+    return GRACE_S
 
 
 # -- SSE ----------------------------------------------------------------------------------

@@ -13,15 +13,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +30,13 @@ from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import batcher_registry
 from broker.server import free_port
+from tests.faults.web_clients import CHAT, Stream, children, read_stream, words
 from tests.sentinels import SentinelGroup
-from tests.stack import (
-    Proc,
-    batcher_process,
-    child_env,
-    isolated_settings,
-    streamer_process,
-    wait_for,
-    web_process,
-    web_settings,
-    worker_process,
-)
+from tests.stack import Proc, child_env, full_stack, isolated_settings, wait_for
 
 pytestmark = pytest.mark.faults
 logger = logging.getLogger(__name__)
 
-CHAT = "/v1/chat/completions"
 RATE = 20.0  # echo tokens per second per request: a stream lasts several seconds
 STREAMS = 6
 NEW_REQUEST_WITHIN_S = 30.0
@@ -112,67 +99,6 @@ def test_client_follows_the_failover(group: SentinelGroup) -> None:
 # -- the whole stack ------------------------------------------------------------------------
 
 
-@dataclass
-class Stream:
-    """What one SSE client received."""
-
-    content: str
-    text: str = ""
-    finish: str | None = None
-    error: dict[str, Any] | None = None
-    done: bool = False
-    failure: str | None = None  # no HTTP answer, a non-200, or a broken connection
-    ended_at: float | None = None  # monotonic
-    started: threading.Event = field(default_factory=threading.Event)
-    ended: threading.Event = field(default_factory=threading.Event)
-
-    def outcome(self) -> str:
-        if not self.ended.is_set():
-            return "hung"
-        if self.error is None and self.failure is None and self.finish and self.done:
-            return "exact" if self.text == self.content else "wrong"
-        if self.error is not None and self.done and self.content.startswith(self.text):
-            return "error"
-        return "broken"
-
-
-def read_stream(base_url: str, model: str, stream: Stream) -> None:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": stream.content}],
-        "stream": True,
-        "max_tokens": 1000,
-    }
-    try:
-        with requests.post(base_url + CHAT, json=body, stream=True, timeout=(5, 90)) as resp:
-            if resp.status_code != 200:
-                stream.failure = f"HTTP {resp.status_code}: {resp.text[:300]}"
-                return
-            for raw in resp.iter_lines():
-                line = raw.decode("utf-8")
-                if not line.startswith("data: "):
-                    continue  # keep-alive comments, event ids, blank separators
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    stream.done = True
-                    break
-                payload = json.loads(data)
-                if "error" in payload:
-                    stream.error = payload["error"]
-                    continue
-                for choice in payload["choices"]:
-                    stream.text += choice["delta"].get("content") or ""
-                    stream.finish = choice["finish_reason"] or stream.finish
-                if stream.text:
-                    stream.started.set()
-    except (requests.RequestException, ValueError) as exc:
-        stream.failure = f"{type(exc).__name__}: {exc}"
-    finally:
-        stream.ended_at = time.monotonic()
-        stream.started.set()
-        stream.ended.set()
-
-
 def chat_status(
     base_url: str, model: str, content: str, timeout: float = 10
 ) -> tuple[str, str | None]:
@@ -194,21 +120,6 @@ def chat_status(
 def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
     """A non-streaming request; its text, or None when it did not succeed."""
     return chat_status(base_url, model, content, timeout)[1]
-
-
-def children(pid: int) -> set[int]:
-    """PIDs whose parent is ``pid`` (gunicorn's workers), from /proc."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rpartition(")")[2].split()[1]) == pid:
-            found.add(int(entry))
-    return found
 
 
 def flower_process(settings: Any, log_dir: Path, port: int, auth: str) -> Proc:
@@ -243,36 +154,23 @@ def flower_workers(port: int, auth: str) -> dict[str, Any]:
 
 
 def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: Path) -> None:
-    settings = web_settings(
-        isolated_settings(
-            group.url,
-            models_dir,
-            echo_tokens_per_second=RATE,
-            web_workers=1,
-            web_threads=16,
-            sse_keepalive_s=1.0,
-        )
+    settings = isolated_settings(
+        group.url,
+        models_dir,
+        echo_tokens_per_second=RATE,
+        web_workers=1,
+        web_threads=16,
+        sse_keepalive_s=1.0,
     )
-    model, base = settings.served_name, f"http://{settings.host}:{settings.port}"
-    keys = Keys(settings.key_prefix)
-    logs = tmp_path / "logs"
-    logs.mkdir()
     flower_port, flower_auth = free_port(), "ops:secret"
-    with ExitStack() as stack:
-        procs = {
-            "worker": stack.enter_context(worker_process(settings, logs)),
-            "streamer": stack.enter_context(streamer_process(settings, logs)),
-            "web": stack.enter_context(web_process(settings, logs)),
-            "batcher": stack.enter_context(batcher_process(settings, logs)),
-        }
-        flower = flower_process(settings, logs, flower_port, flower_auth)
-        stack.callback(flower.stop)
-        procs["flower"] = flower
+    with full_stack(settings, tmp_path / "logs", start_redis=False, batcher=True) as stack:
+        settings, procs = stack.settings, stack.procs
+        model, base = settings.served_name, stack.base_url
+        keys = Keys(settings.key_prefix)
+        stack.start("flower", flower_process(settings, stack.log_dir, flower_port, flower_auth))
 
         def report() -> str:
-            return "\n".join(
-                [f"--- {n} ---\n{p.output()}" for n, p in procs.items()] + [group.logs()]
-            )
+            return stack.logs() + "\n" + group.logs()
 
         node = f"tokenrelay-{procs['worker'].pid}@"
 
@@ -291,10 +189,7 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
         web_children = children(procs["web"].pid)
         assert web_children, "gunicorn has no worker process"
 
-        streams = [
-            Stream(f"stream {i}: " + " ".join(f"word{j}" for j in range(40)) + " end")
-            for i in range(STREAMS)
-        ]
+        streams = [Stream(CHAT, words(f"stream {i}")) for i in range(STREAMS)]
         threads = [
             threading.Thread(target=read_stream, args=(base, model, s), daemon=True)
             for s in streams

@@ -26,7 +26,6 @@ import json
 import logging
 import time
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,12 @@ from broker.run import LOST_MESSAGE
 from broker.runner import READY_CACHE_S
 from broker.server import RedisServer
 from tests.e2e.test_websocket import ChatClient
+from tests.faults.conftest import (
+    LEASE_TTL_S,
+    NO_WORKER_TIMEOUT_S,
+    REGISTRATION_TTL_S,
+    last_worker_settings,
+)
 from tests.faults.web_clients import (
     CHAT,
     COMPLETIONS,
@@ -56,15 +61,12 @@ from tests.faults.web_clients import (
 )
 from tests.stack import (
     Proc,
+    full_stack,
     inject_output_chunk,
     isolated_settings,
     streamer_process,
     wait_for,
-    web_process,
-    web_settings,
-    worker_process,
 )
-from workers.runtime import HEARTBEAT_S
 
 pytestmark = pytest.mark.faults
 logger = logging.getLogger(__name__)
@@ -178,31 +180,19 @@ def web_log(web: Proc) -> str:
 def test_web_tier_through_a_redis_restart(
     appendonly: bool, streamer_lost: bool, models_dir: Path, tmp_path: Path
 ) -> None:
-    server = RedisServer(appendonly=appendonly)
-    server.start()
-    settings = web_settings(
-        isolated_settings(
-            server.url,
-            models_dir,
-            echo_tokens_per_second=RATE,
-            web_workers=2,
-            web_threads=16,
-            sse_keepalive_s=1.0,
-            worker_slots=8,
-        )
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        echo_tokens_per_second=RATE,
+        web_workers=2,
+        web_threads=16,
+        sse_keepalive_s=1.0,
+        worker_slots=8,
     )
-    model, base = settings.served_name, base_url(settings)
-    with ExitStack() as stack:
-        stack.callback(server.stop)
-        procs = {
-            "worker": stack.enter_context(worker_process(settings, tmp_path)),
-            "streamer": stack.enter_context(streamer_process(settings, tmp_path)),
-            "web": stack.enter_context(web_process(settings, tmp_path)),
-        }
-
-        def report() -> str:
-            return "\n".join(f"--- {n} ---\n{p.output()}" for n, p in procs.items())
-
+    server = RedisServer(appendonly=appendonly)
+    with full_stack(settings, tmp_path, redis_server=server) as stack:
+        settings, procs, report = stack.settings, stack.procs, stack.logs
+        model, base = settings.served_name, base_url(settings)
         wait_ready(base)
         assert chat_text(base, model, "warm up", timeout=30) == (200, "warm up"), report()
         gunicorn_workers = children(procs["web"].pid)
@@ -239,8 +229,8 @@ def test_web_tier_through_a_redis_restart(
         if streamer_lost:
             procs["streamer"].kill()
             # Its replacement starts now and connects once Redis is back.
-            procs["streamer"] = stack.enter_context(
-                streamer_process(settings, tmp_path, name="streamer2", wait=False)
+            stack.start(
+                "streamer", streamer_process(settings, tmp_path, name="streamer2", wait=False)
             )
         probes: list[Probe] = []
         ws_during: list[str] = []
@@ -356,91 +346,73 @@ def test_web_tier_through_a_redis_restart(
 
 # -- fail fast: the last worker dies -----------------------------------------------------------
 
-REGISTRATION_TTL_S = 5 * HEARTBEAT_S  # workers register with this TTL (workers.runtime)
-NO_WORKER_TIMEOUT_S = 2.0
-LEASE_TTL_S = 1.5
-
 
 @pytest.mark.timeout(120)
 def test_fail_fast_after_the_last_worker_dies(models_dir: Path, tmp_path: Path) -> None:
     """A request that was running and one admitted just after the kill (the worker's
     registration still alive) end with an error event; once the registration has
     expired, every new request gets 503 + Retry-After before any SSE starts."""
-    with RedisServer() as server:
-        settings = web_settings(
-            isolated_settings(
-                server.url,
-                models_dir,
-                echo_tokens_per_second=10.0,
-                lease_ttl_s=LEASE_TTL_S,
-                no_worker_timeout_s=NO_WORKER_TIMEOUT_S,
-                web_workers=1,
-                web_threads=16,
-                sse_keepalive_s=1.0,
-            )
-        )
+    settings = last_worker_settings(models_dir, web_workers=1, web_threads=16, sse_keepalive_s=1.0)
+    with full_stack(settings, tmp_path) as stack:
+        settings, worker, web = stack.settings, stack.procs["worker"], stack.procs["web"]
         model, base = settings.served_name, base_url(settings)
         registry = worker_registry(
             redis_client(settings.redis_url, max_connections=2), Keys(settings.key_prefix)
         )
-        with ExitStack() as stack:
-            worker = stack.enter_context(worker_process(settings, tmp_path))
-            stack.enter_context(streamer_process(settings, tmp_path))
-            web = stack.enter_context(web_process(settings, tmp_path))
-            wait_ready(base)
-            running = Stream(CHAT, words("running"))
-            start_stream(base, model, running)
-            assert running.started.wait(30), web.output()
+        wait_ready(base)
+        running = Stream(CHAT, words("running"))
+        start_stream(base, model, running)
+        assert running.started.wait(30), web.output()
 
-            worker.kill()
-            killed = time.monotonic()
-            admitted = Stream(CHAT, words("admitted"))
-            start_stream(base, model, admitted)
-            noticed: float | None = None
-            probes: list[tuple[float, Probe]] = []
-            while time.monotonic() - killed < REGISTRATION_TTL_S + 5:
-                if noticed is None and not registry.live():
-                    noticed = time.monotonic() - killed
-                sent = time.monotonic() - killed
-                probes.append((sent, stream_head(base, model)))
-                if noticed is not None and len([s for s, _ in probes if s > noticed]) >= 6:
-                    break
-                time.sleep(0.5)
-            bound = REGISTRATION_TTL_S + NO_WORKER_TIMEOUT_S + LEASE_TTL_S + 4.0
-            for s in (running, admitted):
-                s.ended.wait(max(0.0, killed + bound + 5 - time.monotonic()))
-            assert web.alive()
-
-        ends = {
-            name: None if s.ended_at is None else round(s.ended_at - killed, 1)
-            for name, s in (("running", running), ("admitted", admitted))
-        }
-        logger.warning(
-            "last worker killed: the registry noticed after %s s (TTL %.0f s); requests in "
-            "flight ended (s after the kill) %s: %s / %s; new requests: %s",
-            None if noticed is None else f"{noticed:.1f}",
-            REGISTRATION_TTL_S,
-            ends,
-            running.describe(),
-            admitted.describe(),
-            "; ".join(f"{t:.1f}s {p}" for t, p in probes),
-        )
-        # Checked every probe (~1.5 s apart while requests are still admitted).
-        assert noticed is not None and noticed < REGISTRATION_TTL_S + 2.5
+        worker.kill()
+        killed = time.monotonic()
+        admitted = Stream(CHAT, words("admitted"))
+        start_stream(base, model, admitted)
+        noticed: float | None = None
+        probes: list[tuple[float, Probe]] = []
+        while time.monotonic() - killed < REGISTRATION_TTL_S + 5:
+            if noticed is None and not registry.live():
+                noticed = time.monotonic() - killed
+            sent = time.monotonic() - killed
+            probes.append((sent, stream_head(base, model)))
+            if noticed is not None and len([s for s, _ in probes if s > noticed]) >= 6:
+                break
+            time.sleep(0.5)
+        bound = REGISTRATION_TTL_S + NO_WORKER_TIMEOUT_S + LEASE_TTL_S + 4.0
         for s in (running, admitted):
-            # An error event in the stream, or (admitted) the 503 before the stream started.
-            refused = s.status == 503 and s.failure is not None
-            assert s.outcome() == "error" or refused, s.describe()
-            assert s.ended_at is not None and s.ended_at - killed < bound, s.describe()
-            if s.error is not None:
-                assert "No worker" in s.error["message"], s.describe()
-        # A web worker reuses a positive readiness answer for READY_CACHE_S.
-        after = [p for t, p in probes if t > noticed + READY_CACHE_S]
-        assert after, probes
-        for p in after:
-            assert p.status == 503 and p.retry_after is not None, p
-            assert p.took_s < ANSWER_WITHIN_S, p
-            assert "application/json" in p.body, p  # an error body, not an event stream
+            s.ended.wait(max(0.0, killed + bound + 5 - time.monotonic()))
+        assert web.alive()
+
+    ends = {
+        name: None if s.ended_at is None else round(s.ended_at - killed, 1)
+        for name, s in (("running", running), ("admitted", admitted))
+    }
+    logger.warning(
+        "last worker killed: the registry noticed after %s s (TTL %.0f s); requests in "
+        "flight ended (s after the kill) %s: %s / %s; new requests: %s",
+        None if noticed is None else f"{noticed:.1f}",
+        REGISTRATION_TTL_S,
+        ends,
+        running.describe(),
+        admitted.describe(),
+        "; ".join(f"{t:.1f}s {p}" for t, p in probes),
+    )
+    # Checked every probe (~1.5 s apart while requests are still admitted).
+    assert noticed is not None and noticed < REGISTRATION_TTL_S + 2.5
+    for s in (running, admitted):
+        # An error event in the stream, or (admitted) the 503 before the stream started.
+        refused = s.status == 503 and s.failure is not None
+        assert s.outcome() == "error" or refused, s.describe()
+        assert s.ended_at is not None and s.ended_at - killed < bound, s.describe()
+        if s.error is not None:
+            assert "No worker" in s.error["message"], s.describe()
+    # A web worker reuses a positive readiness answer for READY_CACHE_S.
+    after = [p for t, p in probes if t > noticed + READY_CACHE_S]
+    assert after, probes
+    for p in after:
+        assert p.status == 503 and p.retry_after is not None, p
+        assert p.took_s < ANSWER_WITHIN_S, p
+        assert "application/json" in p.body, p  # an error body, not an event stream
 
 
 def stream_head(base: str, model: str) -> Probe:
@@ -471,115 +443,110 @@ def test_malformed_output_entry_ends_only_its_request(models_dir: Path, tmp_path
     that request ends with an error event (SSE) or its 500 (non-streaming), and its
     generation is cancelled; a concurrent stream and new requests get exactly their
     text, and the web process and its gunicorn workers live on."""
-    with RedisServer() as server:
-        settings = web_settings(
-            isolated_settings(
-                server.url,
-                models_dir,
-                echo_tokens_per_second=15.0,
-                web_workers=1,
-                web_threads=16,
-                sse_keepalive_s=1.0,
-            )
-        )
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        echo_tokens_per_second=15.0,
+        web_workers=1,
+        web_threads=16,
+        sse_keepalive_s=1.0,
+    )
+    with full_stack(settings, tmp_path) as stack:
+        settings, streamer, web = stack.settings, stack.procs["streamer"], stack.procs["web"]
         model, base = settings.served_name, base_url(settings)
         keys = Keys(settings.key_prefix)
         client = redis_client(settings.redis_url, max_connections=2)
-        with ExitStack() as stack:
-            stack.enter_context(worker_process(settings, tmp_path))
-            streamer = stack.enter_context(streamer_process(settings, tmp_path))
-            web = stack.enter_context(web_process(settings, tmp_path))
-            wait_ready(base)
-            gunicorn_workers = children(web.pid)
-            victim, bystander = Stream(CHAT, words("victim")), Stream(CHAT, words("bystander"))
-            for s in (victim, bystander):
-                start_stream(base, model, s)
-            for s in (victim, bystander):
-                assert s.started.wait(30), web.output()
-            assert victim.request_id is not None
-            inject_output_chunk(client, keys, victim.request_id, b"\x00not json", streamer.pid)
-            injected = time.monotonic()
+        wait_ready(base)
+        gunicorn_workers = children(web.pid)
+        victim, bystander = Stream(CHAT, words("victim")), Stream(CHAT, words("bystander"))
+        for s in (victim, bystander):
+            start_stream(base, model, s)
+        for s in (victim, bystander):
+            assert s.started.wait(30), web.output()
+        assert victim.request_id is not None
+        inject_output_chunk(client, keys, victim.request_id, b"\x00not json", streamer.pid)
+        injected = time.monotonic()
 
-            # A non-streaming victim: its request id is the run's, found in the
-            # in-flight set once admitted (the only one there then).
-            unary = Unary(COMPLETIONS, words("unary victim"))
-            start_unary(base, model, unary)
+        # A non-streaming victim: its request id is the run's, found in the
+        # in-flight set once admitted (the only one there then).
+        unary = Unary(COMPLETIONS, words("unary victim"))
+        start_unary(base, model, unary)
 
-            def admitted() -> str | None:
-                members: Any = client.zrange(keys.inflight, 0, -1)
-                ids = {m.decode() for m in members}
-                ids -= {victim.request_id, bystander.request_id}
-                return ids.pop() if len(ids) == 1 else None
+        def admitted() -> str | None:
+            members: Any = client.zrange(keys.inflight, 0, -1)
+            ids = {m.decode() for m in members}
+            ids -= {victim.request_id, bystander.request_id}
+            return ids.pop() if len(ids) == 1 else None
 
-            unary_rid = wait_for(admitted, 10, "the non-streaming request to be admitted")
-            wait_for(lambda: client.exists(keys.output(str(unary_rid))), 10, "its output")
-            inject_output_chunk(client, keys, str(unary_rid), b"[1, 2", streamer.pid)
+        unary_rid = wait_for(admitted, 10, "the non-streaming request to be admitted")
+        wait_for(lambda: client.exists(keys.output(str(unary_rid))), 10, "its output")
+        inject_output_chunk(client, keys, str(unary_rid), b"[1, 2", streamer.pid)
 
-            for s in (victim, bystander):
-                s.ended.wait(30)
-            unary.ended.wait(30)
-            victim_end = (victim.ended_at or injected + 99) - injected
-            cancelled = [
-                bool(client.exists(keys.cancel(str(r)))) for r in (victim.request_id, unary_rid)
-            ]
-            after = [Stream(CHAT, words("after")), Stream(COMPLETIONS, words("after c"))]
-            for s in after:
-                start_stream(base, model, s)
-            for s in after:
-                s.ended.wait(30)
-            logger.warning(
-                "malformed output entry: victim %s (%.2f s after the injection); "
-                "non-streaming victim %s; generation cancelled %s; bystander %s; after %s",
-                victim.describe(),
-                victim_end,
-                unary.describe(),
-                cancelled,
-                bystander.outcome(),
-                [s.outcome() for s in after],
-            )
-            assert victim.outcome() == "error", victim.describe()
-            assert victim.error is not None and "unreadable" in victim.error["message"]
-            assert victim_end < 2.0, victim_end
-            assert unary.status == 500 and unary.error is not None, unary.describe()
-            assert "unreadable" in unary.error["message"], unary.describe()
-            assert cancelled == [True, True]
-            assert bystander.outcome() == "exact", bystander.describe()
-            assert [s.outcome() for s in after] == ["exact", "exact"], [s.describe() for s in after]
+        for s in (victim, bystander):
+            s.ended.wait(30)
+        unary.ended.wait(30)
+        victim_end = (victim.ended_at or injected + 99) - injected
+        cancelled = [
+            bool(client.exists(keys.cancel(str(r)))) for r in (victim.request_id, unary_rid)
+        ]
+        after = [Stream(CHAT, words("after")), Stream(COMPLETIONS, words("after c"))]
+        for s in after:
+            start_stream(base, model, s)
+        for s in after:
+            s.ended.wait(30)
+        logger.warning(
+            "malformed output entry: victim %s (%.2f s after the injection); "
+            "non-streaming victim %s; generation cancelled %s; bystander %s; after %s",
+            victim.describe(),
+            victim_end,
+            unary.describe(),
+            cancelled,
+            bystander.outcome(),
+            [s.outcome() for s in after],
+        )
+        assert victim.outcome() == "error", victim.describe()
+        assert victim.error is not None and "unreadable" in victim.error["message"]
+        assert victim_end < 2.0, victim_end
+        assert unary.status == 500 and unary.error is not None, unary.describe()
+        assert "unreadable" in unary.error["message"], unary.describe()
+        assert cancelled == [True, True]
+        assert bystander.outcome() == "exact", bystander.describe()
+        assert [s.outcome() for s in after] == ["exact", "exact"], [s.describe() for s in after]
 
-            # The same on a WebSocket: an error then done for that id; the socket serves on.
-            ws = ChatClient(ws_url(settings))
-            stack.callback(ws.close)
-            ws.chat("victim", words("websocket victim"), max_tokens=1000)
-            started: dict[str, Any] = {}
-            while "victim" not in started:
-                msg = ws.receive()
-                if msg.get("type") == "started":
-                    started[msg["id"]] = msg["request_id"]
-            ws.until(lambda: bool(ws.reply("victim").deltas), timeout=30)
-            inject_output_chunk(client, keys, started["victim"], b"\xff", streamer.pid)
-            ws.wait_done("victim", timeout=10)
-            ws.chat("next", "still served")
-            ws.wait_done("next", timeout=30)
-            (ws_error,) = ws.reply("victim").errors
-            logger.warning("websocket victim: %s", ws_error)
-            assert "unreadable" in ws_error["error"]["message"], ws_error
-            assert ws.reply("next").text() == "still served" and not ws.reply("next").errors
-            assert bool(client.exists(keys.cancel(started["victim"])))
+        # The same on a WebSocket: an error then done for that id; the socket serves on.
+        ws = ChatClient(ws_url(settings))
+        stack.callback(ws.close)
+        ws.chat("victim", words("websocket victim"), max_tokens=1000)
+        started: dict[str, Any] = {}
+        while "victim" not in started:
+            msg = ws.receive()
+            if msg.get("type") == "started":
+                started[msg["id"]] = msg["request_id"]
+        ws.until(lambda: bool(ws.reply("victim").deltas), timeout=30)
+        inject_output_chunk(client, keys, started["victim"], b"\xff", streamer.pid)
+        ws.wait_done("victim", timeout=10)
+        ws.chat("next", "still served")
+        ws.wait_done("next", timeout=30)
+        (ws_error,) = ws.reply("victim").errors
+        logger.warning("websocket victim: %s", ws_error)
+        assert "unreadable" in ws_error["error"]["message"], ws_error
+        assert ws.reply("next").text() == "still served" and not ws.reply("next").errors
+        assert bool(client.exists(keys.cancel(started["victim"])))
 
-            # A key that is not a stream at all (WRONGTYPE for XREAD): the web process's
-            # one reader must end only the request that follows it, here a client
-            # replaying a finished stream, while another stream goes on.
-            finished = after[0].request_id
-            assert finished is not None
-            bystander = Stream(CHAT, words("second bystander"))
-            start_stream(base, model, bystander)
-            assert bystander.started.wait(30), web.output()
-            client.delete(keys.output(finished))
-            client.set(keys.output(finished), "not a stream")
-            replay = probe("GET", base + f"/v1/streams/{finished}", "replay a broken stream")
-            bystander.ended.wait(30)
-            logger.warning("not a stream: %s; bystander %s", replay, bystander.outcome())
-            assert replay.took_s < 2.0 and "unreadable" in replay.body, replay
-            assert replay.status in (200, 500), replay  # an error event, or before any
-            assert bystander.outcome() == "exact", bystander.describe()
-            assert web.alive() and children(web.pid) == gunicorn_workers
+        # A key that is not a stream at all (WRONGTYPE for XREAD): the web process's
+        # one reader must end only the request that follows it, here a client
+        # replaying a finished stream, while another stream goes on.
+        finished = after[0].request_id
+        assert finished is not None
+        bystander = Stream(CHAT, words("second bystander"))
+        start_stream(base, model, bystander)
+        assert bystander.started.wait(30), web.output()
+        client.delete(keys.output(finished))
+        client.set(keys.output(finished), "not a stream")
+        replay = probe("GET", base + f"/v1/streams/{finished}", "replay a broken stream")
+        bystander.ended.wait(30)
+        logger.warning("not a stream: %s; bystander %s", replay, bystander.outcome())
+        assert replay.took_s < 2.0 and "unreadable" in replay.body, replay
+        assert replay.status in (200, 500), replay  # an error event, or before any
+        assert bystander.outcome() == "exact", bystander.describe()
+        assert web.alive() and children(web.pid) == gunicorn_workers
