@@ -338,6 +338,24 @@ def in_flight(settings: Settings) -> int:
         client.close()
 
 
+def flower_process(settings: Settings, log_dir: Path, port: int, auth: str) -> Proc:
+    """Flower through ``broker.flower_app``: the Sentinel transport options come with it."""
+    return Proc(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "broker.flower_app",
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+        ],
+        child_env(settings, FLOWER_BASIC_AUTH=auth),
+        log_dir / "flower.log",
+    )
+
+
 def batcher_process(
     settings: Settings, log_dir: Path, *, name: str = "batcher", wait: bool = True
 ) -> AbstractContextManager[Proc]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import sys
 import threading
 import time
 import urllib.error
@@ -32,7 +31,7 @@ from broker.registry import batcher_registry
 from broker.server import free_port
 from tests.faults.web_clients import CHAT, Stream, children, read_stream, words
 from tests.sentinels import SentinelGroup
-from tests.stack import Proc, child_env, full_stack, isolated_settings, wait_for
+from tests.stack import flower_process, full_stack, isolated_settings, wait_for
 
 pytestmark = pytest.mark.faults
 logger = logging.getLogger(__name__)
@@ -120,24 +119,6 @@ def chat_status(
 def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
     """A non-streaming request; its text, or None when it did not succeed."""
     return chat_status(base_url, model, content, timeout)[1]
-
-
-def flower_process(settings: Any, log_dir: Path, port: int, auth: str) -> Proc:
-    """Flower through ``broker.flower_app``: the Sentinel transport options come with it."""
-    return Proc(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "broker.flower_app",
-            "flower",
-            f"--port={port}",
-            "--address=127.0.0.1",
-        ],
-        child_env(settings, FLOWER_BASIC_AUTH=auth),
-        log_dir / "flower.log",
-    )
 
 
 def flower_workers(port: int, auth: str) -> dict[str, Any]:

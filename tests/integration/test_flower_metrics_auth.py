@@ -6,7 +6,6 @@ without the credentials, and the metrics with them."""
 from __future__ import annotations
 
 import base64
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from app.settings import Settings
 from broker.server import free_port
-from tests.stack import Proc, child_env, wait_for
+from tests.stack import flower_process, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,20 +30,7 @@ def _status(url: str, auth: str | None = None) -> tuple[int, bytes]:
 
 def test_flower_metrics_need_the_basic_auth(settings: Settings, tmp_path: Path) -> None:
     port, auth = free_port(), "ops:secret"
-    flower = Proc(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "broker.flower_app",
-            "flower",
-            "--address=127.0.0.1",
-            f"--port={port}",
-        ],
-        child_env(settings, FLOWER_BASIC_AUTH=auth),
-        tmp_path / "flower.log",
-    )
+    flower = flower_process(settings, tmp_path, port, auth)
     base = f"http://127.0.0.1:{port}"
     try:
 
