@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -168,3 +169,19 @@ def client(app: Flask) -> Iterator[FlaskClient]:
 @pytest.fixture
 def scripted(settings: Settings) -> ScriptedOutput:
     return ScriptedOutput(settings)
+
+
+@pytest.fixture
+def make_client(
+    settings: Settings, ids: RequestIds, fleet: LiveFleet
+) -> Callable[..., tuple[FlaskClient, Runner]]:
+    """A client for an app with some settings changed, and its ``Runner``."""
+
+    def make(**overrides: Any) -> tuple[FlaskClient, Runner]:
+        s = settings.model_copy(update=overrides)
+        runner = Runner(s, new_id=ids)
+        flask_app = create_app(s, runner=runner)
+        flask_app.testing = True
+        return flask_app.test_client(), runner
+
+    return make

@@ -13,15 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from flask.testing import FlaskClient
 
 from app.intake import Endpoint
-from app.settings import Settings
 from broker.run import Run
 from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
-from web.app import create_app
 from web.auth import key_owner
 
 ALPHA, BETA = "k-alpha", "k-beta"
@@ -31,20 +28,6 @@ COMPLETIONS = "/v1/completions"
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-@pytest.fixture
-def make(
-    settings: Settings, ids: RequestIds, fleet: Any
-) -> Callable[..., tuple[FlaskClient, Runner]]:
-    def build(**overrides: Any) -> tuple[FlaskClient, Runner]:
-        s = settings.model_copy(update=overrides)
-        runner = Runner(s, new_id=ids)
-        flask_app = create_app(s, runner=runner)
-        flask_app.testing = True
-        return flask_app.test_client(), runner
-
-    return build
 
 
 def chat(content: str = "hi", **body: Any) -> dict[str, Any]:
@@ -63,9 +46,11 @@ def hold(runner: Runner, key: str, n: int = 1) -> Run:
 
 
 def test_one_key_cannot_take_every_slot(
-    make: Callable[..., tuple[FlaskClient, Runner]], scripted: ScriptedOutput, ids: RequestIds
+    make_client: Callable[..., tuple[FlaskClient, Runner]],
+    scripted: ScriptedOutput,
+    ids: RequestIds,
 ) -> None:
-    client, runner = make(api_keys=[ALPHA, BETA], key_max_in_flight=3, max_queue=8)
+    client, runner = make_client(api_keys=[ALPHA, BETA], key_max_in_flight=3, max_queue=8)
     held = [hold(runner, ALPHA) for _ in range(3)]
     try:
         resp = client.post(CHAT, json=chat(), headers=auth(ALPHA))  # HTTP counts too
@@ -90,18 +75,20 @@ def test_one_key_cannot_take_every_slot(
 
 
 def test_without_keys_there_is_no_per_key_quota(
-    make: Callable[..., tuple[FlaskClient, Runner]], scripted: ScriptedOutput
+    make_client: Callable[..., tuple[FlaskClient, Runner]], scripted: ScriptedOutput
 ) -> None:
-    _client, runner = make(key_max_in_flight=1, max_queue=8)
+    _client, runner = make_client(key_max_in_flight=1, max_queue=8)
     held = [hold(runner, "") for _ in range(3)]
     for run in held:
         run.close()
 
 
 def test_choices_are_counted_against_admission(
-    make: Callable[..., tuple[FlaskClient, Runner]], scripted: ScriptedOutput, ids: RequestIds
+    make_client: Callable[..., tuple[FlaskClient, Runner]],
+    scripted: ScriptedOutput,
+    ids: RequestIds,
 ) -> None:
-    client, runner = make(max_queue=8, max_request_choices=64)
+    client, runner = make_client(max_queue=8, max_request_choices=64)
     big = hold(runner, "", n=6)  # six of the eight choices
     try:
         resp = client.post(CHAT, json=chat(n=3))
@@ -117,9 +104,9 @@ def test_choices_are_counted_against_admission(
 
 
 def test_choices_per_request_have_a_quota(
-    make: Callable[..., tuple[FlaskClient, Runner]], scripted: ScriptedOutput
+    make_client: Callable[..., tuple[FlaskClient, Runner]], scripted: ScriptedOutput
 ) -> None:
-    client, _runner = make(max_request_choices=256)
+    client, _runner = make_client(max_request_choices=256)
     started = time.monotonic()
     resp = client.post(COMPLETIONS, json={"prompt": ["x"] * 10_000, "n": 16})
     assert time.monotonic() - started < 5.0

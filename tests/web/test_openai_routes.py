@@ -22,7 +22,6 @@ from broker.requests import RequestStore
 from broker.run import Run
 from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, error, final, usage
-from web.app import create_app
 from web.bodies import loads_repaired
 
 pytestmark = pytest.mark.integration
@@ -57,22 +56,6 @@ def error_of(resp: Any) -> dict[str, Any]:
     assert set(body["error"]) == {"message", "type", "param", "code"}
     err: dict[str, Any] = body["error"]
     return err
-
-
-@pytest.fixture
-def make_client(
-    settings: Settings, ids: RequestIds, fleet: Any
-) -> Callable[..., tuple[FlaskClient, Runner]]:
-    """A client for an app with some settings changed."""
-
-    def make(**overrides: Any) -> tuple[FlaskClient, Runner]:
-        s = settings.model_copy(update=overrides)
-        svc = Runner(s, new_id=ids)
-        flask_app = create_app(s, runner=svc)
-        flask_app.testing = True
-        return flask_app.test_client(), svc
-
-    return make
 
 
 # -- success paths --------------------------------------------------------------------------
