@@ -36,6 +36,58 @@ JSON_LAYOUT: dict[str, Any] = {
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _COMPILE_ERROR = "failed to compile JSON schema: "
 
+# OpenAI's limits on a structured-output schema: what a client of its API already keeps
+# to, and what keeps a grammar's compilation well under a second here (10,000 required
+# properties took one second to compile, 5,000 took a quarter of one).
+MAX_SCHEMA_PROPERTIES = 5000
+MAX_SCHEMA_NESTING = 10
+MAX_SCHEMA_ENUM_VALUES = 1000
+MAX_SCHEMA_STRING_CHARS = 120_000
+
+
+def check_schema_size(schema: Any) -> None:
+    """Raise ``InvalidRequest`` when ``schema`` exceeds OpenAI's structured-output
+    limits: object properties in all, nesting of objects, enum values in all, and the
+    characters of every property name, enum and const value together."""
+    properties = enums = chars = 0
+    stack: list[tuple[Any, int]] = [(schema, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, list):
+            stack += [(item, depth) for item in node]
+            continue
+        if not isinstance(node, dict):
+            continue
+        props = node.get("properties")
+        if isinstance(props, dict):
+            depth += 1
+            if depth > MAX_SCHEMA_NESTING:
+                raise InvalidRequest(
+                    f"the schema nests objects more than {MAX_SCHEMA_NESTING} levels deep"
+                )
+            properties += len(props)
+            chars += sum(len(str(name)) for name in props)
+        enum, const = node.get("enum"), node.get("const")
+        if isinstance(enum, list):
+            enums += len(enum)
+            chars += sum(len(v) for v in enum if isinstance(v, str))
+        if isinstance(const, str):
+            chars += len(const)
+        if properties > MAX_SCHEMA_PROPERTIES:
+            raise InvalidRequest(
+                f"the schema has more than {MAX_SCHEMA_PROPERTIES} object properties in all"
+            )
+        if enums > MAX_SCHEMA_ENUM_VALUES:
+            raise InvalidRequest(
+                f"the schema has more than {MAX_SCHEMA_ENUM_VALUES} enum values in all"
+            )
+        if chars > MAX_SCHEMA_STRING_CHARS:
+            raise InvalidRequest(
+                "the schema's property names, enum and const values have more than "
+                f"{MAX_SCHEMA_STRING_CHARS} characters in all"
+            )
+        stack += [(value, depth) for value in node.values()]
+
 
 def _schema_dict(schema: dict[str, Any] | str) -> dict[str, Any]:
     """The schema as a dict, with our layout options in place of any client's own.
@@ -50,6 +102,7 @@ def _schema_dict(schema: dict[str, Any] | str) -> dict[str, Any]:
             raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}") from exc
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be a JSON object")
+    check_schema_size(schema)
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
@@ -86,6 +139,8 @@ def _problem(grammar: str) -> str | None:
     if not error:
         return None
     first = error.strip().splitlines()[0]
+    if _over_limit(first):
+        return "it is too complex: its grammar exceeds this server's limits"
     at = first.find(_COMPILE_ERROR)
     return first[at + len(_COMPILE_ERROR) :] if at >= 0 else first
 
@@ -97,6 +152,27 @@ def grammar_problem(constraint: OutputConstraint) -> str | None:
         return _problem(constraint_grammar(constraint))
     except InvalidRequest as exc:
         return exc.message
+
+
+# What an llguidance error says when the grammar outgrew a parser limit (the lexer's
+# states or fuel, a row's items, the grammar's size), rather than being wrong.
+_LIMIT_MARKERS = ("too many", "max is", "fuel", "too large", "too big", "limit", "exceeded")
+
+
+def _over_limit(error: str) -> bool:
+    return any(marker in error.lower() for marker in _LIMIT_MARKERS)
+
+
+def public_grammar_error(internal: str) -> str:
+    """What a client reads when a constraint's grammar fails while a worker compiles or
+    follows it: plain words, never llguidance's internal text (parser states, timings,
+    item counts), which goes to the worker's log instead."""
+    if _over_limit(internal):
+        return (
+            "this JSON schema is too complex to enforce: its grammar exceeds this "
+            "server's limits (use fewer properties, alternatives or shorter patterns)"
+        )
+    return "the output grammar failed: the output no longer fits the requested format"
 
 
 def check_schema_supported(schema: dict[str, Any] | str) -> None:
@@ -123,8 +199,10 @@ def check_constraint(constraint: OutputConstraint) -> None:
 __all__ = [
     "JSON_LAYOUT",
     "check_constraint",
+    "check_schema_size",
     "check_schema_supported",
     "constraint_grammar",
     "grammar_problem",
     "grammar_text",
+    "public_grammar_error",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -245,11 +245,16 @@ class RecordBuilder:
                 self.check_prompt_chars(p, "prompt")
         texts = iter(self.prompts.encode_many([p for p in req.prompts if isinstance(p, str)]))
         prompts = [p if isinstance(p, list) else next(texts) for p in req.prompts]
-        vocab = self.card.vocab_size
         for ids in prompts:
-            if vocab is not None and any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+            self.check_token_ids(ids, "prompt", "Prompt token ids")
         return self._record(req, prompts, echo_ids=None, queue=queue, request_id=request_id)
+
+    def check_token_ids(self, ids: Iterable[int], param: str, what: str) -> None:
+        """Token ids must be the model's: an id outside the vocabulary is a 400 here, not
+        an engine's out-of-bounds read (or a silent no-op) later."""
+        vocab = self.card.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"{what} must be in [0, {vocab}).", param=param)
 
     def _record(
         self,
@@ -262,6 +267,8 @@ class RecordBuilder:
         constraint: OutputConstraint | None = None,
         tools_enabled: bool = False,
     ) -> RequestRecord:
+        self.check_token_ids(req.stop_token_ids, "stop_token_ids", "Stop token ids")
+        self.check_token_ids(req.logit_bias or {}, "logit_bias", "Token ids in 'logit_bias'")
         ctx = self.card.context_length
         longest = max(len(p) for p in prompts)
         if longest >= ctx:

@@ -54,6 +54,8 @@ _LIMIT_DEFAULTS = {
     "max_logprobs": DEFAULT_MAX_LOGPROBS,
 }
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# What an engine takes as a count (a C int): more is no setting, only an overflow.
+_INT32_MAX = 2**31 - 1
 
 # ---------------------------------------------------------------------------------------
 # Validation plumbing (the errors themselves: app.validation)
@@ -87,11 +89,13 @@ class _GenerationRequest(RequestModel):
     stop: list[str] = Field(default_factory=list, description="A string or a list of them.")
     stop_token_ids: list[int] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=_INT32_MAX)
     ignore_eos: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0 disables top-k.")
+    top_k: int | None = Field(
+        default=None, ge=-1, le=_INT32_MAX, description="-1 or 0 disables top-k."
+    )
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -228,6 +228,14 @@ class Settings(BaseSettings):
         "WebSocket together (429 naming key_max_in_flight above it). Applies only when "
         "api_keys are set. 0 = no limit.",
     )
+    key_max_connections: int = Field(
+        default=48,
+        ge=0,
+        description="Quota: WebSockets and stream followers (GET /v1/streams/{id}) one API "
+        "key holds open at once in one web worker (429 naming key_max_connections above "
+        "it). Each holds a thread for its life; this keeps one key from taking them all. "
+        "Applies only when api_keys are set. 0 = no limit.",
+    )
     max_request_choices: int = Field(
         default=256,
         ge=1,

@@ -268,6 +268,15 @@ class OutputStreams:
             _n, log.source, log.last_events = log.tail[-1]
         return log
 
+    def ended_at(self, rid: str) -> int | None:
+        """The ordinal of the chunk that ended the request's output (None: not ended, or
+        no output): one round trip. A stream's terminal chunk is always a checkpoint,
+        an entry of the output stream itself, so its last entry says."""
+        last = last_entries(self.redis, [self.keys.output(rid)])[0]
+        if not last or not any(is_terminal(ev) for ev in decode_events(last[b"d"])):
+            return None
+        return int(last[b"n"])
+
     def lost(self, rid: str) -> bool:
         """Neither the request's record nor its output exists (expired, or Redis was
         restarted without persistence): nothing will ever be written for it."""

@@ -46,6 +46,8 @@ Item = tuple[str, OutputEvent]
 
 # A silent run checks this often whether its request still exists in Redis.
 LOST_CHECK_S = 5.0
+# A cursor's event index past any chunk's events: "every event of that chunk was seen".
+PAST_EVERY_EVENT = 1 << 30
 # A run whose Redis has been unreachable this long ends with a 503 (shorter outages are
 # ridden out: with persistence the request resumes where it was).
 OUTAGE_GIVE_UP_S = 30.0
@@ -107,6 +109,9 @@ class Run:
         self.choice_errors: dict[int, StreamError] = {}
         self._pending: deque[tuple[str, int, OutputEvent]] = deque()
         self._skip = (chunk, skip)  # resuming: events of that chunk already seen
+        # Resumed from a cursor and nothing read since: a stream that ends before the
+        # cursor's chunk (a cursor never handed out) ends this run (``_guard``).
+        self._resumed_at = int(chunk)
         self._last_seen = runner.clock()
         self._closed = False
         self._sub = runner.hub.subscribe(
@@ -193,6 +198,7 @@ class Run:
 
     def _queue(self, eid: str, events: list[OutputEvent]) -> None:
         self._last_seen = self.runner.clock()
+        self._resumed_at = 0
         first = self._skip[1] if eid == self._skip[0] else 0
         if any(is_terminal(ev) for ev in events[:first]):
             # Resumed after the terminal event: the client has seen it all; without
@@ -242,11 +248,18 @@ class Run:
             self._last_seen = now
             try:
                 lost = self.runner.outputs.lost(self.request_id)
+                past_end = self._resumed_at and self._ended_before(self._resumed_at)
             except redis.RedisError:
-                lost = False
+                lost = past_end = False
             if lost:
                 return self._fail(LOST_MESSAGE, 503)
+            if past_end:
+                self.ended = True  # everything up to the end was seen: nothing more
         return None
+
+    def _ended_before(self, chunk: int) -> bool:
+        end = self.runner.outputs.ended_at(self.request_id)
+        return end is not None and end < chunk
 
     def _fail(self, message: str, status: int) -> Item:
         """The run's own request-level error (not in the stream: it keeps the cursor)."""

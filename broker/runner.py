@@ -42,7 +42,7 @@ from broker.outputs import OutputStreams
 from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RequestStore
-from broker.run import Run, RunObserver
+from broker.run import PAST_EVERY_EVENT, Run, RunObserver, split_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -197,8 +197,9 @@ class Runner:
         and its generation is not cancelled when the reconnected client leaves early
         unless nothing else is following it (the run's own close decides, as ever).
 
-        ``scope``: the owner the caller may see (None: any, e.g. an admin key); another
-        owner's stream is answered as if it did not exist."""
+        ``scope``: the owner the caller may see (the key that made the stream; None:
+        any, for a stored response its caller may see already); another owner's stream
+        is answered as if it did not exist."""
         try:
             loaded = self.store.load(request_id)
         except redis.RedisError as exc:
@@ -210,7 +211,20 @@ class Runner:
                 code="stream_not_found",
             )
         prepared = self.intake.restore(loaded[0])
-        return self.follow(prepared, cursor=cursor, route=route)
+        return self.follow(prepared, cursor=self._within(request_id, cursor), route=route)
+
+    def _within(self, rid: str, cursor: str | None) -> str | None:
+        """``cursor``, or, past the end of a stream that ended, the end itself: the run
+        then ends at once instead of waiting for a chunk that never comes."""
+        if not cursor:
+            return cursor
+        try:
+            end = self.outputs.ended_at(rid)
+        except redis.RedisError as exc:
+            raise backbone_unavailable() from exc
+        if end is None or int(split_cursor(cursor)[0]) <= end:
+            return cursor
+        return f"{end}/{PAST_EVERY_EVENT}"
 
     # -- following and cancelling ---------------------------------------------------------
     def followers(self, rid: str, change: int) -> int:
@@ -336,6 +350,20 @@ class Runner:
         if not ok:
             raise ServiceUnavailable(reason, code="not_ready", retry_after=RETRY_AFTER_S)
         self._ready_until = now + READY_CACHE_S
+
+
+def is_backbone_down(exc: BaseException) -> bool:
+    """Whether ``exc`` means Redis is away or full (``BACKBONE_DOWN``). A write refused
+    at ``maxmemory`` inside a Lua script comes back as a plain script error naming OOM."""
+    if isinstance(exc, BACKBONE_DOWN):
+        return True
+    return isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc)
+
+
+def client_error(exc: BaseException) -> BaseException:
+    """``exc`` as a client is told of it: Redis away or full is the 503 it is (retry),
+    never a 500; anything else as it is."""
+    return backbone_unavailable() if is_backbone_down(exc) else exc
 
 
 def backbone_unavailable() -> ServiceUnavailable:

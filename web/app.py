@@ -17,7 +17,8 @@ from app.settings import Settings
 from broker.response_service import ResponseService
 from broker.runner import Runner
 from web import batch, errors, metrics, openai_routes, page_headers, responses_api, ws
-from web.context import RESPONSES, RUNNER, SETTINGS
+from web.connections import KeyConnections
+from web.context import CONNECTIONS, RESPONSES, RUNNER, SETTINGS
 
 
 def create_app(settings: Settings | None = None, *, runner: Runner | None = None) -> Flask:
@@ -28,6 +29,10 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.extensions[SETTINGS] = settings
     app.extensions[RUNNER] = runner
     app.extensions[RESPONSES] = ResponseService(runner, ttl_s=settings.responses_ttl_s)
+    # Only with keys does an owner stand for one client (web.connections).
+    app.extensions[CONNECTIONS] = KeyConnections(
+        settings.key_max_connections if settings.api_keys else 0
+    )
     errors.register(app)
     metrics.register(app)
     app.register_blueprint(openai_routes.blueprint)

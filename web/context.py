@@ -12,10 +12,12 @@ from flask import Flask
 from app.settings import Settings
 from broker.response_service import ResponseService
 from broker.runner import Runner
+from web.connections import KeyConnections
 
 SETTINGS = "tokenrelay.settings"
 RUNNER = "tokenrelay.runner"
 RESPONSES = "tokenrelay.responses"
+CONNECTIONS = "tokenrelay.connections"
 
 
 def runner_of(app: Flask) -> Runner:
@@ -31,3 +33,8 @@ def settings_of(app: Flask) -> Settings:
 def responses_of(app: Flask) -> ResponseService:
     service: ResponseService = app.extensions[RESPONSES]
     return service
+
+
+def connections_of(app: Flask) -> KeyConnections:
+    connections: KeyConnections = app.extensions[CONNECTIONS]
+    return connections

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any
 
+import redis
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
@@ -32,7 +33,7 @@ from app.errors import (
     error_body,
     retry_after_of,
 )
-from broker.runner import BACKBONE_DOWN, backbone_unavailable
+from broker.runner import BACKBONE_DOWN, backbone_unavailable, is_backbone_down
 from web.head_first import SLOW_REQUEST_MESSAGE, SlowBody
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,11 @@ def register(app: Flask) -> None:
 
     for outage in BACKBONE_DOWN:
         app.register_error_handler(outage, _backbone_down)
+
+    @app.errorhandler(redis.ResponseError)
+    def _redis_error(exc: redis.ResponseError) -> Response:
+        # A write refused at maxmemory inside a Lua script (a plain script error).
+        return _backbone_down(exc) if is_backbone_down(exc) else _bug(exc)
 
     @app.errorhandler(SlowBody)
     def _slow_body(exc: SlowBody) -> Response:

@@ -42,11 +42,12 @@ from app.intake import Endpoint
 from app.response_models import ModelList, ModelObject
 from broker import drive
 from broker.run import Run
+from broker.runner import client_error
 from web import auth, sse
 from web.auth import tenant_of
 from web.bodies import json_body
 from web.clients import client_gone_probe
-from web.context import runner_of, settings_of
+from web.context import connections_of, runner_of, settings_of
 from web.responses import ChunkStream
 from web.resume import parse_event_id
 from web.sse_pump import ClientGone, SsePump, frame_items
@@ -171,8 +172,17 @@ def resume_stream(request_id: str) -> Response:
         request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
     )
     tenant = tenant_of(settings_of(current_app), request.headers.get("Authorization"))
-    run = runner_of(current_app).resume(request_id, cursor, scope=tenant.scope)
-    return _stream(run, opening=cursor is None)
+    close = connections_of(current_app).open(tenant.owner)  # a follower holds a thread
+    try:
+        # Only the key that made a stream may read it: an admin key's reach is files
+        # and batches (docs/security.md), not other keys' prompts and outputs.
+        run = runner_of(current_app).resume(request_id, cursor, scope=tenant.owner)
+        response = _stream(run, opening=cursor is None)
+    except BaseException:
+        close()
+        raise
+    response.call_on_close(close)
+    return response
 
 
 def _generate(endpoint: Endpoint) -> Response:
@@ -237,7 +247,7 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
         except Exception as exc:
             logger.exception("stream of request %s failed", run.request_id)
             run.close(error=exc)
-            yield sse.error_frame(exc)
+            yield sse.error_frame(client_error(exc))
         yield sse.DONE
 
     response = Response(body(), mimetype=sse.MIMETYPE, headers=sse.HEADERS)

@@ -27,11 +27,12 @@ from app.responses_events import Event
 from broker import drive
 from broker.response_service import ROUTE, ResponseFeed
 from broker.run import Run
+from broker.runner import client_error
 from web import sse
 from web.auth import Tenant, tenant_of
 from web.bodies import json_body
 from web.clients import client_gone_probe
-from web.context import responses_of, settings_of
+from web.context import connections_of, responses_of, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def _stream(
         except Exception as exc:
             logger.exception("stream of request %s failed", run.request_id)
             run.close(error=exc)
-            yield sse.error_frame(exc)
+            yield sse.error_frame(client_error(exc))
 
     response = Response(body(), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
     response.call_on_close(lambda: run.close(disconnected=not run.ended, resumable=True))
@@ -140,7 +141,14 @@ def get_response(response_id: str) -> Response:
         raise InvalidRequest(
             "'starting_after' must be an integer sequence number.", param="starting_after"
         ) from None
-    return _stream(service.view(stored), service.replay(stored), after)
+    close = connections_of(current_app).open(_tenant().owner)  # a follower holds a thread
+    try:
+        response = _stream(service.view(stored), service.replay(stored), after)
+    except BaseException:
+        close()
+        raise
+    response.call_on_close(close)
+    return response
 
 
 @blueprint.delete(f"{ROUTE}/<response_id>")

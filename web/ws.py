@@ -28,6 +28,7 @@ from app.errors import (
     AuthenticationFailed,
     InvalidRequest,
     OriginNotAllowed,
+    QuotaExceeded,
     TokenRelayError,
 )
 from app.intake import Endpoint
@@ -35,9 +36,9 @@ from app.settings import Settings
 from broker import drive
 from broker.response_service import ResponseService, StartedResponse
 from broker.run import Run
-from broker.runner import Runner
+from broker.runner import Runner, client_error
 from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
-from web.context import responses_of, runner_of, settings_of
+from web.context import connections_of, responses_of, runner_of, settings_of
 from web.ws_messages import (
     CancelChat,
     ChatStart,
@@ -181,7 +182,7 @@ class ChatSocket:
             return
         except Exception as exc:  # a bug reading one message: answer it, keep the socket
             logger.exception("reading a WebSocket message failed")
-            self.send(error_message(exc))
+            self.send(error_message(client_error(exc)))
             return
         if isinstance(msg, Ping):
             self.send({"type": "pong", "id": msg.id} if msg.id else {"type": "pong"})
@@ -213,12 +214,12 @@ class ChatSocket:
                 )
             else:
                 run = self.runner.resume(
-                    msg.request_id, msg.cursor, route=WS_PATH, scope=self.tenant.scope
+                    msg.request_id, msg.cursor, route=WS_PATH, scope=self.tenant.owner
                 )
         except Exception as exc:
             if not (isinstance(exc, TokenRelayError) and exc.public):
                 logger.exception("WebSocket chat request %r failed to start", msg.id)
-            self.send(error_message(exc, msg.id))
+            self.send(error_message(client_error(exc), msg.id))
             self.send(done_message(msg.id))
             return
         with self._state_lock:
@@ -276,7 +277,7 @@ class ChatSocket:
         except Exception as exc:
             logger.exception("relaying request %s to a WebSocket failed", run.request_id)
             error = exc
-            self.send(error_message(exc, id))
+            self.send(error_message(client_error(exc), id))
         finally:
             run.close(disconnected=self._closed.is_set(), resumable=True, error=error)
             with self._state_lock:
@@ -334,7 +335,17 @@ def register(sock: Sock) -> None:
             _refuse(ws, AuthenticationFailed("Invalid or missing API key."), "invalid api key")
             return
         tenant = tenant_for_key(settings, presented_key(request))
-        ChatSocket(ws, runner_of(current_app), responses_of(current_app), settings, tenant).serve()
+        try:
+            close = connections_of(current_app).open(tenant.owner)
+        except QuotaExceeded as exc:
+            _refuse(ws, exc, "key_max_connections")
+            return
+        try:
+            ChatSocket(
+                ws, runner_of(current_app), responses_of(current_app), settings, tenant
+            ).serve()
+        finally:
+            close()
 
 
 def _refuse(ws: Any, error: TokenRelayError, reason: str) -> None:

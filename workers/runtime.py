@@ -264,6 +264,8 @@ class WorkerRuntime:
                     cache_scope=record.engine_scope,
                 )
             )
+        for job in jobs:  # here, on the task's thread: not a step of the engine's
+            self.engine.prepare(job)
         return WorkItem(
             request_id=record.request_id,
             attempt=attempt,

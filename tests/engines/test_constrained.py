@@ -9,6 +9,7 @@ ignores constraints (its output is the prompt) and is checked here to do exactly
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from app.chat_template import PromptBuilder
+from app.grammar import public_grammar_error
 from app.messages import EngineFinish
 from app.records import OutputConstraint, SamplingParams
 from tests.engines.test_contract import (
@@ -25,6 +27,7 @@ from tests.engines.test_contract import (
     advance,
     make_llamacpp,
 )
+from workers.engines import constraint
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
 from workers.engines.constraint import ConstraintError
 from workers.engines.echo import EchoEngine
@@ -300,6 +303,56 @@ def test_a_grammar_failing_mid_run_ends_only_its_choice_with_a_400(
     assert run["plain", 0].finishes
     assert engine.kv_pinned == 0 and engine.running_sequences == 0
     engine.check_kv()
+
+
+def test_prepare_compiles_the_grammar_off_the_engine_thread(
+    engine: LlamaCppEngine, builder: PromptBuilder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 47, finding 1: ``prepare`` (the Celery task's thread) compiles the grammar,
+    ``submit`` (the engine thread) only starts each choice's copy of it; what cannot be
+    built is kept and rejects the job at submit, in plain words."""
+    compiled: list[str] = []
+    real = constraint.JobGrammar.__init__
+
+    def counting(self: constraint.JobGrammar, vocab: Any, c: OutputConstraint) -> None:
+        compiled.append(threading.current_thread().name)
+        real(self, vocab, c)
+
+    monkeypatch.setattr(constraint.JobGrammar, "__init__", counting)
+    c = OutputConstraint(kind="json_schema", json_schema=json.dumps(PERSON))
+    job = constrained("p", chat(builder, "Describe a person."), c, temperature=0.0)
+    worker = threading.Thread(target=engine.prepare, args=(job,), name="task-thread")
+    worker.start()
+    worker.join()
+    assert compiled == ["task-thread"]
+    assert isinstance(job.prepared, constraint.JobGrammar)
+    run = run_all(engine, job)
+    assert compiled == ["task-thread"]  # not again at submit
+    validate(json.loads(texts(run, builder, job)[0]), PERSON)
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5001)}}
+    bad = constrained(
+        "w", list(PROMPT), OutputConstraint(kind="json_schema", json_schema=json.dumps(wide))
+    )
+    engine.prepare(bad)
+    with pytest.raises(JobRejected, match="more than 5000 object properties"):
+        engine.submit(bad)
+    assert not engine.has_work()
+
+
+def test_grammar_errors_reach_clients_in_plain_words() -> None:
+    """Issue 47, finding 9: what llguidance says when a grammar fails mid-run (the
+    texts a probe got back) is logged, and the client reads plain words."""
+    for internal in (
+        "NoExtensionBias <state 17> ... compute_time_us=81234",
+        "Current row has 8007 items; max is 2000",
+        "lexer error: too many expressions constructed",
+    ):
+        public = public_grammar_error(internal)
+        assert public.startswith("this JSON schema is too complex to enforce")
+        for leak in ("row has", "max is", "lexer", "compute_time", "NoExtensionBias"):
+            assert leak not in public
+    assert "grammar" in public_grammar_error("token 17 not allowed")
 
 
 def test_echo_ignores_constraints() -> None:

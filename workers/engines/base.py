@@ -2,13 +2,16 @@
 
 Engines turn prompt token ids into new token ids. They never decode text and never
 handle stop strings (the streamer's Decoder does). Only the worker's engine thread calls
-an engine, so implementations need no locking.
+an engine, so implementations need no locking, except ``prepare``, which the thread
+handing a job over calls (a Celery task's) and which touches nothing the engine thread
+changes.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.messages import TokenDelta
 from app.records import SamplingParams
@@ -56,6 +59,10 @@ class EngineJob:
     min_tokens: int = 0
     echo_ids: list[int] | None = None
     cache_scope: str = ""
+    # What ``Engine.prepare`` made of the job on the submitting thread (its compiled
+    # output grammar, or why it cannot be built), so that ``submit``, on the engine's
+    # thread, does not spend a step's time on it.
+    prepared: Any = None
 
     @property
     def all_stop_ids(self) -> frozenset[int]:
@@ -86,6 +93,12 @@ class Engine(abc.ABC):
     """
 
     name: str = "engine"
+
+    def prepare(self, job: EngineJob) -> None:  # noqa: B027 - optional hook
+        """Do a job's costly preparation (compiling its output grammar) on the thread
+        that hands it over, before ``submit``: work here delays only this job, work in
+        ``submit`` delays every running one by a step (and their leases with it). Never
+        raises for the job's own faults: ``submit`` rejects it."""
 
     @abc.abstractmethod
     def submit(self, job: EngineJob) -> None: ...

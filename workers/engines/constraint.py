@@ -29,7 +29,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from app.grammar import constraint_grammar, grammar_problem
+from app.grammar import constraint_grammar, grammar_problem, public_grammar_error
 from app.records import OutputConstraint
 from workers.engines.base import EngineJob, JobRejected
 
@@ -67,6 +67,13 @@ class GrammarVocab:
                     self.closing[tier, tok] = True
 
 
+def _failed(matcher: llguidance.LLMatcher) -> ConstraintError:
+    """The error of a matcher in its error state, as a client may read it."""
+    internal = matcher.get_error()
+    logger.warning("constrained decoding failed: %s", internal[:2000])
+    return ConstraintError(public_grammar_error(internal))
+
+
 class JobGrammar:
     """One compiled grammar for all choices of a job (they share ``SamplingParams``);
     ``start`` gives each choice its own state, a cheap copy of the compiled matcher."""
@@ -80,7 +87,7 @@ class JobGrammar:
             vocab.tokenizer, constraint_grammar(constraint), log_level=0
         )
         if self._matcher.is_error():
-            raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
+            raise _failed(self._matcher)
 
     def start(self, prefix_ids: Iterable[int] = ()) -> SequenceGrammar:
         """A choice's grammar, advanced over the tokens it generated before a resume."""
@@ -110,7 +117,7 @@ class SequenceGrammar:
         narrowed to closing tokens when ``tokens_left`` is within ``CLOSING_TOKENS``."""
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         if self._matcher.is_error():
-            raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
+            raise _failed(self._matcher)
         bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
         allowed = bits[: self.vocab.size].astype(bool)
         if tokens_left is not None and tokens_left <= CLOSING_TOKENS:
@@ -138,7 +145,7 @@ class SequenceGrammar:
         """Advance over the sampled ``token``; raises ``ConstraintError`` if the grammar
         refuses it (a resumed prefix that does not fit, or a grammar in error)."""
         if not self._matcher.consume_token(token):
-            raise ConstraintError(f"the output grammar failed: {self._matcher.get_error()}")
+            raise _failed(self._matcher)
 
 
 __all__ = [
@@ -148,12 +155,28 @@ __all__ = [
     "GrammarVocab",
     "JobGrammar",
     "SequenceGrammar",
+    "job_grammars",
+    "prepare_grammar",
 ]
+
+
+def prepare_grammar(job: EngineJob, vocab: Callable[[], GrammarVocab]) -> None:
+    """Compile ``job``'s output grammar into ``job.prepared`` (``Engine.prepare``, on the
+    thread that hands the job over: a large schema takes most of a second to compile,
+    which on the engine thread would stall every running job past its lease). What
+    cannot be built is kept as the error for ``job_grammars`` to reject the job with."""
+    if job.sampling.constraint is None or job.prepared is not None:
+        return
+    try:
+        job.prepared = JobGrammar(vocab(), job.sampling.constraint)
+    except Exception as exc:
+        job.prepared = exc
 
 
 def job_grammars(job: EngineJob, vocab: Callable[[], GrammarVocab]) -> dict[int, SequenceGrammar]:
     """Each choice's grammar state when ``job`` is constrained, else nothing; ``vocab``
-    gives the engine's vocabulary (built on its first constrained job).
+    gives the engine's vocabulary (built on its first constrained job). The grammar is
+    compiled here only when ``prepare_grammar`` did not run.
 
     Engines call it at submit so that a grammar that cannot be built (a schema the web
     tier did not check, a resumed prefix that does not fit it) rejects the job as a 400
@@ -161,11 +184,14 @@ def job_grammars(job: EngineJob, vocab: Callable[[], GrammarVocab]) -> dict[int,
     constraint = job.sampling.constraint
     if constraint is None:
         return {}
+    prepare_grammar(job, vocab)
     try:
-        compiled = JobGrammar(vocab(), constraint)
+        if isinstance(job.prepared, BaseException):
+            raise job.prepared
+        compiled: JobGrammar = job.prepared
         return {c.index: compiled.start(c.prefix_ids) for c in job.choices}
     except ConstraintError as exc:
         raise JobRejected(str(exc)) from exc
     except Exception as exc:
-        logger.exception("cannot build the output grammar of job %s", job.job_id)
+        logger.error("cannot build the output grammar of job %s: %r", job.job_id, exc)
         raise JobRejected("the output grammar could not be built") from exc

@@ -25,6 +25,7 @@ Source references are to exllamav2 v0.3.2 (``exllamav2/generator/dynamic.py`` = 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,12 @@ from app.messages import EngineFinish, TokenDelta
 from app.model_card import ModelCard
 from app.settings import Settings
 from workers.engines.base import Engine, EngineJob, EngineStep, JobRejected
-from workers.engines.constraint import ConstraintError, GrammarVocab, job_grammars
+from workers.engines.constraint import (
+    ConstraintError,
+    GrammarVocab,
+    job_grammars,
+    prepare_grammar,
+)
 from workers.engines.exllamav2_filter import GrammarFilter
 from workers.engines.exllamav2_jobs import (
     OutputPenalties,
@@ -133,6 +139,7 @@ class ExLlamaV2Engine(Engine):
         # Builds llguidance's view of the vocabulary on the first constrained job.
         self._grammar_vocab_factory = grammar_vocab
         self._grammar_vocab: GrammarVocab | None = None
+        self._vocab_lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
 
     # --- construction -------------------------------------------------------------
@@ -246,6 +253,9 @@ class ExLlamaV2Engine(Engine):
 
     def has_work(self) -> bool:
         return any(not c.done for job in self._jobs.values() for c in job.choices.values())
+
+    def prepare(self, job: EngineJob) -> None:
+        prepare_grammar(job, self._vocab)
 
     def submit(self, job: EngineJob) -> None:
         if job.job_id in self._jobs:
@@ -393,11 +403,12 @@ class ExLlamaV2Engine(Engine):
         return {i: GrammarFilter(state, limits[i]) for i, state in states.items()}
 
     def _vocab(self) -> GrammarVocab:
-        if self._grammar_vocab is None:
-            if self._grammar_vocab_factory is None:
-                raise ConstraintError("this engine has no tokenizer for output grammars")
-            self._grammar_vocab = self._grammar_vocab_factory()
-        return self._grammar_vocab
+        with self._vocab_lock:  # ``prepare`` runs on the threads handing jobs over
+            if self._grammar_vocab is None:
+                if self._grammar_vocab_factory is None:
+                    raise ConstraintError("this engine has no tokenizer for output grammars")
+                self._grammar_vocab = self._grammar_vocab_factory()
+            return self._grammar_vocab
 
     def _token_bias(self, api: ExllamaApi, logit_bias: dict[int, float]) -> Any:
         if not logit_bias:

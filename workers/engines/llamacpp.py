@@ -11,10 +11,8 @@ llama.cpp's batch API through the low-level bindings (``llama_cpp.llama_*``):
   running choice plus a bounded chunk of prompt tokens of the jobs being admitted, so a
   long prompt delays the others by one chunk per step, never by its whole prefill;
 * sampling is llama.cpp's own sampler chain, one per choice (logit bias, penalties,
-  temperature, top-k, top-p, min-p, then greedy or a seeded draw), except that a choice
-  whose chain would be the greedy sampler alone takes the argmax of its logits row
-  (the same token; ``llama_sampler_sample`` builds a candidate array of the whole
-  vocabulary first, ~30x the cost);
+  temperature, top-k, top-p, min-p, then greedy or a seeded draw); a choice whose chain
+  is greedy alone takes its logits row's argmax (the same token, ~30x cheaper);
 * logprobs are the log-softmax of the raw logits (before any sampling transform, as vLLM
   reports them), read straight from llama.cpp's logits buffer with numpy;
 * a constrained choice (``SamplingParams.constraint``) has its own llguidance grammar
@@ -38,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,6 +49,7 @@ from workers.engines.constraint import (
     ConstraintError,
     GrammarVocab,
     job_grammars,
+    prepare_grammar,
 )
 from workers.engines.llamacpp_jobs import Entry, Job, Prefill, Seq
 from workers.engines.llamacpp_kv import KvCells
@@ -158,6 +158,7 @@ class LlamaCppEngine(Engine):
         self.prompt_tokens_decoded = 0  # prompt tokens run through the model, since start
         self._closed = False
         self._grammar_vocab: GrammarVocab | None = None  # on the first constrained job
+        self._vocab_lock = threading.Lock()
         logger.info(
             "llama.cpp engine: %s, n_ctx %d, %d sequences, %d threads, extra buffers %s, "
             "prefix cache %s",
@@ -193,6 +194,9 @@ class LlamaCppEngine(Engine):
         return self._capacity
 
     # -- the Engine interface ---------------------------------------------------------
+
+    def prepare(self, job: EngineJob) -> None:
+        prepare_grammar(job, self._vocab)
 
     def submit(self, job: EngineJob) -> None:
         if job.job_id in self._jobs:
@@ -461,9 +465,10 @@ class LlamaCppEngine(Engine):
     # -- sampling ---------------------------------------------------------------------
 
     def _vocab(self) -> GrammarVocab:
-        if self._grammar_vocab is None:
-            self._grammar_vocab = grammar_vocab(self._model)
-        return self._grammar_vocab
+        with self._vocab_lock:  # ``prepare`` runs on the threads handing jobs over
+            if self._grammar_vocab is None:
+                self._grammar_vocab = grammar_vocab(self._model)
+            return self._grammar_vocab
 
     def _sample(self, idx: int, seqs: list[Seq], out: list[EngineStep]) -> None:
         """Sample the next token of ``seqs`` (siblings share one logits row) from the

@@ -1,0 +1,99 @@
+"""Issue 47 ("hostile clients II") where the finding needs a moment no client can pick:
+the Flask app over a real redis-server, its output scripted (``ScriptedOutput``).
+
+The rest of the issue's findings run through real processes in
+``tests/e2e/test_hostile_clients_ii.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from flask.testing import FlaskClient
+
+from app.settings import Settings
+from broker.responses import ResponseStore
+from broker.runner import Runner
+from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
+
+pytestmark = pytest.mark.integration
+
+ALPHA, BETA = "k-alpha", "k-beta"
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_stored_response_at_the_memory_limit_is_a_503_not_a_500(
+    client: FlaskClient,
+    ids: RequestIds,
+    scripted: ScriptedOutput,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding 4: Redis reaches ``maxmemory`` (noeviction) between the response's creation
+    and its final object: the Lua check-and-set that stores it is refused with an OOM
+    script error. The client gets the 503 + Retry-After of a full backbone, never a 500;
+    once Redis has room again, reading the response settles it from its output."""
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "stored"), final(0), usage())
+    admin = redis.Redis.from_url(settings.redis_url)
+    create = ResponseStore.create
+
+    def create_then_fill(self: ResponseStore, stored: Any) -> None:
+        create(self, stored)
+        admin.config_set("maxmemory", 1)  # every write from now on: OOM
+
+    monkeypatch.setattr(ResponseStore, "create", create_then_fill)
+    try:
+        resp = client.post("/v1/responses", json={"input": "hi", "store": True})
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert resp.status_code == 503, resp.get_data(as_text=True)
+    assert resp.headers["Retry-After"]
+    body = resp.get_json()["error"]
+    assert body["code"] == "not_ready" and "Traceback" not in body["message"]
+
+    got = client.get(f"/v1/responses/resp_{rid}")
+    assert got.status_code == 200
+    assert got.get_json()["status"] == "completed"
+    assert got.get_json()["output"][0]["content"][0]["text"] == "stored"
+
+
+def test_stream_followers_of_one_key_are_capped_per_worker(
+    make_client: Callable[..., tuple[FlaskClient, Runner]],
+    ids: RequestIds,
+    scripted: ScriptedOutput,
+) -> None:
+    """Finding 6 (followers): 400 followers of one key's own live stream held 430 threads.
+    A key holds at most ``key_max_connections`` followers (2 here); the next is a 429
+    naming the quota, another key is not affected, and a closed follower frees its place."""
+    client, runner = make_client(api_keys=[ALPHA, BETA], key_max_connections=2)
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "live "))  # no end yet: the followers stay
+    started = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+        headers=auth(ALPHA),
+        buffered=False,
+    )
+    assert started.status_code == 200
+    follow = [
+        client.get(f"/v1/streams/{rid}", headers=auth(ALPHA), buffered=False) for _ in range(2)
+    ]
+    assert [f.status_code for f in follow] == [200, 200]
+    refused = client.get(f"/v1/streams/{rid}", headers=auth(ALPHA))
+    assert refused.status_code == 429
+    assert "key_max_connections" in refused.get_json()["error"]["message"]
+    # Beta's own connections are its own (its request to alpha's stream is a 404).
+    assert client.get(f"/v1/streams/{rid}", headers=auth(BETA)).status_code == 404
+    follow.pop().close()
+    again = client.get(f"/v1/streams/{rid}", headers=auth(ALPHA), buffered=False)
+    assert again.status_code == 200
+    for resp in (*follow, again, started):
+        resp.close()
+    runner.cancel(rid)
