@@ -349,6 +349,13 @@ class Settings(BaseSettings):
         description="Quota: bytes of files one API key may store at once (429 above it "
         "on upload). 0 = no limit.",
     )
+    key_max_stored_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=0,
+        description="Quota: bytes of stored responses (the Responses API's store: true, "
+        "their input and output) one API key may keep at once (429 naming "
+        "key_max_stored_bytes above it on create). 0 = no limit.",
+    )
     batch_max_requests: int = Field(
         default=50_000, ge=1, description="Most request lines in one batch's input file."
     )

@@ -147,6 +147,16 @@ class Keys:
         """One owner's file ids -> sizes, what its storage quota counts."""
         return f"{self.prefix}owner:{owner or '-'}:fbytes"
 
+    def owner_responses(self, owner: str) -> str:
+        """One owner's stored responses -> when each expires (unix s): what falls out of
+        its storage count (``broker.responses``)."""
+        return f"{self.prefix}owner:{owner or '-'}:resps"
+
+    def owner_response_bytes(self, owner: str) -> str:
+        """One owner's stored responses -> their sizes, and ``#total``: what its stored
+        bytes quota counts."""
+        return f"{self.prefix}owner:{owner or '-'}:rbytes"
+
     def owner_batches(self, owner: str) -> str:
         return f"{self.prefix}owner:{owner or '-'}:batches"
 

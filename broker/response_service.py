@@ -34,6 +34,7 @@ from app.messages import OutputEvent
 from app.responses_api import (
     ResponseSkeleton,
     ResponsesRequest,
+    dumps,
     parse_responses_request,
     response_id_of,
     with_ids,
@@ -115,7 +116,7 @@ class ResponseFeed:
         if self._events.done and not self._finished:
             self._finished = True
             if self._store is not None:
-                self._store.finish(self._stored.response_id, self._events.response)
+                self._store.finish(self._stored, self._events.response)
         return out
 
 
@@ -136,7 +137,7 @@ class StartedResponse:
 class ResponseService:
     """Stored responses and their runs, over one process's ``Runner``."""
 
-    def __init__(self, runner: Runner, *, ttl_s: int) -> None:
+    def __init__(self, runner: Runner, *, ttl_s: int, max_bytes: int = 0) -> None:
         self.runner = runner
         self.store = ResponseStore(
             runner.redis,
@@ -144,6 +145,7 @@ class ResponseService:
             ttl_s=ttl_s,
             requests=runner.store,
             outputs=runner.outputs,
+            max_bytes=max_bytes,
         )
 
     # -- create ------------------------------------------------------------------------
@@ -156,7 +158,10 @@ class ResponseService:
             body = {**body, "stream": stream}
         # Parsed here only to find the conversation it continues; ``Runner.start``
         # prepares the body itself, on the one path every API takes.
-        context = self._previous_items(parse_responses_request(body), caller)
+        parsed = parse_responses_request(body)
+        if parsed.store:  # a key over its stored bytes is refused before it generates
+            self.store.check_room(caller.owner, len(dumps(body)))
+        context = self._previous_items(parsed, caller)
         run = self.runner.start(
             Endpoint.RESPONSES, body, route=route, owner=caller.owner, context=context
         )
@@ -301,7 +306,7 @@ class ResponseService:
         stored = self.load(response_id, caller)
         if not stored.terminal:
             self.runner.cancel(stored.request_id)
-        self.store.delete(response_id)
+        self.store.delete(stored)
 
     def cancel(self, response_id: str, caller: Caller) -> dict[str, Any]:
         """Cancel a background response: its generation stops and it ends ``cancelled``
@@ -320,7 +325,7 @@ class ResponseService:
             time.sleep(0.05)
             stored = self.store.settle(stored)
         if not stored.terminal:
-            self.store.finish(response_id, {**stored.response, "status": "cancelled"})
+            self.store.finish(stored, {**stored.response, "status": "cancelled"})
             stored = self.store.settle(self.load(response_id, caller))
         return stored.response
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from app.errors import QuotaExceeded
 from app.records import RequestState
 from app.responses_events import TERMINAL_STATUSES, ResponseEvents, error_code
 from broker.keys import Keys
@@ -36,15 +38,64 @@ from broker.requests import RequestStore
 
 logger = logging.getLogger(__name__)
 
-# KEYS: response       ARGV: status, response JSON
+# Each owner's stored responses are counted in bytes (``key_max_stored_bytes``): a hash
+# of each response's size with their ``#total``, and a sorted set of when each expires,
+# from which a response that expired leaves the count at the owner's next create.
+_FORGET_EXPIRED = """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+for _, id in ipairs(gone) do
+  local n = tonumber(redis.call('HGET', KEYS[3], id) or '0')
+  redis.call('HINCRBY', KEYS[3], '#total', -n)
+  redis.call('HDEL', KEYS[3], id)
+end
+if #gone > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1]) end
+"""
+
+# KEYS: response, owner's expiries, owner's sizes
+# ARGV: now, expires at, ttl_s, limit (0: none), size, id, then the hash's field/values
+# -> 1 stored, 0 over the owner's quota (nothing written)
+CREATE = (
+    _FORGET_EXPIRED
+    + """
+local size, limit = tonumber(ARGV[5]), tonumber(ARGV[4])
+local total = tonumber(redis.call('HGET', KEYS[3], '#total') or '0')
+if limit > 0 and total + size > limit then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[6])
+redis.call('HSET', KEYS[3], ARGV[6], size)
+redis.call('HINCRBY', KEYS[3], '#total', size)
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: response, owner's sizes     ARGV: status, response JSON, id
 # -> 1 written, 0 already terminal (left as it was), -1 no such response
+# The final object replaces the one written at creation: the owner's count grows by the
+# difference (never refused: the work is done; the owner's next create is).
 FINISH = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return -1 end
 if status == 'completed' or status == 'failed' or status == 'incomplete'
    or status == 'cancelled' then return 0 end
+local grown = #ARGV[2] - redis.call('HSTRLEN', KEYS[1], 'response')
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'response', ARGV[2])
+if redis.call('HEXISTS', KEYS[2], ARGV[3]) == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], grown)
+  redis.call('HINCRBY', KEYS[2], '#total', grown)
+end
 return 1
+"""
+
+# KEYS: response, owner's expiries, owner's sizes     ARGV: id -> 1 deleted, 0 none
+DELETE = """
+local n = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
+redis.call('HINCRBY', KEYS[3], '#total', -n)
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return redis.call('DEL', KEYS[1])
 """
 
 # The longest conversation ``conversation`` walks (a guard; each turn is one round trip).
@@ -97,31 +148,69 @@ class ResponseStore:
         ttl_s: int,
         requests: RequestStore,
         outputs: OutputStreams,
+        max_bytes: int = 0,
     ) -> None:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
         self.requests = requests
         self.outputs = outputs
+        self.max_bytes = max_bytes
+        self._create = client.register_script(CREATE)
         self._finish = client.register_script(FINISH)
+        self._delete = client.register_script(DELETE)
+
+    def _owner_keys(self, owner: str) -> list[str]:
+        return [self.keys.owner_responses(owner), self.keys.owner_response_bytes(owner)]
+
+    def stored_bytes(self, owner: str) -> int:
+        """What ``owner``'s stored responses count against its quota now (expired ones
+        included until its next create)."""
+        raw: Any = self.redis.hget(self.keys.owner_response_bytes(owner), "#total")
+        return int(raw or 0)
+
+    def check_room(self, owner: str, size: int) -> None:
+        """Raise ``QuotaExceeded`` when ``size`` more bytes would take ``owner`` over its
+        quota: checked before a response's generation starts (``create`` checks again,
+        atomically)."""
+        if self.max_bytes and self.stored_bytes(owner) + size > self.max_bytes:
+            raise self._over_quota()
+
+    def _over_quota(self) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"This API key's stored responses already take up to {self.max_bytes} bytes, "
+            "its quota (key_max_stored_bytes); delete responses (or create them with "
+            "'store': false) to store more."
+        )
 
     def create(self, stored: StoredResponse) -> None:
-        key = self.keys.response(stored.response_id)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(
-            key,
-            mapping={
-                "status": stored.status,
-                "owner": stored.owner,
-                "request": stored.request_id,
-                "response": _dumps(stored.response),
-                "base": _dumps(stored.base),
-                "input": _dumps(stored.input_items),
-                "background": "1" if stored.background else "",
-            },
+        """Store a new response, counted against its owner's quota (``QuotaExceeded``
+        when it does not fit: nothing is written then)."""
+        fields = {
+            "status": stored.status,
+            "owner": stored.owner,
+            "request": stored.request_id,
+            "response": _dumps(stored.response),
+            "base": _dumps(stored.base),
+            "input": _dumps(stored.input_items),
+            "background": "1" if stored.background else "",
+        }
+        size = sum(len(k) + len(v.encode()) for k, v in fields.items())
+        now = int(time.time())
+        stored_now: Any = self._create(
+            keys=[self.keys.response(stored.response_id), *self._owner_keys(stored.owner)],
+            args=[
+                now,
+                now + self.ttl_s,
+                self.ttl_s,
+                self.max_bytes,
+                size,
+                stored.response_id,
+                *(x for kv in fields.items() for x in kv),
+            ],
         )
-        pipe.expire(key, self.ttl_s)
-        pipe.execute()
+        if not int(stored_now):
+            raise self._over_quota()
 
     def load(self, response_id: str, scope: str | None) -> StoredResponse | None:
         """The stored response, or None when missing, expired or another owner's
@@ -163,16 +252,25 @@ class ResponseStore:
                 return None
         return None
 
-    def finish(self, response_id: str, response: dict[str, Any]) -> bool:
+    def finish(self, stored: StoredResponse, response: dict[str, Any]) -> bool:
         """Write the final object unless the response is already terminal (a cancel,
         or another process that got there first); whether it was written."""
         result: Any = self._finish(
-            keys=[self.keys.response(response_id)], args=[response["status"], _dumps(response)]
+            keys=[
+                self.keys.response(stored.response_id),
+                self.keys.owner_response_bytes(stored.owner),
+            ],
+            args=[response["status"], _dumps(response), stored.response_id],
         )
         return int(result) == 1
 
-    def delete(self, response_id: str) -> bool:
-        deleted: Any = self.redis.delete(self.keys.response(response_id))
+    def delete(self, stored: StoredResponse) -> bool:
+        """Delete a stored response and take it out of its owner's count. No MULTI: a
+        Redis at maxmemory refuses it, never DEL, HDEL or ZREM (a full Redis still frees)."""
+        deleted: Any = self._delete(
+            keys=[self.keys.response(stored.response_id), *self._owner_keys(stored.owner)],
+            args=[stored.response_id],
+        )
         return bool(deleted)
 
     # -- folding ------------------------------------------------------------------------
@@ -197,7 +295,7 @@ class ResponseStore:
         if events.done:
             # The follower that would have freed its admission slot may be gone.
             self.requests.release(stored.request_id)
-            self.finish(stored.response_id, events.response)
+            self.finish(stored, events.response)
             return self.load(stored.response_id, None) or stored.with_response(events.response)
         if self.outputs.lost(stored.request_id):
             failed = {
@@ -205,7 +303,7 @@ class ResponseStore:
                 "status": "failed",
                 "error": {"code": error_code(500), "message": LOST_MESSAGE},
             }
-            self.finish(stored.response_id, failed)
+            self.finish(stored, failed)
             return self.load(stored.response_id, None) or stored.with_response(failed)
         response = events.response
         state = self.requests.state(stored.request_id)

@@ -28,7 +28,9 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions[SETTINGS] = settings
     app.extensions[RUNNER] = runner
-    app.extensions[RESPONSES] = ResponseService(runner, ttl_s=settings.responses_ttl_s)
+    app.extensions[RESPONSES] = ResponseService(
+        runner, ttl_s=settings.responses_ttl_s, max_bytes=settings.key_max_stored_bytes
+    )
     # Only with keys does an owner stand for one client (web.connections).
     app.extensions[CONNECTIONS] = KeyConnections(
         settings.key_max_connections if settings.api_keys else 0

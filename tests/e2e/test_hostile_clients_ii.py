@@ -105,7 +105,7 @@ def test_1_a_schema_too_costly_to_compile_is_refused_at_once(stack: Stack) -> No
         assert resp.status_code == 400, resp.text
         error = resp.json()["error"]
         assert "more than 5000 object properties" in error["message"]
-        assert error["param"] == "response_format"
+        assert error["param"] == "response_format.json_schema.schema"
 
 
 def test_8_a_cursor_past_the_end_of_a_finished_stream_answers_at_once(stack: Stack) -> None:
@@ -264,3 +264,43 @@ def test_6_one_key_cannot_hold_every_web_thread_with_websockets(stack: Stack) ->
     finally:
         for ws in held:
             ws.close()
+
+
+@pytest.fixture(scope="module")
+def llama_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The bundled model on llama.cpp with a 1,024-token KV cache (4 slots)."""
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        api_keys=[ALPHA, BETA, ADMIN],
+        admin_api_keys=[ADMIN],
+        llamacpp_n_ctx=1024,
+        worker_slots=2,
+        web_workers=1,
+        web_threads=16,
+    )
+    log_dir = tmp_path_factory.mktemp("hostile-ii-llama-logs")
+    with full_stack(settings, log_dir, engine="llamacpp") as st:
+        yield st
+
+
+@pytest.mark.slow
+def test_2_one_request_cannot_take_the_whole_kv_cache(llama_stack: Stack) -> None:
+    """Finding 2: one chat with ``n: 16, max_tokens: 2000, ignore_eos`` (inside every
+    documented limit) took the whole llama.cpp KV cache, and other keys' chats failed
+    with a 500 "out of KV cache memory". Such a request can only end when it has filled
+    prompt + n x max_tokens cells, so one that cannot fit is a 400 at once now; the other
+    key's chat, sent meanwhile, succeeds."""
+    hog = chat("count to a thousand", n=4, max_tokens=400, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:
+        hostile = pool.submit(post, llama_stack, ALPHA, hog, CHAT, 120)
+        started = time.monotonic()
+        other = post(llama_stack, BETA, chat("Say hi.", max_tokens=30), timeout=120)
+        assert other.status_code == 200, other.text
+        assert time.monotonic() - started < 60
+        refused = hostile.result()
+    assert refused.status_code == 400, refused.text
+    assert "ignore_eos" in refused.json()["error"]["message"]
+    fits = post(llama_stack, ALPHA, chat("Say hi.", max_tokens=50, ignore_eos=True), CHAT, 120)
+    assert fits.status_code == 200
+    assert fits.json()["usage"]["completion_tokens"] == 50

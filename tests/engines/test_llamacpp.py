@@ -17,7 +17,7 @@ from app.messages import EngineFinish
 from app.model_card import ModelCard
 from app.records import SamplingParams
 from app.settings import Settings
-from tests.engines.test_contract import PROMPT, Run, advance, make_llamacpp
+from tests.engines.test_contract import PROMPT, Choice, Run, advance, make_llamacpp
 from workers.engines.base import ChoiceJob, EngineJob, JobRejected
 from workers.engines.llamacpp import KV_FULL_MESSAGE, LlamaCppEngine, choice_seed
 from workers.engines.llamacpp_load import cpu_has_amx
@@ -237,7 +237,9 @@ def test_long_prompt_is_prefilled_in_chunks(bundled_model_dir: Path) -> None:
         engine.close()
 
 
-def test_kv_cache_exhaustion_fails_only_the_newest_job(bundled_model_dir: Path) -> None:
+def test_kv_cache_exhaustion_fails_only_one_job_the_newest_among_equals(
+    bundled_model_dir: Path,
+) -> None:
     engine = make_llamacpp(bundled_model_dir, n_ctx=256, capacity=4)
     try:
         jobs = [one(f"j{i}", PROMPT, 200) for i in range(3)]  # each fits; together not
@@ -252,6 +254,53 @@ def test_kv_cache_exhaustion_fails_only_the_newest_job(bundled_model_dir: Path) 
         assert not engine.has_work() and engine.kv_pinned == 0
     finally:
         engine.close()
+
+
+def test_kv_cache_exhaustion_fails_the_job_holding_most_not_a_small_newcomer(
+    bundled_model_dir: Path,
+) -> None:
+    """Issue 47, finding 2: one request whose choices grow into the whole cache made
+    other clients' small requests fail with "out of KV cache". The job holding the most
+    cells ends now, with a capacity error (503, retry), and the small one finishes."""
+    engine = make_llamacpp(bundled_model_dir, n_ctx=256, capacity=4)
+    rare = frozenset({49000})  # a stop id it will not sample: it runs to max_new
+    try:
+        hog = EngineJob("hog", PROMPT, [ChoiceJob(i, 100) for i in range(3)], GREEDY, rare)
+        engine.submit(hog)
+        run = Run()
+        advance(engine, run, steps=30)  # the hog holds ~17 + 3 x 30 cells
+        engine.submit(one("small", PROMPT, 40))
+        errors: dict[str, set[int | None]] = {}
+        for _ in range(400):
+            if not engine.has_work():
+                break
+            for st in engine.step():
+                d = st.delta
+                if d.finish is EngineFinish.ERROR:
+                    errors.setdefault(st.job_id, set()).add(d.error_code)
+                ch = run.choices.setdefault((st.job_id, d.choice), Choice())
+                ch.tokens += d.token_ids
+                if d.finish is not None:
+                    ch.finishes.append(d.finish)
+        assert errors == {"hog": {503}}
+        assert run["small", 0].finishes == [EngineFinish.LENGTH]
+        assert len(run["small", 0].tokens) == 40
+        assert not engine.has_work() and engine.kv_pinned == 0
+        engine.check_kv()
+    finally:
+        engine.close()
+
+
+def test_a_job_that_cannot_fit_with_ignore_eos_is_refused_up_front(
+    engine: LlamaCppEngine,
+) -> None:
+    """Nothing can end it early, so it would hold prompt + n x max_tokens cells: more
+    than the cache is a 400 at submit, not a cache taken from everyone until it fails."""
+    choices = [ChoiceJob(i, 1000) for i in range(8)]  # 8 x 1000 > 2048 cells
+    with pytest.raises(JobRejected, match="ignore_eos"):
+        engine.submit(EngineJob("big", PROMPT, choices, GREEDY))
+    ok = run_jobs(engine, EngineJob("ok", PROMPT, [ChoiceJob(0, 8)], GREEDY))  # still serving
+    assert ok["ok", 0].finishes == [EngineFinish.LENGTH]
 
 
 def test_kv_full_error_message_is_client_safe() -> None:

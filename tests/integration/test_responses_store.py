@@ -74,7 +74,7 @@ def test_owner_scope_and_ttl(
     assert responses.load(s.response_id, "o2") is None
     ttl = redis_client.ttl(Keys(settings.key_prefix).response(s.response_id))
     assert 0 < int(ttl) <= TTL_S  # type: ignore[arg-type]
-    assert responses.delete(s.response_id) and responses.load(s.response_id, None) is None
+    assert responses.delete(s) and responses.load(s.response_id, None) is None
 
 
 def test_settle_folds_the_stream_and_finishes_once(
@@ -106,14 +106,14 @@ def test_settle_folds_the_stream_and_finishes_once(
     assert done.response["usage"]["output_tokens"] == 2
     assert responses.load(s.response_id, None) == done
     # Write-once: a later finish (another process, a cancel) changes nothing.
-    assert not responses.finish(s.response_id, {**done.response, "status": "cancelled"})
+    assert not responses.finish(s, {**done.response, "status": "cancelled"})
     assert responses.load(s.response_id, None) == done
 
 
 def test_a_cancel_is_never_overwritten(responses: ResponseStore, store: RequestStore) -> None:
     s = stored_for("r-cancel")
     responses.create(s)
-    assert responses.finish(s.response_id, {**s.response, "status": "cancelled"})
+    assert responses.finish(s, {**s.response, "status": "cancelled"})
     write(responses.outputs, "r-cancel", delta("x"), USAGE, first=True)
     assert responses.settle(responses.load(s.response_id, None)).status == "cancelled"  # type: ignore[arg-type]
 
@@ -150,5 +150,5 @@ def test_a_conversation_is_walked_back_not_copied(responses: ResponseStore) -> N
     assert [i["content"][0]["text"] for i in items[1::2]] == ["one", "two", "three"]
     fields: Any = responses.redis.hkeys(responses.keys.response(third.response_id))
     assert b"input" in fields and b"context" not in fields  # no copy of the conversation
-    responses.delete(second.response_id)
+    responses.delete(second)
     assert responses.conversation(third) is None  # a gap: it cannot be continued

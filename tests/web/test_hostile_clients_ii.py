@@ -97,3 +97,37 @@ def test_stream_followers_of_one_key_are_capped_per_worker(
     for resp in (*follow, again, started):
         resp.close()
     runner.cancel(rid)
+
+
+def test_stored_responses_count_against_a_per_key_byte_quota(
+    make_client: Callable[..., tuple[FlaskClient, Runner]],
+    ids: RequestIds,
+    scripted: ScriptedOutput,
+) -> None:
+    """Finding 3: a 7 MB tool description under ``tool_choice: "none"`` (outside the
+    prompt, so no context check) was stored for 30 days per request, and one key filled
+    Redis. Stored responses now count against ``key_max_stored_bytes`` (300 KB here):
+    past it a create is a 429 naming the quota before anything generates; another key
+    is unaffected, and deleting frees the room."""
+    client, _runner = make_client(api_keys=[ALPHA, BETA], key_max_stored_bytes=300_000)
+    tool = {
+        "type": "function",
+        "name": "lookup",
+        "description": "x" * 120_000,
+        "parameters": {"type": "object", "properties": {}},
+    }
+    body = {"input": "hi", "tools": [tool], "tool_choice": "none", "store": True}
+
+    def create(key: str) -> Any:
+        scripted.write(ids.peek(), delta(0, "ok"), final(0), usage())
+        return client.post("/v1/responses", json=body, headers=auth(key))
+
+    first = create(ALPHA)
+    assert first.status_code == 200, first.get_data(as_text=True)
+    refused = create(ALPHA)  # the first holds its body twice (request echo, object)
+    assert refused.status_code == 429
+    assert "key_max_stored_bytes" in refused.get_json()["error"]["message"]
+    assert create(BETA).status_code == 200  # another key's quota is its own
+    rid = first.get_json()["id"]
+    assert client.delete(f"/v1/responses/{rid}", headers=auth(ALPHA)).status_code == 200
+    assert create(ALPHA).status_code == 200

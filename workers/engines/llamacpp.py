@@ -51,7 +51,7 @@ from workers.engines.constraint import (
     job_grammars,
     prepare_grammar,
 )
-from workers.engines.llamacpp_jobs import Entry, Job, Prefill, Seq
+from workers.engines.llamacpp_jobs import Entry, Job, Prefill, Seq, check_job
 from workers.engines.llamacpp_kv import KvCells
 from workers.engines.llamacpp_load import cpu_has_amx, load_model, new_context
 from workers.engines.llamacpp_sampling import (
@@ -79,6 +79,8 @@ KV_FULL_MESSAGE = (
     "the server ran out of KV cache memory for this request; retry with a shorter "
     "prompt or a smaller max_tokens"
 )
+KV_FULL_STATUS = 503  # a capacity condition (retry), not a fault of the server's
+VICTIM_BLOCK = 64  # cells: jobs within one block of each other count as the same size
 
 
 class LlamaCppEngine(Engine):
@@ -201,25 +203,13 @@ class LlamaCppEngine(Engine):
     def submit(self, job: EngineJob) -> None:
         if job.job_id in self._jobs:
             raise JobRejected(f"job {job.job_id!r} is already running")
-        if not job.choices:
-            raise JobRejected("a job needs at least one choice")
-        if len(job.choices) > self._capacity:
-            raise JobRejected(
-                f"n={len(job.choices)} exceeds the {self._capacity} sequences this "
-                "worker runs at once"
-            )
-        ids = [*job.prompt_ids, *(t for c in job.choices for t in c.prefix_ids)]
-        if ids and (min(ids) < 0 or max(ids) >= self.n_vocab):
-            raise JobRejected(f"token ids must be in 0..{self.n_vocab - 1}")
-        for c in job.choices:
-            prompt = len(job.prompt_ids) + len(c.prefix_ids)
-            if prompt == 0:
-                raise JobRejected("the prompt is empty")
-            if prompt + c.max_new_tokens > self.context_limit:
-                raise JobRejected(
-                    f"prompt ({prompt} tokens) + max_tokens ({c.max_new_tokens}) exceeds "
-                    f"the context ({self.context_limit} tokens)"
-                )
+        check_job(
+            job,
+            capacity=self._capacity,
+            n_vocab=self.n_vocab,
+            context_limit=self.context_limit,
+            n_ctx=self.n_ctx,
+        )
         grammars = job_grammars(job, self._vocab)
         self._order += 1
         self._jobs[job.job_id] = Job(
@@ -251,15 +241,19 @@ class LlamaCppEngine(Engine):
             if status == 0:
                 self._after_decode(entries, out)
                 break
-            victim = max({e.job for e in entries}, key=lambda j: j.order)
             if status == _DECODE_NO_KV_SLOT:
+                # The largest job ends (the newest among those of about one size): one
+                # that grows into the whole cache must not fail others' small ones.
+                jobs = {e.job for e in entries}
+                victim = max(jobs, key=lambda j: (j.cells() // VICTIM_BLOCK, j.order))
                 logger.warning(
-                    "KV cache full (%d/%d cells): failing job %s",
+                    "KV cache full (%d/%d cells): failing job %s (%d cells)",
                     self._kv.tree.cells,
                     self.n_ctx,
                     victim.job.job_id,
+                    victim.cells(),
                 )
-                self._end_job(victim, EngineFinish.ERROR, out, KV_FULL_MESSAGE)
+                self._end_job(victim, EngineFinish.ERROR, out, KV_FULL_MESSAGE, KV_FULL_STATUS)
                 entries = [e for e in entries if e.job is not victim]
                 continue
             # Any other status may leave part of the batch in the cache: drop every job
@@ -577,6 +571,7 @@ class LlamaCppEngine(Engine):
         finish: EngineFinish,
         out: list[EngineStep],
         error: str | None = None,
+        error_code: int | None = None,
     ) -> None:
         """End every unfinished choice of ``job`` with ``finish`` and free them."""
         ej = job.job
@@ -590,7 +585,12 @@ class LlamaCppEngine(Engine):
                 EngineStep(
                     ej.job_id,
                     TokenDelta(
-                        c.index, [], finish=finish, error=error, cached_tokens=job.cached_tokens
+                        c.index,
+                        [],
+                        finish=finish,
+                        error=error,
+                        error_code=error_code,
+                        cached_tokens=job.cached_tokens,
                     ),
                 )
             )

@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engines.base import EngineJob
+from workers.engines.base import EngineJob, JobRejected
 from workers.engines.constraint import SequenceGrammar
 
 
@@ -58,6 +58,11 @@ class Job:
     def live(self) -> int:
         return sum(not s.done for s in self.seqs)
 
+    def cells(self) -> int:
+        """About how many KV cells the job holds: its prompt once (its choices share it)
+        and what each running choice generated on top."""
+        return len(self.job.prompt_ids) + sum(s.new for s in self.seqs if not s.done)
+
 
 @dataclass(slots=True)
 class Entry:
@@ -70,3 +75,40 @@ class Entry:
     job: Job
     seq: Seq | None = None  # a running sequence's next token
     prefill: Prefill | None = None  # or a prompt token
+
+
+def check_job(
+    job: EngineJob, *, capacity: int, n_vocab: int, context_limit: int, n_ctx: int
+) -> None:
+    """Raise ``JobRejected`` for a job this engine can never run: no choices, more than
+    its ``capacity``, token ids outside the vocabulary, a choice longer than the context,
+    or, when nothing can end it early, more KV cells than the cache has (``n_ctx``)."""
+    if not job.choices:
+        raise JobRejected("a job needs at least one choice")
+    if len(job.choices) > capacity:
+        raise JobRejected(
+            f"n={len(job.choices)} exceeds the {capacity} sequences this worker runs at once"
+        )
+    ids = [*job.prompt_ids, *(t for c in job.choices for t in c.prefix_ids)]
+    if ids and (min(ids) < 0 or max(ids) >= n_vocab):
+        raise JobRejected(f"token ids must be in 0..{n_vocab - 1}")
+    for c in job.choices:
+        prompt = len(job.prompt_ids) + len(c.prefix_ids)
+        if prompt == 0:
+            raise JobRejected("the prompt is empty")
+        if prompt + c.max_new_tokens > context_limit:
+            raise JobRejected(
+                f"prompt ({prompt} tokens) + max_tokens ({c.max_new_tokens}) exceeds "
+                f"the context ({context_limit} tokens)"
+            )
+    if not job.all_stop_ids and job.sampling.constraint is None:
+        # Nothing can end it early (ignore_eos, no stop ids): it will hold every cell
+        # its choices may generate, and one that cannot fit would only fail later,
+        # after taking the cache from every other request.
+        need = len(job.prompt_ids) + sum(len(c.prefix_ids) + c.max_new_tokens for c in job.choices)
+        if need > n_ctx:
+            raise JobRejected(
+                f"with ignore_eos this request holds {need} tokens of KV cache at its "
+                f"end (prompt + n x max_tokens), more than this server's {n_ctx}; "
+                "ask for fewer choices or fewer max_tokens"
+            )
