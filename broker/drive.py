@@ -33,6 +33,11 @@ from broker.run import Item, Run
 
 # How often a non-streaming request looks whether its client is still there.
 UNARY_TICK_S = 0.25
+# Most events a stream writes at once (one write per read, not one per event): what a
+# read brings may be a replay's whole buffer, and framed (a token with 20 logprobs is
+# ~1.5 KB of SSE) and decoded at once, 1 MiB of it held 18 MB per client that did not
+# read. The rest stays encoded in its buffer until the next write.
+WRITE_EVENTS = 256
 
 
 class Pump(Protocol):
@@ -114,7 +119,7 @@ def reads(
                 continue  # it flowed through the pump: no keep-alive is due
         if item is None and run.ended:
             break  # it ended without an item for this reader (resumed after the end)
-        yield None if item is None else [item, *run.poll()]
+        yield None if item is None else [item, *run.poll(WRITE_EVENTS - 1)]
 
 
 def follow(

@@ -31,6 +31,16 @@ PAUSED_POLL_MS = 100
 # from it for this long is read on its own again (one XREAD key more) until an entry
 # comes: its request may have moved to another streamer, or just be slow.
 STEP_QUIET_S = 1.0
+# A stream read from behind (a replay from its start, a reader whose buffer filled) is
+# read with XRANGE in pieces of this many entries, each a checkpoint of at most about
+# CHECKPOINT_BYTES (2 MiB in all): about what one reader's buffer takes. In the one
+# XREAD of the live streams it would come 256 entries (16 MiB) at a time, almost all
+# dropped again for a reader with 1 MiB of room, and read again on its next turn: 300
+# replays of a 14 MB stream took a web process from 120 MB to 1.2 GB (issue 47).
+REPLAY_ENTRIES = 32
+# ... and at most this many such streams in one read (the others on the next), so one
+# read holds at most about REPLAY_STREAMS x REPLAY_ENTRIES checkpoints (32 MiB).
+REPLAY_STREAMS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +107,7 @@ class OutputHub:
         # step stream is read from (the reading thread's own state).
         self._follow: dict[str, _Follow] = {}
         self._step_cursors: dict[str, str] = {}
+        self._replay_turn = 0  # where the next read starts among streams read from behind
         self._bad_steps: set[str] = set()  # not streams (overwritten): never followed
         self.stepped = 0  # chunks handed over from step streams (tests, diagnostics)
         # Usually one subscriber per stream; two while a client resumes on this process
@@ -298,13 +309,19 @@ class OutputHub:
     def _read_once(self) -> None:
         now = time.monotonic()
         streams, steps, planned, paused = self._plan(now)
+        replays = self._replays(planned, streams)
         streams[self.wake_key] = self._wake_cursor
         streams.update(steps)
-        # Paused readers free room by taking, which does not wake the hub: look again soon.
-        block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
-        res: Any = self._direct.call(*xread_command(streams, count=256, block_ms=block))
-        res = read_rest(self._direct, streams, res, count=256, quiet=(self.wake_key, *steps))
-        got: dict[str, list[Any]] = {}
+        pieces: dict[str, list[Any]] = {}
+        if replays:  # what is there now, without waiting: the pieces are waiting already
+            res, pieces = self._read_pieces(replays, streams)
+        else:
+            # Paused readers free room by taking, which does not wake the hub: look
+            # again soon.
+            block = min(self.block_ms, PAUSED_POLL_MS) if paused else self.block_ms
+            res = self._direct.call(*xread_command(streams, count=256, block_ms=block))
+            res = read_rest(self._direct, streams, res, count=256, quiet=(self.wake_key, *steps))
+        got: dict[str, list[Any]] = dict(pieces)
         read_steps: list[tuple[str, list[Any]]] = []
         for key_raw, entries in res or []:
             key = as_str(key_raw)
@@ -319,7 +336,9 @@ class OutputHub:
         handed: list[Subscription] = []
         rewind: dict[str, str] = {}  # step streams to read again from a checkpoint's entry
         for key, subs in planned.items():  # the streams read on their own come first
-            self._take_entries(key, subs, got.get(key, []), now, handed, rewind)
+            if key in streams or key in pieces:  # (not a replay left for the next read)
+                more = len(pieces.get(key, ())) >= REPLAY_ENTRIES
+                self._take_entries(key, subs, got.get(key, []), now, handed, rewind, more)
         for key, entries in read_steps:
             self._take_steps(key, entries, now, handed)
         for key, sid in rewind.items():
@@ -334,6 +353,47 @@ class OutputHub:
             # rather than after this thread has built its next read and blocked in it:
             # a reader of a step's 64 streams got them ~0.14 ms sooner (relay paced run).
             time.sleep(0)
+
+    def _replays(
+        self, planned: dict[str, list[Subscription]], streams: dict[Any, Any]
+    ) -> dict[str, str]:
+        """The streams to read from behind this time (a subscriber reads the stream
+        itself: ``reload``), taken out of ``streams``: ``REPLAY_STREAMS`` of them, in
+        turn; the others wait for the next read."""
+        behind = [key for key, subs in planned.items() if any(sub.reload for sub in subs)]
+        if not behind:
+            return {}
+        start = self._replay_turn % len(behind)
+        self._replay_turn += REPLAY_STREAMS
+        chosen = (behind[start:] + behind[:start])[:REPLAY_STREAMS]
+        cursors = {key: streams.pop(key) for key in behind}
+        return {key: cursors[key] for key in chosen}
+
+    def _read_pieces(
+        self, replays: dict[str, str], streams: dict[Any, Any]
+    ) -> tuple[Any, dict[str, list[Any]]]:
+        """One round trip: the next ``REPLAY_ENTRIES`` entries of each stream in
+        ``replays`` (after its cursor), and what the other ``streams`` hold now."""
+        commands: list[Any] = [
+            ("XRANGE", key, f"({cursor}", "+", "COUNT", REPLAY_ENTRIES)
+            for key, cursor in replays.items()
+        ]
+        commands.append(xread_command(streams, count=256, block_ms=None))
+        self._direct.send(*commands)
+        pieces: dict[str, list[Any]] = {}
+        error: redis.ResponseError | None = None
+        for key in replays:  # every reply is read, or the next ones would be out of step
+            try:
+                pieces[key] = self._direct.reply("XRANGE") or []
+            except redis.ResponseError as exc:
+                error = error or exc
+        try:
+            res = self._direct.reply("XREAD")
+        except redis.ResponseError as exc:
+            error = error or exc
+        if error is not None:
+            raise error
+        return res, pieces
 
     def _plan(
         self, now: float
@@ -398,11 +458,14 @@ class OutputHub:
         now: float,
         handed: list[Subscription],
         rewind: dict[str, str],
+        more: bool = False,
     ) -> None:
         """Entries read from output stream ``key`` itself (checkpoints), for the
         subscriptions that needed it: their chunks in order; then follow the stream
         through the step stream its last entry names, from that entry's step entry
-        (``rewind``: read again from there once this read's step entries are taken)."""
+        (``rewind``: read again from there once this read's step entries are taken).
+        ``more``: a piece of a stream read from behind, with more after it: the stream
+        itself is read again next, from where each subscriber got to."""
         with self._lock:  # unsubscribed meanwhile: not handed anything
             current = self._subs.get(key, [])
             subs = [sub for sub in subs if sub in current]
@@ -430,7 +493,9 @@ class OutputHub:
                 if sub.n != before:
                     handed.append(sub)
         for sub in subs:
-            sub.reload = not whole[id(sub)]
+            sub.reload = more or not whole[id(sub)]
+        if more:
+            return
         f = self._follow.get(key)
         if entries:
             fields = entries[-1][1]

@@ -176,10 +176,11 @@ class Run:
             out.append(self._deliver(self._pending.popleft()))
         return out
 
-    def poll(self) -> list[Item]:
-        """Every item available now, without blocking (the batch driver's loop)."""
+    def poll(self, limit: int | None = None) -> list[Item]:
+        """Every item available now (at most ``limit``), without blocking. What is left
+        stays encoded in the subscription, within its buffer, until the next call."""
         out: list[Item] = []
-        while not self.ended:
+        while not self.ended and (limit is None or len(out) < limit):
             if self._pending:
                 out.append(self._deliver(self._pending.popleft()))
                 continue

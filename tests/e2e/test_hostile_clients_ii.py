@@ -21,6 +21,7 @@ import pytest
 import requests
 import websocket
 
+from tests.faults.web_clients import children
 from tests.stack import Stack, full_stack, isolated_settings
 
 pytestmark = pytest.mark.e2e
@@ -304,3 +305,49 @@ def test_2_one_request_cannot_take_the_whole_kv_cache(llama_stack: Stack) -> Non
     fits = post(llama_stack, ALPHA, chat("Say hi.", max_tokens=50, ignore_eos=True), CHAT, 120)
     assert fits.status_code == 200
     assert fits.json()["usage"]["completion_tokens"] == 50
+
+
+def rss_mb(pids: set[int]) -> float:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+@pytest.mark.slow
+def test_7_replays_of_a_long_stream_are_bounded_like_live_ones(stack: Stack) -> None:
+    """Finding 7: replays of a finished stream were written in single pieces of 14-51 MB;
+    20 clients that never read a 28 MB replay held +830 MB of the web process. Now a
+    replay is read and written in bounded pieces under the stream buffer: 7 replays of
+    a ~10 MB stream that are never read (with the reader below, the key's
+    ``key_max_connections``) cost the web worker well under 100 MB, a reader gets it
+    whole, and the other key is served meanwhile."""
+    words = " ".join(["token"] * 3000)
+    body = chat(words, max_tokens=3100, n=4, logprobs=True, top_logprobs=20)
+    resp = post(stack, ALPHA, body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    rid = resp.headers["X-Request-Id"]
+    workers = children(stack.procs["web"].pid)
+    before = rss_mb(workers)
+    stalled = []
+    try:
+        for _ in range(7):
+            r = requests.get(
+                f"{stack.base_url}/v1/streams/{rid}", headers=auth(ALPHA), stream=True, timeout=30
+            )
+            assert r.status_code == 200
+            stalled.append(r)  # its body is never read
+        time.sleep(3)
+        other_key_is_served(stack, within_s=5)
+        full = requests.get(f"{stack.base_url}/v1/streams/{rid}", headers=auth(ALPHA), timeout=60)
+        assert full.status_code == 200
+        size = len(full.content)
+        assert full.text.rstrip().endswith("data: [DONE]") and size > 5_000_000, size
+        grown = rss_mb(workers) - before
+        print(f"replay of {size / 1e6:.1f} MB; 7 stalled replays: web worker +{grown:.0f} MB")
+        assert grown < 100
+    finally:
+        for r in stalled:
+            r.close()

@@ -14,7 +14,10 @@ import pytest
 import redis
 from flask.testing import FlaskClient
 
+from app.intake import Endpoint
+from app.messages import OutputKind
 from app.settings import Settings
+from broker.hub import REPLAY_ENTRIES, REPLAY_STREAMS
 from broker.responses import ResponseStore
 from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
@@ -131,3 +134,49 @@ def test_stored_responses_count_against_a_per_key_byte_quota(
     rid = first.get_json()["id"]
     assert client.delete(f"/v1/responses/{rid}", headers=auth(ALPHA)).status_code == 200
     assert create(ALPHA).status_code == 200
+
+
+def test_replays_are_read_in_bounded_pieces_under_the_stream_buffer(
+    service: Runner,
+    scripted: ScriptedOutput,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding 7: replays of a finished 14 MB stream were read 256 checkpoints (up to
+    16 MiB) at a time per reader, and 300 of them took a web process to 1.2 GB. Now a
+    stream read from behind comes in pieces of at most ``REPLAY_ENTRIES`` entries, for
+    at most ``REPLAY_STREAMS`` streams per read; a reader that takes nothing holds its
+    buffer and no more; one that reads gets the whole stream, exactly."""
+    rid = "long-finished-stream"
+    text = "x" * 60_000
+    for _ in range(120):  # 7.2 MB in 120 checkpoint entries
+        scripted.write(rid, delta(0, text))
+    scripted.write(rid, final(0), usage())
+    hub = service.hub
+    real = hub._read_pieces
+    pieces_read: list[dict[str, int]] = []
+
+    def spy(replays: dict[str, str], streams: dict[Any, Any]) -> Any:
+        res, pieces = real(replays, streams)
+        pieces_read.append({key: len(entries) for key, entries in pieces.items()})
+        return res, pieces
+
+    monkeypatch.setattr(hub, "_read_pieces", spy)
+    prepared = service.intake.prepare(Endpoint.COMPLETIONS, {"prompt": "x"}, request_id=rid)
+    stalled = [service.follow(prepared) for _ in range(20)]  # they never read
+    reader = service.follow(prepared)
+    got = []
+    while not reader.ended:
+        item = reader.next(5.0)
+        assert item is not None, "the replay stalled"
+        if item[1].kind is OutputKind.DELTA:
+            got.append(item[1].text)
+    assert "".join(got) == text * 120
+    for run in stalled:
+        assert run._sub.buffered <= settings.stream_buffer_bytes + len(text) + 1024
+    assert pieces_read and all(
+        len(read) <= REPLAY_STREAMS and max(read.values(), default=0) <= REPLAY_ENTRIES
+        for read in pieces_read
+    )
+    for run in (*stalled, reader):
+        run.close()

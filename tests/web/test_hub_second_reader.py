@@ -49,19 +49,19 @@ def test_a_reader_that_subscribes_during_a_read_misses_nothing(
     # The second reader subscribes (from the start) while the hub's read is in flight:
     # the read began at the first reader's cursor, after "one " and "two ".
     hub = service.hub
-    real_call = hub._direct.call  # the hub thread's own connection
+    real_reply = hub._direct.reply  # the hub thread's own connection: every read's reply
     joined: list[Run] = []
     calls: list[int] = []
 
-    def call(*args: Any) -> Any:
-        res = real_call(*args)
-        if args[0] == "XREAD":
+    def reply(command: str) -> Any:
+        res = real_reply(command)
+        if command == "XREAD":
             calls.append(1)
             if res and not joined and any(rid in str(k) for k, _ in res):
                 joined.append(follow(service, rid))
         return res
 
-    monkeypatch.setattr(hub._direct, "call", call)
+    monkeypatch.setattr(hub._direct, "reply", reply)
     other = follow(service, "wakes-the-hub")  # its wake-up ends the read in flight
     wait_for(lambda: calls, 5.0, "the hub's next read")
     scripted.write(rid, delta(0, "three"), final(0), usage())
