@@ -170,18 +170,34 @@ def send_generate(
     queue: str,
     model: str,
     worker: str | None = None,
+    priority: int = 0,
 ) -> None:
     """Enqueue ``generate(request_id, attempt)`` without importing worker code; its
     ``task-sent`` event goes out on its own thread (``broker.sent_events``).
 
-    ``worker``: to that worker's own queue instead of the model's ``queue``."""
+    ``worker``: to that worker's own queue instead of the model's ``queue``;
+    ``priority``: kombu's Redis priority, 0 (taken first) to 9 (``fair_priority``)."""
     app.send_task(
         GENERATE_TASK,
         args=[request_id, attempt],
         queue=queue_name(queue, model) if worker is None else worker_queue(model, worker),
         task_id=task_id(request_id, attempt),
         event_dispatcher=sent_events(app),
+        priority=priority,
     )
+
+
+def fair_priority(owner_in_flight: int) -> int:
+    """The queue priority of a key's next request, by how many of its requests are in
+    flight already: a workers' queue is served in arrival order within a priority, so a
+    key that sent many waits behind a key that sent few, and one key cannot hold the
+    queue (issue 47). kombu's Redis transport keeps one list per step (0, 3, 6, 9) and
+    takes the lowest first; 0 for a key's first request, 9 from its 16th on."""
+    if owner_in_flight <= 0:
+        return 0
+    if owner_in_flight < 4:
+        return 3
+    return 6 if owner_in_flight < 16 else 9
 
 
 def task_id(request_id: str, attempt: int) -> str:
@@ -196,14 +212,37 @@ def requeue_own(app: Celery, client: redis.Redis, model: str, worker_id: str) ->
     Celery's messages on Redis are JSON whose headers carry the task id, which names
     the request and attempt (``task_id``)."""
     moved = 0
-    while (raw := client.rpop(worker_queue(model, worker_id))) is not None:
-        try:
-            rid, _, attempt = json.loads(raw)["headers"]["id"].rpartition(".")  # type: ignore[arg-type]
-            send_generate(app, rid, int(attempt), queue="interactive", model=model)
-        except (ValueError, KeyError, TypeError):
-            continue  # not one of ours: nothing to resend
-        moved += 1
+    for pri, key in zip(
+        PRIORITY_STEPS, priority_lists(worker_queue(model, worker_id)), strict=True
+    ):
+        while (raw := client.rpop(key)) is not None:
+            try:
+                rid, _, attempt = json.loads(raw)["headers"]["id"].rpartition(".")  # type: ignore[arg-type]
+                send_generate(
+                    app, rid, int(attempt), queue="interactive", model=model, priority=pri
+                )
+            except (ValueError, KeyError, TypeError):
+                continue  # not one of ours: nothing to resend
+            moved += 1
     return moved
+
+
+# kombu's Redis transport keeps a queue's messages of each priority step in a list of
+# its own: the queue's name for 0, the name + "\x06\x16" + step for the others.
+PRIORITY_STEPS = (0, 3, 6, 9)
+_PRIORITY_SEP = "\x06\x16"
+
+
+def priority_lists(queue: str) -> list[str]:
+    """The Redis lists that hold ``queue``'s waiting messages, highest priority first."""
+    return [queue if pri == 0 else f"{queue}{_PRIORITY_SEP}{pri}" for pri in PRIORITY_STEPS]
+
+
+def waiting(pipe: Any, queue: str) -> None:
+    """Queue on ``pipe`` the LLENs of ``queue``'s lists (``priority_lists``): their sum is
+    how many tasks wait in it."""
+    for key in priority_lists(queue):
+        pipe.llen(key)
 
 
 def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:
@@ -211,5 +250,7 @@ def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:
     queues = worker_queues(model)
     pipe = client.pipeline(transaction=False)
     for q in queues:
-        pipe.llen(q)
-    return {q: int(n) for q, n in zip(queues, pipe.execute(), strict=True)}
+        waiting(pipe, q)
+    lengths = pipe.execute()
+    steps = len(PRIORITY_STEPS)
+    return {q: sum(lengths[i * steps : (i + 1) * steps]) for i, q in enumerate(queues)}

@@ -40,7 +40,7 @@ import redis
 
 from app.prefix_blocks import BLOCK, block_names
 from app.records import RequestRecord
-from broker.celery_app import worker_queue
+from broker.celery_app import PRIORITY_STEPS, waiting, worker_queue
 from broker.keys import Keys
 from broker.registry import Registry, WorkerInfo
 
@@ -151,17 +151,23 @@ class PrefixRouter:
         pipe = self.redis.pipeline(transaction=False)
         for w in workers:
             pipe.smismember(self.keys.prefix_blocks(w.worker_id), names)
-            pipe.llen(worker_queue(self.model, w.worker_id))
             pipe.get(self.keys.prefix_load(w.worker_id))
+            waiting(pipe, worker_queue(self.model, w.worker_id))
+        per = 2 + len(PRIORITY_STEPS)
         replies: list[Any] = pipe.execute()
-        held = [_leading(replies[3 * i]) for i in range(len(workers))]
+        held = [_leading(replies[per * i]) for i in range(len(workers))]
         best = max(held)
         if best == 0:
             return None, "no_match"
         if min(held) == best:
             return None, "tie"  # every worker holds as much: any of them will do
         room = [
-            (w.capacity - _load(w, replies[3 * i + 2]) - int(replies[3 * i + 1]), w.worker_id)
+            (
+                w.capacity
+                - _load(w, replies[per * i + 1])
+                - sum(replies[per * i + 2 : per * (i + 1)]),
+                w.worker_id,
+            )
             for i, w in enumerate(workers)
             if held[i] == best
         ]

@@ -134,9 +134,10 @@ class RequestStore(TokenPublishing):
         self.create(record)
         self.send(record, celery_app)
 
-    def send(self, record: RequestRecord, celery_app: Celery) -> None:
+    def send(self, record: RequestRecord, celery_app: Celery, *, priority: int = 0) -> None:
         """Queue ``generate`` for a record already written (``create``, or ``admit``
-        with ``create=``): on its ``route`` worker's own queue when it has one."""
+        with ``create=``): on its ``route`` worker's own queue when it has one, at
+        ``priority`` (``fair_priority``: 0 is taken first)."""
         send_generate(
             celery_app,
             record.request_id,
@@ -144,6 +145,7 @@ class RequestStore(TokenPublishing):
             queue=record.queue,
             model=record.model,
             worker=record.route or None,
+            priority=priority,
         )
 
     @property
@@ -161,9 +163,11 @@ class RequestStore(TokenPublishing):
         owner: str = "",
         owner_limit: int = 0,
         create: RequestRecord | None = None,
-    ) -> Admission:
+    ) -> tuple[Admission, int]:
         """Count ``rid`` (``weight`` choices) against the shared in-flight limit and
-        one request against ``owner``'s ``owner_limit`` (0: none); falsy when refused.
+        one request against ``owner``'s ``owner_limit`` (0: none): the answer, and how
+        many of ``owner``'s requests were in flight before this one (what orders the
+        queue between keys: ``fair_priority``).
 
         ``create``: ``rid``'s record, written (as ``create`` writes it) in the same
         atomic call when it is admitted, and not at all when it is refused."""
@@ -172,7 +176,10 @@ class RequestStore(TokenPublishing):
         if create is not None:
             keys += [self.keys.request(rid), self.keys.new_requests]
             args += [create.encode(), RequestState.QUEUED.value, self.stream_ttl_s]
-        return Admission(int(self._admit(keys=keys, args=args)))
+        answer = int(self._admit(keys=keys, args=args))
+        if answer >= 1:
+            return Admission.ADMITTED, answer - 1
+        return Admission(answer), 0
 
     def release(self, rid: str) -> None:
         """The request's reader is done with it: free its admission slot. ZREM and

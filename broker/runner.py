@@ -34,7 +34,7 @@ from app.intake import Endpoint, Intake, PreparedRequest
 from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
-from broker.celery_app import create_celery
+from broker.celery_app import create_celery, fair_priority
 from broker.connection import redis_client
 from broker.hub import OutputHub
 from broker.keys import Keys
@@ -275,7 +275,7 @@ class Runner:
             record = record.model_copy(update={"route": route})
             prepared = dataclasses.replace(prepared, record=record)
         try:
-            admitted = self._admit(record)
+            admitted, ahead = self._admit(record)
             if admitted is Admission.OWNER_FULL:
                 full = QuotaExceeded(
                     f"This API key already has {settings.key_max_in_flight} requests in "
@@ -288,7 +288,7 @@ class Runner:
                     "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
                 )
             try:
-                self.store.send(record, self.celery)
+                self.store.send(record, self.celery, priority=fair_priority(ahead))
                 if route is not None:
                     self.router.sent(route)  # type: ignore[union-attr]
             except Exception:
@@ -304,8 +304,9 @@ class Runner:
             raise backbone_unavailable() from exc
         return prepared
 
-    def _admit(self, record: RequestRecord) -> Admission:
-        """Admit ``record`` and write it, in one call (``RequestStore.admit``)."""
+    def _admit(self, record: RequestRecord) -> tuple[Admission, int]:
+        """Admit ``record`` and write it, in one call (``RequestStore.admit``); with how
+        many of its key's requests were in flight before it."""
         settings = self.settings
         try:
             return self.store.admit(

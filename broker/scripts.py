@@ -432,7 +432,8 @@ return n
 # only when nothing else is in flight, so it is never refused forever. With the last two
 # keys an admitted request's record is written and handed to the streamers in the same
 # call (``RequestStore.create``'s commands): a start's one round trip, not two.
-# -> 1 admitted, 0 full, -1 the owner's quota is full
+# -> 1 + the owner's requests in flight before this one when admitted (0 without an
+#    owner), 0 full, -1 the owner's quota is full
 ADMIT = """
 local function each_chunk(list, fn)
   for i = 1, #list, 1000 do
@@ -468,5 +469,5 @@ if KEYS[4] then
   redis.call('EXPIRE', KEYS[3], ARGV[10])
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'r', ARGV[3])
 end
-return 1
+return 1 + mine
 """

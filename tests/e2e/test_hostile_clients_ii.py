@@ -351,3 +351,53 @@ def test_7_replays_of_a_long_stream_are_bounded_like_live_ones(stack: Stack) -> 
     finally:
         for r in stalled:
             r.close()
+
+
+@pytest.fixture(scope="module")
+def busy_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Workers are the bottleneck: one worker of 2 slots, 20 echo tokens a second."""
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        api_keys=[ALPHA, BETA],
+        worker_slots=2,
+        echo_tokens_per_second=20.0,
+        web_workers=1,
+        web_threads=32,
+    )
+    with full_stack(settings, tmp_path_factory.mktemp("hostile-ii-busy-logs")) as st:
+        yield st
+
+
+@pytest.mark.slow
+def test_5_one_key_cannot_hold_the_queue(busy_stack: Stack) -> None:
+    """Finding 5: 128 background responses from one key (inside its in-flight quota)
+    made other keys' 3-token chats wait 80 s, in arrival order. A key's requests now
+    queue behind other keys' by how many it has in flight (``fair_priority``): with
+    24 one-second responses of alpha queued for 2 slots (12 s in arrival order), beta's
+    chat is served within a few seconds, and alpha's all finish."""
+    words = " ".join(["word"] * 30)
+    ids = []
+    for _ in range(24):
+        body = {"input": words, "max_output_tokens": 20, "background": True, "store": True}
+        resp = post(busy_stack, ALPHA, body, "/v1/responses")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["status"] == "queued"
+        ids.append(resp.json()["id"])
+    time.sleep(1.0)  # alpha's queue is in place, its first two running
+    started = time.monotonic()
+    other = post(busy_stack, BETA, chat("quick one", max_tokens=3), timeout=60)
+    took = time.monotonic() - started
+    assert other.status_code == 200, other.text
+    print(f"beta waited {took:.1f} s behind alpha's 24 queued responses")
+    assert took < 5, f"beta waited {took:.1f} s"
+    deadline = time.monotonic() + 60
+    for rid in ids:
+        while True:
+            got = requests.get(f"{busy_stack.base_url}/v1/responses/{rid}", headers=auth(ALPHA))
+            status = got.json()["status"]
+            if status in ("completed", "incomplete"):
+                break
+            assert status in ("queued", "in_progress"), got.text
+            assert time.monotonic() < deadline, "alpha's responses did not all finish"
+            time.sleep(0.5)

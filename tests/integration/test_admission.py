@@ -35,7 +35,7 @@ def handed_to_streamers(store: RequestStore, rid: str) -> bool:
 
 
 def admit(store: RequestStore, rec: RequestRecord, limit: int, owner_limit: int = 0) -> Admission:
-    return store.admit(
+    answer, _ahead = store.admit(
         rec.request_id,
         rec.deadline,
         limit,
@@ -44,6 +44,7 @@ def admit(store: RequestStore, rec: RequestRecord, limit: int, owner_limit: int 
         owner_limit=owner_limit,
         create=rec,
     )
+    return answer
 
 
 def test_an_admitted_request_is_written_as_create_writes_it(
@@ -96,3 +97,18 @@ def test_a_claim_brings_the_record_with_it(store: RequestStore, redis_client: re
     missing = uuid.uuid4().hex
     assert store.claim_and_load(missing, 0, "w1", 5.0, now) == (ClaimResult.MISSING, None, False)
     assert not redis_client.exists(store.keys.lease(missing))
+
+
+def test_admission_says_how_many_of_the_owners_requests_are_ahead(store: RequestStore) -> None:
+    """What orders the queue between keys (``fair_priority``): 0 for a key's first
+    request, then one more for each of its requests in flight; a key's count is its own."""
+    held = [record(owner="k-ahead") for _ in range(3)]
+    counts = [
+        store.admit(r.request_id, r.deadline, 10, time.time(), owner=r.owner, create=r)[1]
+        for r in held
+    ]
+    other = record(owner="k-other")
+    alone = store.admit(other.request_id, other.deadline, 10, time.time(), owner=other.owner)
+    assert counts == [0, 1, 2] and alone == (Admission.ADMITTED, 0)
+    for r in (*held, other):
+        store.release(r.request_id)

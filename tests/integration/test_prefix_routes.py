@@ -19,6 +19,8 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import (
     create_celery,
+    priority_lists,
+    queue_depths,
     queue_name,
     requeue_own,
     send_generate,
@@ -149,12 +151,17 @@ def test_the_record_names_its_route_and_goes_to_that_queue(
     app = create_celery(settings, results=False)
     send_generate(app, record.request_id, 0, queue="interactive", model=model, worker="w1")
     send_generate(app, "other", 2, queue="interactive", model=model, worker="w1")
-    assert redis_client.llen(worker_queue(model, "w1")) == 2
-    assert redis_client.llen(queue_name("interactive", model)) == 0
-    # w1 stops: both go to the shared queue, where any worker takes them.
-    assert requeue_own(app, redis_client, model, "w1") == 2
-    assert redis_client.llen(worker_queue(model, "w1")) == 0
-    assert redis_client.llen(queue_name("interactive", model)) == 2
+    # A key with many requests in flight queues its next one behind (fair_priority):
+    # kombu keeps it in the queue's list for that priority step.
+    send_generate(app, "late", 0, queue="interactive", model=model, worker="w1", priority=9)
+    own, shared = worker_queue(model, "w1"), queue_name("interactive", model)
+    assert [redis_client.llen(k) for k in priority_lists(own)] == [2, 0, 0, 1]
+    assert queue_depths(redis_client, model)[shared] == 0
+    # w1 stops: all go to the shared queue, where any worker takes them, each at its step.
+    assert requeue_own(app, redis_client, model, "w1") == 3
+    assert sum(redis_client.llen(k) for k in priority_lists(own)) == 0
+    assert [redis_client.llen(k) for k in priority_lists(shared)] == [2, 0, 0, 1]
+    assert queue_depths(redis_client, model)[shared] == 3
 
 
 def test_adverts_are_rewritten_or_changed_in_place(fleet: Fleet, redis_client: redis.Redis) -> None:

@@ -571,7 +571,7 @@ def test_queue_full_is_429_with_retry_after(
     make_client: Callable[..., Any], scripted: ScriptedOutput
 ) -> None:
     client, svc = make_client(max_queue=1)
-    assert svc.store.admit("someone-else", time.time() + 60, 1, time.time())
+    assert svc.store.admit("someone-else", time.time() + 60, 1, time.time())[0]
     try:
         resp = client.post(CHAT, json=chat())
         assert resp.status_code == 429
