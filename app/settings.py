@@ -349,6 +349,14 @@ class Settings(BaseSettings):
         description="Quota: bytes of files one API key may store at once (429 above it "
         "on upload). 0 = no limit.",
     )
+    key_max_output_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=0,
+        description="Quota: bytes of output one API key's requests may have written in the "
+        "last stream_ttl_s (kept that long for resumes and replays); past it new requests "
+        "get 429 naming key_max_output_bytes until the oldest leave the window. Applies "
+        "only when api_keys are set. 0 = no limit.",
+    )
     key_max_stored_bytes: int = Field(
         default=256 * 1024 * 1024,
         ge=0,

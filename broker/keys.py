@@ -157,6 +157,10 @@ class Keys:
         bytes quota counts."""
         return f"{self.prefix}owner:{owner or '-'}:rbytes"
 
+    def owner_output_bytes(self, owner: str, bucket: int) -> str:
+        """Bytes of output one owner's requests wrote in one period (``broker.output_usage``)."""
+        return f"{self.prefix}owner:{owner or '-'}:obytes:{bucket}"
+
     def owner_batches(self, owner: str) -> str:
         return f"{self.prefix}owner:{owner or '-'}:batches"
 

@@ -38,6 +38,7 @@ from broker.celery_app import create_celery, fair_priority
 from broker.connection import redis_client
 from broker.hub import OutputHub
 from broker.keys import Keys
+from broker.output_usage import OutputUsage
 from broker.outputs import OutputStreams
 from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
@@ -113,6 +114,9 @@ class Runner:
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)
+        self.output_usage = OutputUsage(
+            self.redis, keys, window_s=settings.stream_ttl_s, clock=lambda: self.clock()
+        )
         self.hub = OutputHub(
             self.redis,
             keys,
@@ -270,6 +274,8 @@ class Runner:
                 f"This request asks for {record.num_choices} choices (prompts x n); the "
                 f"quota is {settings.max_request_choices} per request (max_request_choices)."
             )
+        if record.owner and settings.api_keys and settings.key_max_output_bytes:
+            self._check_output_quota(record.owner)
         route = self.router.choose(record) if self.router is not None else None
         if route is not None:
             record = record.model_copy(update={"route": route})
@@ -303,6 +309,23 @@ class Runner:
             self._ready_until = 0.0
             raise backbone_unavailable() from exc
         return prepared
+
+    def _check_output_quota(self, owner: str) -> None:
+        """Refuse a key whose requests' output in Redis (kept ``stream_ttl_s`` for
+        resumes and replays) is at its quota, until the oldest leaves the window."""
+        limit = self.settings.key_max_output_bytes
+        try:
+            used = self.output_usage.used(owner)
+        except redis.RedisError as exc:
+            raise backbone_unavailable() from exc
+        if used >= limit:
+            full = QuotaExceeded(
+                f"This API key's requests wrote {limit} bytes of output in the last "
+                f"{self.settings.stream_ttl_s} s, which are kept for resumes and replays: "
+                "its quota (key_max_output_bytes); retry when older output has expired."
+            )
+            full.retry_after = self.output_usage.frees_in()  # type: ignore[attr-defined]
+            raise full
 
     def _admit(self, record: RequestRecord) -> tuple[Admission, int]:
         """Admit ``record`` and write it, in one call (``RequestStore.admit``); with how

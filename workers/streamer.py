@@ -411,6 +411,7 @@ class Streamer(Relay):
         )
         self._drop_taken_over()
         self.handoff.touch(self.consumer, [t.entry_id for t in self.tracked.values()])
+        self.usage.flush()
         if self.clock() < self._take_over_from:
             return  # just back from an outage: the others have not touched theirs yet
         min_idle = int(self.settings.streamer_takeover_s * 1000)

@@ -32,6 +32,7 @@ from broker.connection import as_str
 from broker.direct import DirectConnection
 from broker.handoff import RequestHandoff
 from broker.keys import Keys
+from broker.output_usage import OutputUsage
 from broker.outputs import OutputEntry, OutputStreams, encode_events, encode_text
 from broker.publish import decode_deltas
 from broker.requests import RequestStore
@@ -72,6 +73,8 @@ class Relay:
         self.keys = keys
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(client, keys, ttl_s=settings.stream_ttl_s)
+        # What each key's output streams hold: its output quota (key_max_output_bytes).
+        self.usage = OutputUsage(client, keys, window_s=settings.stream_ttl_s, clock=clock)
         self.handoff = RequestHandoff(client, keys)
         # The loop's read (and the write it carries) go on a connection of their own.
         self.direct = DirectConnection(client)
@@ -185,6 +188,10 @@ class Relay:
         if taken:
             self._forget_taken_over(taken)
             c.drop(taken)
+        for entry in c.outputs:
+            t = self.tracked.get(entry.request_id)
+            if t is not None and t.record.owner:
+                self.usage.add(t.record.owner, len(entry.encoded()))
 
     def _settle(self, c: Commit) -> None:
         """After ``c``'s outputs are written: cancel what it cancels, end the requests

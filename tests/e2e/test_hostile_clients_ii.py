@@ -401,3 +401,39 @@ def test_5_one_key_cannot_hold_the_queue(busy_stack: Stack) -> None:
             assert status in ("queued", "in_progress"), got.text
             assert time.monotonic() < deadline, "alpha's responses did not all finish"
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def quota_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Output kept for replay limited to 1 MB per key."""
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        api_keys=[ALPHA, BETA],
+        key_max_output_bytes=1_000_000,
+        web_workers=1,
+    )
+    with full_stack(settings, tmp_path_factory.mktemp("hostile-ii-quota-logs")) as st:
+        yield st
+
+
+@pytest.mark.slow
+def test_3_output_kept_for_replay_counts_against_a_per_key_quota(quota_stack: Stack) -> None:
+    """Finding 3 (outputs): a key's streams are kept ``stream_ttl_s`` for resumes and
+    replays, and one n=8 request left 112 MB; outputs were bounded by nothing. The
+    streamers count each key's output bytes, and past ``key_max_output_bytes`` (1 MB
+    here) the key's next request is a 429 naming the quota, with a Retry-After until
+    its oldest output leaves the window; the other key is served."""
+    body = chat(" ".join(["word"] * 1000), max_tokens=1000, logprobs=True, top_logprobs=20)
+    deadline = time.monotonic() + 60
+    while True:
+        resp = post(quota_stack, ALPHA, body, timeout=60)
+        if resp.status_code == 429:
+            break
+        assert resp.status_code == 200, resp.text
+        assert time.monotonic() < deadline, "the output quota never applied"
+        time.sleep(1.5)  # the streamers add their counts at each heartbeat
+    error = resp.json()["error"]
+    assert error["code"] == "quota_exceeded" and "key_max_output_bytes" in error["message"]
+    assert 0 < int(resp.headers["Retry-After"]) <= 3600 + 300
+    other_key_is_served(quota_stack)
