@@ -23,6 +23,10 @@ from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery, requeue_own
 from workers.runtime import WorkerRuntime, new_worker_id
 
+# The exit status of a worker whose engine broke (the circuit breaker): not 0, so every
+# supervisor restarts it; not 3 (an engine that could not start at all).
+EXIT_BROKEN = 4
+
 logger = logging.getLogger(__name__)
 
 # kombu retries a lost broker after 2 s, then 4, 6, ... up to 30 s apart: after a long
@@ -152,8 +156,19 @@ def build_app(settings: Settings) -> Celery:
             )
             sys.stderr.flush()
             os._exit(3)
+        runtime.on_broken = _broken
         runtime.start()
         state["runtime"] = runtime
+
+    def _hand_back(runtime: WorkerRuntime) -> None:
+        # Turns routed here that no thread took: to the shared queue, now.
+        try:
+            moved = requeue_own(celery_app, runtime.store.redis, runtime.model_name, worker_id)
+        except Exception as exc:  # the streamers' watchdog resends them anyway
+            logger.warning("could not hand this worker's queue back: %s", exc)
+        else:
+            if moved:
+                logger.info("sent %d queued requests on to the shared queue", moved)
 
     def _stop(sender: Any = None, **_: Any) -> None:
         if not _ours(sender):
@@ -161,14 +176,18 @@ def build_app(settings: Settings) -> Celery:
         runtime = state.pop("runtime", None)
         if runtime is not None:
             runtime.stop()
-            # Turns routed here that no thread took: to the shared queue, now.
-            try:
-                moved = requeue_own(celery_app, runtime.store.redis, runtime.model_name, worker_id)
-            except Exception as exc:  # the streamers' watchdog resends them anyway
-                logger.warning("could not hand this worker's queue back: %s", exc)
-            else:
-                if moved:
-                    logger.info("sent %d queued requests on to the shared queue", moved)
+            _hand_back(runtime)
+
+    def _broken(reason: str) -> None:
+        # The engine is unusable (WorkerRuntime._watch has stopped it): a worker that
+        # heart-beats on would be sent requests only to fail them. Exit non-zero, for
+        # the supervisor (compose, Kubernetes, ``tokenrelay up``) to start a new one.
+        runtime = state.pop("runtime", None)
+        if runtime is not None:
+            _hand_back(runtime)
+        sys.stderr.write(f"tokenrelay worker: the engine is broken ({reason}); exiting\n")
+        sys.stderr.flush()
+        os._exit(EXIT_BROKEN)
 
     worker_init.connect(_start, weak=False)
     worker_shutdown.connect(_stop, weak=False)

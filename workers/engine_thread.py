@@ -31,7 +31,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import redis
 
@@ -42,7 +41,6 @@ from broker.direct import DirectConnection
 from broker.publish import (
     FencedTail,
     KnownEpoch,
-    PendingPublish,
     PublishItem,
     PublishStatus,
     encode_deltas,
@@ -50,6 +48,8 @@ from broker.publish import (
 )
 from broker.requests import RequestStore
 from workers.backoff import Backoff
+from workers.breaker import LEASE_GIVEN_BACK_S, MAX_FAILED_STEPS, unrecoverable
+from workers.engine_state import Active, InFlight, Unsure
 from workers.engines.base import Engine, JobRejected
 from workers.lease_keeper import LeaseKeeper
 from workers.prefix_adverts import PrefixAdvertiser
@@ -60,47 +60,6 @@ logger = logging.getLogger(__name__)
 DEADLINE_MESSAGE = "The request exceeded its deadline."
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating; please retry."
 JOB_FAILURE_MESSAGE = "The worker failed while handling this request; please retry."
-
-
-@dataclass(slots=True)
-class _Active:
-    handle: JobHandle
-    open_choices: set[int]
-    started: float
-    unpublished: list[TokenDelta] = field(default_factory=list)
-    log: ChunkLog = field(default_factory=ChunkLog)  # chunks since the last checkpoint
-    first: bool = True
-    cancel_sent: bool = False
-    deadline_hit: bool = False
-    tokens: dict[int, int] = field(default_factory=dict)
-    finishes: dict[int, str] = field(default_factory=dict)
-    last_publish: float = 0.0
-    last_refresh: float = 0.0  # when the last publish that extended the lease was sent
-    outcome: TaskOutcome = TaskOutcome.DONE
-    # A publish of this request's tokens whose reply never came: it may have run. Until
-    # Redis says whether (``RequestStore.landed``), nothing more is published for it.
-    unsure: _Unsure | None = None
-
-
-@dataclass(slots=True)
-class _Unsure:
-    """A failed publish's part for one request: its call's stamp, what it carried and
-    how many of the deltas now at the head of ``unpublished`` were in it."""
-
-    stamp: str
-    item: PublishItem
-    deltas: int
-    sent_at: float
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A publish sent whose reply is still to be read: what it carried, per request."""
-
-    pending: PendingPublish
-    items: list[tuple[_Active, PublishItem, list[TokenDelta]]]
-    sent_at: float
-    stamp: str
 
 
 class EngineThread(threading.Thread):
@@ -116,6 +75,7 @@ class EngineThread(threading.Thread):
         idle_wait_s: float = 0.05,
         worker_id: str | None = None,
         advertiser: PrefixAdvertiser | None = None,
+        max_failed_steps: int = MAX_FAILED_STEPS,
     ) -> None:
         super().__init__(name="engine", daemon=True)
         self.engine = engine
@@ -125,9 +85,16 @@ class EngineThread(threading.Thread):
         self.clock = clock
         self.idle_wait_s = idle_wait_s
         self.inbox: queue.Queue[JobHandle] = queue.Queue()
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, Active] = {}
         self._job_owner: dict[str, str] = {}
         self._stopping = threading.Event()
+        # The circuit breaker: after this many failed steps in a row, or one error an
+        # engine cannot come back from, the thread stops as ``broken`` (the reason) and
+        # sets ``broke``; the worker then leaves the fleet (``WorkerRuntime``).
+        self.max_failed_steps = max_failed_steps
+        self._failed_steps = 0
+        self.broken: str | None = None
+        self.broke = threading.Event()
         self._publish_backoff = Backoff(initial_s=0.05, max_s=1.0)
         self.steps = 0
         self.tokens_total = 0  # token ids produced (monitoring: rate() gives tokens/s)
@@ -139,7 +106,7 @@ class EngineThread(threading.Thread):
         self.lease_keeper = LeaseKeeper(self, store, lease_ttl_s=lease_ttl_s)
         # This thread publishes once per step: on a connection of its own (broker/direct.py).
         self._direct = DirectConnection(store.redis)
-        self._in_flight: _InFlight | None = None  # sent, reply not read yet
+        self._in_flight: InFlight | None = None  # sent, reply not read yet
         # The fence epoch the last publish on ``_direct`` ran under: while it stays the
         # same, the publish skips checking each request's lease and cancel key.
         self._epoch = KnownEpoch()
@@ -194,8 +161,15 @@ class EngineThread(threading.Thread):
         self.lease_keeper.stop()
         with contextlib.suppress(redis.RedisError):
             self._finish_publish()  # what the last step published
-        self._abandon_all("worker shutting down")
+            if self.broken is not None:
+                # Its requests resume on another worker at once, not when their leases
+                # run out: each lease still ours expires now (the streamers' watchdog
+                # sees it within a second).
+                self.store.refresh_leases(self.held_leases(), LEASE_GIVEN_BACK_S)
+        self._abandon_all(self.broken or "worker shutting down")
         self._direct.close()
+        if self.broken is not None:
+            self.broke.set()
 
     def iterate(self) -> None:
         # Wait for work only while the engine has none: finished jobs are published in
@@ -207,9 +181,17 @@ class EngineThread(threading.Thread):
             self.step_started = time.monotonic()
             try:
                 steps = self.engine.step()
-            except Exception:
+            except Exception as exc:
+                self._failed_steps += 1
+                if unrecoverable(exc) or self._failed_steps >= self.max_failed_steps:
+                    logger.critical("engine step failed (%s); the engine is broken", exc)
+                    self.broken = f"{type(exc).__name__}: {exc}"[:500]
+                    self._stopping.set()  # ``run`` hands every request on and stops
+                    return
                 logger.exception("engine step failed; failing its active jobs")
                 self._fail_all_jobs(ENGINE_FAILURE_MESSAGE)
+            else:
+                self._failed_steps = 0
             finally:
                 self.step_started = None
             self.steps += 1
@@ -273,7 +255,7 @@ class EngineThread(threading.Thread):
             self._cancel_jobs(older)
             self._release(older)
         choices = {c.index for job in item.jobs for c in job.choices}
-        act = _Active(
+        act = Active(
             handle=handle,
             open_choices=set(choices),
             started=self.clock(),
@@ -315,7 +297,7 @@ class EngineThread(threading.Thread):
             # Part of the request was rejected: stop the rest rather than run it half.
             self._cancel_jobs(act)
 
-    def _record(self, act: _Active, delta: TokenDelta) -> None:
+    def _record(self, act: Active, delta: TokenDelta) -> None:
         if delta.choice not in act.open_choices:
             return
         if delta.finish is EngineFinish.CANCELLED and act.deadline_hit:
@@ -342,7 +324,7 @@ class EngineThread(threading.Thread):
                 act.deadline_hit = True
                 self._cancel_jobs(act)
 
-    def _cancel_jobs(self, act: _Active) -> None:
+    def _cancel_jobs(self, act: Active) -> None:
         if act.cancel_sent:
             return
         act.cancel_sent = True
@@ -352,7 +334,7 @@ class EngineThread(threading.Thread):
             except Exception:
                 logger.exception("engine cancel of job %s failed", job.job_id)
 
-    def _fail_job(self, act: _Active, message: str) -> None:
+    def _fail_job(self, act: Active, message: str) -> None:
         """End every open choice of one request with an error; stop its engine jobs."""
         act.outcome = TaskOutcome.FAILED
         for c in sorted(act.open_choices):
@@ -371,7 +353,7 @@ class EngineThread(threading.Thread):
             return
         if self._fenced_tails:
             self._seal_fenced()
-        items: list[tuple[_Active, PublishItem, list[TokenDelta]]] = []
+        items: list[tuple[Active, PublishItem, list[TokenDelta]]] = []
         for rid, act in list(self._active.items()):
             pitem = self._stage(rid, act, now)
             if pitem is not None:
@@ -393,9 +375,9 @@ class EngineThread(threading.Thread):
         except redis.RedisError as exc:
             self._publish_failed(items, now, stamp, exc)
             return
-        self._in_flight = _InFlight(pending, items, now, stamp)
+        self._in_flight = InFlight(pending, items, now, stamp)
 
-    def _stage(self, rid: str, act: _Active, now: float) -> PublishItem | None:
+    def _stage(self, rid: str, act: Active, now: float) -> PublishItem | None:
         """What this step publishes for one request (None: nothing is due): its new
         chunk, or a checkpoint of its chunks so far, or only a lease refresh."""
         index = self._publishes
@@ -451,7 +433,7 @@ class EngineThread(threading.Thread):
             self._seal_fenced()
 
     def _settle(
-        self, act: _Active, pitem: PublishItem, status: PublishStatus, sent_at: float
+        self, act: Active, pitem: PublishItem, status: PublishStatus, sent_at: float
     ) -> None:
         """Act on what one request's part of a publish sent at ``sent_at`` came to."""
         if self._active.get(pitem.request_id) is not act:
@@ -493,7 +475,7 @@ class EngineThread(threading.Thread):
 
     def _publish_failed(
         self,
-        items: list[tuple[_Active, PublishItem, list[TokenDelta]]],
+        items: list[tuple[Active, PublishItem, list[TokenDelta]]],
         now: float,
         stamp: str,
         exc: Exception,
@@ -505,7 +487,7 @@ class EngineThread(threading.Thread):
         for act, pitem, deltas in items:
             act.unpublished = deltas + act.unpublished
             if pitem.payload:
-                act.unsure = _Unsure(stamp, pitem, len(deltas), now)
+                act.unsure = Unsure(stamp, pitem, len(deltas), now)
                 self._unsure = True
         if self._publish_backoff.failed(now):
             logger.warning("publishing to redis failed (%s); retrying with backoff", exc)
@@ -542,7 +524,7 @@ class EngineThread(threading.Thread):
         self._unsure = False
         return True
 
-    def _payload(self, act: _Active) -> bytes:
+    def _payload(self, act: Active) -> bytes:
         """The request's unpublished deltas, encoded; a request whose deltas cannot be
         encoded (an engine bug) ends with an error instead of failing the whole step."""
         if not act.unpublished:
@@ -557,7 +539,7 @@ class EngineThread(threading.Thread):
         self._fail_job(act, JOB_FAILURE_MESSAGE)
         return encode_deltas(act.unpublished)
 
-    def _release(self, act: _Active) -> None:
+    def _release(self, act: Active) -> None:
         item = act.handle.item
         self._active.pop(item.request_id, None)
         for job in item.jobs:

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import redis
 
@@ -90,6 +91,10 @@ class WorkerRuntime:
         self._stop = threading.Event()
         self._submissions = itertools.count()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._breaker = threading.Thread(target=self._watch, name="breaker", daemon=True)
+        # Called with the reason once the engine broke and this worker left the fleet:
+        # the Celery worker exits then, non-zero, for its supervisor to restart it.
+        self.on_broken: Callable[[str], None] = lambda _reason: None
         self.started = time.time()
         self.stop_join_s = STOP_JOIN_S
 
@@ -104,6 +109,7 @@ class WorkerRuntime:
     def start(self) -> None:
         self.thread.start()
         self._heartbeat.start()
+        self._breaker.start()
         logger.info(
             "worker %s serving %s with the %s engine: mode %s, capacity %d sequences, %d slots",
             self.worker_id,
@@ -140,6 +146,18 @@ class WorkerRuntime:
             )
             return
         self.engine.close()
+
+    def _watch(self) -> None:
+        """When the engine thread broke (``EngineThread.broken``): stop heart-beating
+        and leave the registry (the web tier stops counting on this worker, the
+        streamers resume its requests, whose leases it gave back), then ``on_broken``."""
+        self.thread.broke.wait()
+        if self._stop.is_set():
+            return
+        reason = self.thread.broken or "the engine failed"
+        logger.critical("worker %s is broken (%s): leaving the fleet", self.worker_id, reason)
+        self.stop()
+        self.on_broken(reason)
 
     def describe(self) -> dict[str, str | int]:
         """What this worker is, for Flower's worker page (``celery inspect stats``)."""

@@ -14,15 +14,20 @@ import pytest
 import redis
 
 from app.messages import EngineFinish, TokenDelta
+from app.model_card import ModelCard
 from app.records import RequestRecord, StopConditions
+from app.settings import Settings
 from broker.celery_app import TaskOutcome
 from broker.keys import Keys
 from broker.publish import PublishItem, PublishStatus, encode_deltas, lease_value
+from broker.registry import worker_registry
 from broker.requests import ClaimResult, RequestStore
 from broker.server import RedisServer
+from tests.stack import wait_for
 from workers.engine_thread import EngineThread
 from workers.engines.base import ChoiceJob, Engine, EngineJob, EngineStep
 from workers.engines.echo import EchoEngine
+from workers.runtime import WorkerRuntime
 from workers.work_items import WorkItem
 
 pytestmark = pytest.mark.integration
@@ -369,3 +374,112 @@ class _LostReply:
     def statuses(self) -> list[PublishStatus]:
         self.pending.statuses()
         raise redis.ConnectionError("simulated: connection lost before the reply")
+
+
+class BreakingEngine(ThreadCheckingEngine):
+    """A real engine that works for ``good_steps`` steps, then raises ``error`` on every
+    step after: a sticky fault (a CUDA context that every later call fails on)."""
+
+    def __init__(self, inner: Engine, good_steps: int, error: Exception) -> None:
+        super().__init__(inner)
+        self.good_steps = good_steps
+        self.error = error
+        self.failed = 0
+
+    def step(self) -> list[EngineStep]:
+        if self.good_steps <= 0:
+            self.failed += 1
+            raise self.error
+        self.good_steps -= 1
+        return super().step()
+
+
+@pytest.mark.parametrize(
+    ("error", "steps_to_break", "outcome"),
+    [
+        (RuntimeError("a wedged engine"), 3, TaskOutcome.FAILED),
+        (
+            RuntimeError("CUDA error: an illegal memory access was encountered"),
+            1,
+            TaskOutcome.ABANDONED,
+        ),
+    ],
+    ids=["three-in-a-row", "sticky-cuda-error"],
+)
+def test_a_broken_engine_stops_the_thread_and_gives_its_leases_back(
+    store: RequestStore, error: Exception, steps_to_break: int, outcome: TaskOutcome
+) -> None:
+    """Issue 40: an engine whose steps keep failing (3 in a row) or fail in a way no step
+    comes back from (a CUDA error) does not fail request after request while its worker
+    heart-beats on: the thread stops as ``broken``, what was published before stays and
+    its leases are given back at once, for the requests to resume elsewhere. A failure
+    that may be one request's (below the breaker) fails the jobs of that step, as
+    before; a sticky CUDA error fails none: they are abandoned, to resume elsewhere."""
+    engine = BreakingEngine(EchoEngine(tokens_per_second=0), good_steps=4, error=error)
+    thread = EngineThread(engine, store, lease_ttl_s=30.0, max_failed_steps=3)
+    thread.start()
+    try:
+        handle = thread.submit(start_request(store, "doomed", 40))
+        assert thread.broke.wait(10), "the breaker never tripped"
+        assert handle.wait(5)
+    finally:
+        thread.stop()
+        thread.join(5)
+    assert thread.broken is not None and str(error) in thread.broken
+    assert engine.good_steps == 0 and engine.failed == steps_to_break
+    assert handle.result is not None and handle.result.outcome is outcome
+    assert not store.lease_alive("doomed")  # not in 30 s: now
+    published = store.progress("doomed", 1)[0]
+    assert published.token_ids[:3] == [100, 101, 102]
+    if outcome is TaskOutcome.ABANDONED:
+        assert published.finish is None
+        assert store.resume("doomed") == 1  # what a streamer's watchdog does next
+
+
+def test_failures_below_the_breaker_fail_jobs_and_a_good_step_resets_the_count(
+    store: RequestStore,
+) -> None:
+    """Two failed steps in a row fail their jobs as before; a good step in between
+    starts the count again, so scattered failures never stop a worker."""
+    engine = ThreadCheckingEngine(EchoEngine(tokens_per_second=200), poison="poisoned")
+    thread = EngineThread(engine, store, lease_ttl_s=5.0, max_failed_steps=2)
+    thread.start()
+    try:
+        for i in range(3):
+            engine.poison = "poisoned"
+            bad = thread.submit(start_request(store, f"poisoned-{i}", 10))
+            assert bad.wait(10)
+            good = thread.submit(start_request(store, f"fine-{i}", 3))
+            assert good.wait(10)
+            assert good.result is not None and good.result.outcome is TaskOutcome.DONE
+        assert thread.broken is None and not thread.broke.is_set()
+    finally:
+        thread.stop()
+        thread.join(5)
+
+
+def test_a_broken_worker_leaves_the_fleet_and_says_so(
+    settings: Settings, card: ModelCard, redis_client: redis.Redis
+) -> None:
+    """The runtime's side of the breaker: a worker whose engine broke stops
+    heart-beating and leaves the registry (the web tier no longer counts on it, and
+    ``/ready`` says so if it was the last), then calls ``on_broken`` with the reason,
+    where the Celery worker exits non-zero for its supervisor to restart it."""
+    engine = BreakingEngine(EchoEngine(), 0, RuntimeError("CUDA error: unspecified launch failure"))
+    runtime = WorkerRuntime(settings, card, engine, redis_client, worker_id="w-breaks")
+    broken: list[str] = []
+    runtime.on_broken = broken.append
+    runtime.start()
+    registry = worker_registry(redis_client, Keys(settings.key_prefix))
+    try:
+        wait_for(lambda: any(w.worker_id == "w-breaks" for w in registry.live()), 5, "a beat")
+        store = RequestStore(redis_client, Keys(settings.key_prefix), stream_ttl_s=600)
+        result = threading.Thread(
+            target=runtime.thread.submit, args=(start_request(store, "r", 5),)
+        )
+        result.start()
+        wait_for(lambda: bool(broken), 10, "on_broken")
+    finally:
+        runtime.stop()
+    assert "unspecified launch failure" in broken[0]
+    assert not any(w.worker_id == "w-breaks" for w in registry.live())
