@@ -121,6 +121,24 @@ def engine_info_step(state: dict[str, WorkerRuntime]) -> type[bootsteps.Step]:
     return EngineInfo
 
 
+def hand_back(celery_app: Celery, runtime: WorkerRuntime) -> None:
+    """Send the turns routed to this worker that no thread took to the shared queue."""
+    try:
+        moved = requeue_own(celery_app, runtime.store.redis, runtime.model_name, runtime.worker_id)
+    except Exception as exc:  # the streamers' watchdog resends them anyway
+        logger.warning("could not hand this worker's queue back: %s", exc)
+    else:
+        if moved:
+            logger.info("sent %d queued requests on to the shared queue", moved)
+
+
+def exit_broken(reason: str) -> None:
+    """End the process with ``EXIT_BROKEN``, saying why on stderr (the log may be gone)."""
+    sys.stderr.write(f"tokenrelay worker: the engine is broken ({reason}); exiting\n")
+    sys.stderr.flush()
+    os._exit(EXIT_BROKEN)
+
+
 def build_app(settings: Settings) -> Celery:
     """The worker's app; ``app.tokenrelay_worker_id`` names the worker (its registry
     entry, step stream and own queue, which the app consumes first)."""
@@ -160,23 +178,13 @@ def build_app(settings: Settings) -> Celery:
         runtime.start()
         state["runtime"] = runtime
 
-    def _hand_back(runtime: WorkerRuntime) -> None:
-        # Turns routed here that no thread took: to the shared queue, now.
-        try:
-            moved = requeue_own(celery_app, runtime.store.redis, runtime.model_name, worker_id)
-        except Exception as exc:  # the streamers' watchdog resends them anyway
-            logger.warning("could not hand this worker's queue back: %s", exc)
-        else:
-            if moved:
-                logger.info("sent %d queued requests on to the shared queue", moved)
-
     def _stop(sender: Any = None, **_: Any) -> None:
         if not _ours(sender):
             return
         runtime = state.pop("runtime", None)
         if runtime is not None:
             runtime.stop()
-            _hand_back(runtime)
+            hand_back(celery_app, runtime)
 
     def _broken(reason: str) -> None:
         # The engine is unusable (WorkerRuntime._watch has stopped it): a worker that
@@ -184,10 +192,8 @@ def build_app(settings: Settings) -> Celery:
         # the supervisor (compose, Kubernetes, ``tokenrelay up``) to start a new one.
         runtime = state.pop("runtime", None)
         if runtime is not None:
-            _hand_back(runtime)
-        sys.stderr.write(f"tokenrelay worker: the engine is broken ({reason}); exiting\n")
-        sys.stderr.flush()
-        os._exit(EXIT_BROKEN)
+            hand_back(celery_app, runtime)
+        exit_broken(reason)
 
     worker_init.connect(_start, weak=False)
     worker_shutdown.connect(_stop, weak=False)

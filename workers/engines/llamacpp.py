@@ -118,15 +118,11 @@ class LlamaCppEngine(Engine):
         n_seq_ids = MAX_SEQ_IDS if prefix_cache else capacity
         self.prefill_chunk = max(1, prefill_chunk)
         threads = n_threads or os.cpu_count() or 1
-        if not verbose:
-            # llama.cpp logs through llama-cpp-python's logger, which prints every level
-            # unless raised (what Llama(verbose=False) does too).
-            logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         # ggml's extra weight buffers (repacked layouts, the AMX kernels) are on by
         # default; its AMX matmul crashes on batched decodes in this llama.cpp
         # (ggml-org/llama.cpp#20824; every batched test here segfaulted on an AMX CPU).
         self.extra_buffers = not cpu_has_amx() if extra_buffers is None else extra_buffers
-        self._model = load_model(model_path, self.extra_buffers)
+        self._model = load_model(model_path, self.extra_buffers, verbose=verbose)
         self._n_batch = max(512, self.prefill_chunk + capacity)
         self._ctx = new_context(
             self._model,
@@ -160,7 +156,7 @@ class LlamaCppEngine(Engine):
         self.prompt_tokens_decoded = 0  # prompt tokens run through the model, since start
         self._closed = False
         self._grammar_vocab: GrammarVocab | None = None  # on the first constrained job
-        self._vocab_lock = threading.Lock()
+        self._vocab_lock = threading.Lock()  # ``prepare`` builds it on a task's thread
         logger.info(
             "llama.cpp engine: %s, n_ctx %d, %d sequences, %d threads, extra buffers %s, "
             "prefix cache %s",

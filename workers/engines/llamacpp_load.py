@@ -4,6 +4,7 @@ makes)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,12 @@ def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     )
 
 
-def load_model(model_path: Path, use_extra_bufts: bool) -> Any:
+def load_model(model_path: Path, use_extra_bufts: bool, *, verbose: bool = False) -> Any:
     """The model's weights, loaded by llama.cpp (raises when it cannot)."""
+    if not verbose:
+        # llama.cpp logs through llama-cpp-python's logger, which prints every level
+        # unless raised (what Llama(verbose=False) does too).
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
     lc.llama_backend_init()
     mparams = lc.llama_model_default_params()
     mparams.use_extra_bufts = use_extra_bufts
