@@ -96,3 +96,14 @@ def test_the_gpu_dockerfile_installs_and_checks_flash_attn() -> None:
     # flash-attn goes in before the sources are copied (a code change must not redo it).
     assert text.index("flash_attn_wheel.py url") < text.index("COPY app ./app")
     assert text.index("import exllamav2.ext") < text.index("flash_attn_wheel.py check")
+
+
+def test_the_gpu_dockerfile_names_its_compiler_and_bounds_the_extension_build() -> None:
+    """Issue 40: nvcc's host compiler is installed explicitly (the devel image does not
+    promise one), and the extension's compile jobs are bounded (one per core is GBs of
+    RAM each on a large build host)."""
+    text = (REPO / "Dockerfile.gpu").read_text()
+    apt = next(line for line in text.splitlines() if "apt-get install" in line)
+    assert " g++" in apt
+    assert "ARG EXTENSION_MAX_JOBS=4" in text
+    assert 'MAX_JOBS="${EXTENSION_MAX_JOBS}" python -c "import exllamav2.ext"' in text
