@@ -17,6 +17,7 @@ its steps — check, then load — is what is tested.
 from __future__ import annotations
 
 import gc
+import importlib.abc
 import json
 import logging
 import sys
@@ -428,3 +429,30 @@ def test_from_card_passes_the_settings_through(monkeypatch: pytest.MonkeyPatch) 
     assert seen["max_batch_size"] == 32 and seen["allow_unpaged"] is True
     assert seen["max_chunk_size"] == 512
     assert seen["cache_tokens"] == settings.exllamav2_cache_tokens
+
+
+class _BrokenFlashAttn(importlib.abc.MetaPathFinder):
+    """``import exllamav2`` failing as it does with a flash-attn wheel for another torch."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+        if name == "exllamav2" or name.startswith("exllamav2."):
+            raise ImportError(
+                "/venv/lib/python3.12/site-packages/flash_attn_2_cuda.cpython-312-x86_64-"
+                "linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
+            )
+        return None
+
+
+def test_a_flash_attn_that_does_not_load_is_named_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: an ABI-broken flash-attn makes ``import exllamav2`` raise an ImportError
+    about an undefined symbol; the worker's start-up error says what it is and what to do."""
+    for name in [m for m in sys.modules if m == "exllamav2" or m.startswith("exllamav2.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenFlashAttn(), *sys.meta_path])
+    with pytest.raises(ModelError, match="flash-attn is installed but does not load") as err:
+        ExLlamaV2Engine.from_model_dir(
+            model_dir(tmp_path, 4096), cache_tokens=8192, max_batch_size=8
+        )
+    assert "undefined symbol" in str(err.value) and "flash_attn_wheel.py" in str(err.value)

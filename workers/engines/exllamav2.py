@@ -185,9 +185,7 @@ class ExLlamaV2Engine(Engine):
         ``cache_bits`` 16 is an FP16 cache; 4/6/8 select the quantized Q4/Q6/Q8 caches
         (the plain 8-bit cache is refused by the dynamic generator, dyn:359).
         """
-        import exllamav2
-        from exllamav2 import attn as exl_attn
-        from exllamav2.generator import ExLlamaV2DynamicGenerator
+        exllamav2, exl_attn, ExLlamaV2DynamicGenerator = _import_exllamav2()
 
         cache_class = _cache_class(cache_bits)
         config = exllamav2.ExLlamaV2Config(str(model_dir))  # reads no weights
@@ -576,3 +574,25 @@ def _log_loaded(model_dir: Path, plan: StartupPlan, max_input_len: int) -> None:
         plan.cache_tokens,
         plan.max_chunk_size or max_input_len,
     )
+
+
+def _import_exllamav2() -> tuple[Any, Any, Any]:
+    """exllamav2, its attention module and its dynamic generator, or a start-up error
+    that says what to do: exllamav2 imports flash-attn when it is installed, and a
+    flash-attn wheel built for another torch (C++ ABI, version) fails that import with
+    an ``undefined symbol`` deep inside it."""
+    try:
+        import exllamav2
+        from exllamav2 import attn
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+    except ImportError as exc:
+        hint = ""
+        if "flash_attn" in str(exc) or "undefined symbol" in str(exc):
+            hint = (
+                " flash-attn is installed but does not load with this torch (a wheel for "
+                "another torch version or C++ ABI): install the wheel matching this torch "
+                "(docker/flash_attn_wheel.py names it), or uninstall flash-attn to run "
+                "unpaged (TOKENRELAY_EXLLAMAV2_ALLOW_UNPAGED=true)."
+            )
+        raise ModelError(f"exllamav2 cannot be imported: {exc}.{hint}") from exc
+    return exllamav2, attn, ExLlamaV2DynamicGenerator
