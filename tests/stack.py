@@ -338,6 +338,22 @@ def in_flight(settings: Settings) -> int:
         client.close()
 
 
+@contextmanager
+def stack_with(
+    models_dir: Path,
+    log_dir: Path,
+    *,
+    engine: str = "echo",
+    batcher: bool = False,
+    **overrides: object,
+) -> Iterator[Stack]:
+    """``full_stack`` on settings of its own (``isolated_settings``) with ``overrides``:
+    the one line a test module needs for a stack configured its way."""
+    settings = isolated_settings("redis://unused", models_dir, **overrides)
+    with full_stack(settings, log_dir, engine=engine, batcher=batcher) as running:
+        yield running
+
+
 def flower_process(settings: Settings, log_dir: Path, port: int, auth: str) -> Proc:
     """Flower through ``broker.flower_app``: the Sentinel transport options come with it."""
     return Proc(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 import requests
 import websocket
 
-from tests.stack import Stack, batcher_process, full_stack, isolated_settings
+from tests.stack import Stack, stack_with
 
 pytestmark = pytest.mark.e2e
 
@@ -30,18 +29,9 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = isolated_settings(
-        "redis://unused",
-        models_dir,
-        api_keys=[ALPHA, BETA, ADMIN],
-        admin_api_keys=[ADMIN],
-        web_workers=1,
-        web_threads=8,
-    )
+    keys = {"api_keys": [ALPHA, BETA, ADMIN], "admin_api_keys": [ADMIN]}
     log_dir = tmp_path_factory.mktemp("hostile-logs")
-    with ExitStack() as es:
-        st = es.enter_context(full_stack(settings, log_dir))
-        st.procs["batcher"] = es.enter_context(batcher_process(st.settings, log_dir))
+    with stack_with(models_dir, log_dir, batcher=True, web_workers=1, web_threads=8, **keys) as st:
         yield st
 
 

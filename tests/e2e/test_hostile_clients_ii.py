@@ -22,26 +22,24 @@ import requests
 import websocket
 
 from tests.faults.web_clients import children
-from tests.stack import Stack, full_stack, isolated_settings
+from tests.stack import Stack, stack_with
 
 pytestmark = pytest.mark.e2e
 
 ALPHA, BETA, ADMIN = "k-alpha", "k-beta", "k-admin"
+# Two ordinary keys and an admin key, on one web worker (its threads are what is counted).
+TENANTS: dict[str, Any] = {
+    "api_keys": [ALPHA, BETA, ADMIN],
+    "admin_api_keys": [ADMIN],
+    "web_workers": 1,
+}
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    settings = isolated_settings(
-        "redis://unused",
-        models_dir,
-        api_keys=[ALPHA, BETA, ADMIN],
-        admin_api_keys=[ADMIN],
-        web_workers=1,
-        web_threads=32,
-        key_max_connections=8,
-    )
-    with full_stack(settings, tmp_path_factory.mktemp("hostile-ii-logs")) as st:
+    log_dir = tmp_path_factory.mktemp("hostile-ii-logs")
+    with stack_with(models_dir, log_dir, web_threads=32, key_max_connections=8, **TENANTS) as st:
         yield st
 
 
@@ -270,18 +268,9 @@ def test_6_one_key_cannot_hold_every_web_thread_with_websockets(stack: Stack) ->
 @pytest.fixture(scope="module")
 def llama_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The bundled model on llama.cpp with a 1,024-token KV cache (4 slots)."""
-    settings = isolated_settings(
-        "redis://unused",
-        models_dir,
-        api_keys=[ALPHA, BETA, ADMIN],
-        admin_api_keys=[ADMIN],
-        llamacpp_n_ctx=1024,
-        worker_slots=2,
-        web_workers=1,
-        web_threads=16,
-    )
     log_dir = tmp_path_factory.mktemp("hostile-ii-llama-logs")
-    with full_stack(settings, log_dir, engine="llamacpp") as st:
+    small_kv = {"llamacpp_n_ctx": 1024, "worker_slots": 2}
+    with stack_with(models_dir, log_dir, engine="llamacpp", **small_kv, **TENANTS) as st:
         yield st
 
 
@@ -356,16 +345,9 @@ def test_7_replays_of_a_long_stream_are_bounded_like_live_ones(stack: Stack) -> 
 @pytest.fixture(scope="module")
 def busy_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Workers are the bottleneck: one worker of 2 slots, 20 echo tokens a second."""
-    settings = isolated_settings(
-        "redis://unused",
-        models_dir,
-        api_keys=[ALPHA, BETA],
-        worker_slots=2,
-        echo_tokens_per_second=20.0,
-        web_workers=1,
-        web_threads=32,
-    )
-    with full_stack(settings, tmp_path_factory.mktemp("hostile-ii-busy-logs")) as st:
+    log_dir = tmp_path_factory.mktemp("hostile-ii-busy-logs")
+    busy = {"worker_slots": 2, "echo_tokens_per_second": 20.0}
+    with stack_with(models_dir, log_dir, web_threads=32, **busy, **TENANTS) as st:
         yield st
 
 
@@ -406,14 +388,8 @@ def test_5_one_key_cannot_hold_the_queue(busy_stack: Stack) -> None:
 @pytest.fixture(scope="module")
 def quota_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Output kept for replay limited to 1 MB per key."""
-    settings = isolated_settings(
-        "redis://unused",
-        models_dir,
-        api_keys=[ALPHA, BETA],
-        key_max_output_bytes=1_000_000,
-        web_workers=1,
-    )
-    with full_stack(settings, tmp_path_factory.mktemp("hostile-ii-quota-logs")) as st:
+    log_dir = tmp_path_factory.mktemp("hostile-ii-quota-logs")
+    with stack_with(models_dir, log_dir, key_max_output_bytes=1_000_000, **TENANTS) as st:
         yield st
 
 
