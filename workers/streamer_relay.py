@@ -75,6 +75,7 @@ class Relay:
         self.outputs = OutputStreams(client, keys, ttl_s=settings.stream_ttl_s)
         # What each key's output streams hold: its output quota (key_max_output_bytes).
         self.usage = OutputUsage(client, keys, window_s=settings.stream_ttl_s, clock=clock)
+        self._count_usage = bool(settings.api_keys and settings.key_max_output_bytes)
         self.handoff = RequestHandoff(client, keys)
         # The loop's read (and the write it carries) go on a connection of their own.
         self.direct = DirectConnection(client)
@@ -188,10 +189,11 @@ class Relay:
         if taken:
             self._forget_taken_over(taken)
             c.drop(taken)
-        for entry in c.outputs:
-            t = self.tracked.get(entry.request_id)
-            if t is not None and t.record.owner:
-                self.usage.add(t.record.owner, len(entry.encoded()))
+        if self._count_usage:  # only keys have quotas: nothing to count on the hot path
+            for entry in c.outputs:
+                t = self.tracked.get(entry.request_id)
+                if t is not None and t.record.owner:
+                    self.usage.add(t.record.owner, len(entry.encoded()))
 
     def _settle(self, c: Commit) -> None:
         """After ``c``'s outputs are written: cancel what it cancels, end the requests
