@@ -31,7 +31,13 @@ from broker.connection import as_str
 from broker.direct import DirectConnection, xread_command
 from broker.handoff import GROUP
 from broker.keys import Keys
-from broker.step_lines import TailAt, last_entries, read_checkpointed, step_line
+from broker.step_lines import (
+    TailAt,
+    last_entries,
+    named_tail,
+    read_checkpointed,
+    step_line,
+)
 
 # What a reader gets for an output entry it cannot decode (a bug upstream).
 MALFORMED_OUTPUT = OutputEvent(
@@ -255,11 +261,10 @@ class OutputStreams:
             last = entries[-1][1]
             log.recorded = int(last[b"n"])
             log.source, log.last_events = as_str(last[b"s"]), last[b"d"]
-            writer, sid = last.get(b"w"), last.get(b"i")
-            if not writer or not sid:
-                return log, None
-            log.steps, log.sid = self.keys.output_steps(as_str(writer)), as_str(sid)
-            return log, (log.steps, log.sid, log.recorded)
+            at = named_tail(last, b"i", self.keys.output_steps, log.recorded)
+            if at is not None:
+                log.steps, log.sid, _n = at
+            return log, at
 
         log, tail = read_checkpointed(self.redis, self.keys.output(rid), parse)
         log.tail = [(n, source, events) for n, source, events, _t in tail]

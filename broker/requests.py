@@ -24,7 +24,7 @@ from broker.chunks import Chunk, expand
 from broker.connection import as_str
 from broker.keys import Keys
 from broker.publish import TokenPublishing, decode_deltas, lease_value, seal_call
-from broker.step_lines import READ_LOG_TRIES, TailAt, read_checkpointed
+from broker.step_lines import READ_LOG_TRIES, TailAt, named_tail, read_checkpointed
 
 
 class ClaimResult(str, Enum):
@@ -284,11 +284,10 @@ class RequestStore(TokenPublishing):
             log = TokenLog(list(expand(entries, after)))
             last = entries[-1][1] if entries else {}
             log.recorded = int(last.get(b"n", 0))
-            worker, sid = last.get(b"w"), last.get(b"s")
-            if not worker or not sid:
-                return log, None
-            log.steps, log.sid = self.keys.steps(as_str(worker)), as_str(sid)
-            return log, (log.steps, log.sid, log.recorded)
+            at = named_tail(last, b"s", self.keys.steps, log.recorded)
+            if at is not None:
+                log.steps, log.sid, _n = at
+            return log, at
 
         log, tail = read_checkpointed(self.redis, self.keys.tokens(rid), parse)
         log.tail = [Chunk(n, int(attempt), payload, t) for n, attempt, payload, t in tail]

@@ -68,6 +68,17 @@ def read_checkpointed(
     raise RuntimeError(f"{key} kept changing while read")
 
 
+def named_tail(
+    last: Any, sid_field: bytes, steps_of: Callable[[str], str], recorded: int
+) -> TailAt | None:
+    """Where the tail of a checkpoint entry ``last`` is: the step stream of the writer it
+    names (``w``), after that writer's entry (``sid_field``); None when it names none."""
+    writer, sid = last.get(b"w"), last.get(sid_field)
+    if not writer or not sid:
+        return None
+    return steps_of(as_str(writer)), as_str(sid), recorded
+
+
 def last_entries(client: redis.Redis, keys: Sequence[str]) -> list[dict[bytes, bytes]]:
     """The fields of each stream's last entry ({} for an empty or missing stream), in
     one round trip: how a writer whose reply was lost finds out whether its append ran
