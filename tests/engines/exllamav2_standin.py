@@ -217,13 +217,15 @@ class StandInDynamicGenerator:
         paged: bool = True,
         logits: Callable[[list[int]], np.ndarray] | None = None,
         step_delay_s: float = 0.0,
+        vocab_size: int = VOCAB,
     ) -> None:
         self.max_total_tokens = cache_tokens
         self.max_pages = cache_tokens // PAGE
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.paged = paged
-        self.padded_vocab_size = PADDED_VOCAB
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = ((vocab_size + 31) // 32) * 32  # dyn:333
         self.logits = logits
         self.step_delay_s = step_delay_s
         self.pending_jobs: list[StandInJob] = []
@@ -332,10 +334,17 @@ class StandInDynamicGenerator:
         seq = job.sequences[0].sequence_ids
         stops = sorted(t for t in (job.stop_conditions or []) if isinstance(t, int))
         draw = job.rng.random()  # one draw per token, used or not (dyn:1892)
-        row = np.zeros(PADDED_VOCAB, dtype=np.float32)
+        vocab, padded = self.vocab_size, self.padded_vocab_size
+        row = np.zeros(padded, dtype=np.float32)
         if self.logits is not None:
-            row[:VOCAB] = self.logits(seq.ids)
-        row[VOCAB:] = -np.inf  # the padding (sampler.py:515-517)
+            row[:vocab] = self.logits(seq.ids)
+        row[vocab:] = -np.inf  # the padding (sampler.py:515-517)
+        penalty = job.gen_settings.token_repetition_penalty
+        if penalty != 1.0 and self.logits is not None:
+            # apply_rep_penalty_cpu over the whole sequence (range -1), once per token.
+            seen = np.unique(np.asarray(seq.ids, dtype=np.int64))
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
         bias = job.gen_settings.token_bias
         if bias is not None:
             row = row + np.asarray(bias, dtype=np.float32)
@@ -350,10 +359,10 @@ class StandInDynamicGenerator:
             tok = allowed[int(draw * len(allowed))]
         elif self.logits is not None:
             if allowed is not None:
-                row[[t for t in range(PADDED_VOCAB) if t not in set(allowed)]] = -np.inf
+                row[[t for t in range(padded) if t not in set(allowed)]] = -np.inf
             tok = int(np.argmax(row))
         else:
-            tok = 3 + int(draw * (VOCAB - 3))
+            tok = 3 + int(draw * (vocab - 3))
         for f in job.filters:
             f.feed(toks([tok])[:, :1])  # a (1, 1) tensor, as exllamav2 feeds it
         job.new_tokens += 1

@@ -437,7 +437,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def test_gguf_tensors_map_to_hf_names_and_q_k_are_unpermuted() -> None:
-    from benchmarks.gpu_check import gguf_to_hf_tensors, hf_tensor_name
+    from benchmarks.gguf_to_hf import gguf_to_hf_tensors, hf_tensor_name
 
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
