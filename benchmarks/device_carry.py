@@ -114,15 +114,95 @@ def requires(name: str) -> list[str] | None:
         return None
 
 
-def download(names: list[str], dest: Path, python: str) -> None:
-    """Wheels of ``names`` for CPython ``python``: at the versions installed here, and the
-    newest that fits for one this Python does not need (a marker for an older patch)."""
+def download(names: list[str], dest: Path, python: str, pins: dict[str, str] | None = None) -> None:
+    """Wheels of ``names`` for CPython ``python``: at ``pins`` or the versions installed
+    here, and the newest that fits for one this Python does not need (a marker for an
+    older patch)."""
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    pins = [f"{n}=={v}" if (v := installed(n)) else n for n in names]
+    pinned = pins or {}
+    wanted = [f"{n}=={v}" if (v := pinned.get(n) or installed(n)) else n for n in names]
     python_version = ".".join(python.split(".")[:2])
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
     target = ["--python-version", python_version, "--implementation", "cp", *platforms]
-    subprocess.run([*pip, *target, "-d", str(dest), *pins], check=True)
+    subprocess.run([*pip, *target, "-d", str(dest), *wanted], check=True)
+
+
+# For the GPU run (benchmarks/device_gpu.sh), also left out: what the device image holds
+# in a version the run works with (KINDS.md's list), and Flower's own needs (no Flower
+# there). Every MiB counts: the wheels and the 94 MiB GGUF fill two calls' 64 MiB.
+GPU_DEVICE_HAS = (
+    *DEVICE_HAS,
+    *("pyyaml", "psutil", "requests", "urllib3", "certifi", "idna", "charset-normalizer"),
+    *("prometheus-client", "jinja2", "markupsafe", "packaging", "six", "python-dateutil"),
+    *("tqdm", "flower", "tornado", "humanize", "pytz"),
+)
+# What one call may carry (the device tool's limit), less a margin for what else travels.
+CALL_LIMIT = 64 * 2**20
+MARGIN = 2 * 2**20
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the files git would send from ``root`` (tracked and untracked, not
+    ignored): the part of each call's 64 MiB the working tree takes."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
+    files = [root / f for f in out.decode().split("\0") if f]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def split_to_fit(
+    big: Path, first: Path, second: Path, *, first_room: int, second_room: int
+) -> tuple[int, int]:
+    """``big`` in two pieces, ``first`` as large as ``first_room`` allows and the rest in
+    ``second``; refuses when the rest exceeds ``second_room``. The device joins them
+    with ``cat`` and checks the sha256."""
+    size = big.stat().st_size
+    head = min(size, max(first_room, 0))
+    if size - head > second_room:
+        raise SystemExit(
+            f"{big.name} ({size / 2**20:.1f} MiB) does not fit two calls: "
+            f"{first_room / 2**20:.1f} + {second_room / 2**20:.1f} MiB of room"
+        )
+    with big.open("rb") as src:
+        first.write_bytes(src.read(head))
+        second.write_bytes(src.read())
+    return head, size - head
+
+
+def stage_gpu(dest: Path, python: str, repo: Path) -> None:
+    """``dest/a``: the wheels (tokenrelay's closure, exllamav2 0.3.2) and the GGUF's first
+    piece; ``dest/b``: its second piece and sha256; each under one call's limit with the
+    working tree that travels beside it (checked here, by size)."""
+    import hashlib
+
+    from app.prepare import bundled_gguf_path
+
+    shutil.rmtree(dest, ignore_errors=True)
+    wheels = dest / "a" / "whl"
+    wheels.mkdir(parents=True)
+    (dest / "b").mkdir()
+    names = closure("tokenrelay", requires, python=python, skip=GPU_DEVICE_HAS)
+    download([*names, "exllamav2"], wheels, python, pins={"exllamav2": "0.3.2"})
+    gguf = bundled_gguf_path()
+    room = CALL_LIMIT - MARGIN - tree_bytes(repo)
+    used = sum(f.stat().st_size for f in wheels.iterdir())
+    a, b = split_to_fit(
+        gguf,
+        dest / "a" / "part.aa",
+        dest / "b" / "part.ab",
+        first_room=room - used,
+        second_room=room,
+    )
+    (dest / "b" / "sha256").write_text(hashlib.sha256(gguf.read_bytes()).hexdigest() + "\n")
+    print(
+        f"{len(names) + 1} wheels ({used / 2**20:.1f} MiB) + GGUF {a / 2**20:.1f} MiB in "
+        f"{dest / 'a'}; GGUF {b / 2**20:.1f} MiB in {dest / 'b'}; room per call "
+        f"{room / 2**20:.1f} MiB"
+    )
 
 
 def main() -> int:
@@ -132,7 +212,13 @@ def main() -> int:
         "--python", default="3.12.3", help="the target's CPython (the device image's is 3.12.3)"
     )
     parser.add_argument("--skip", nargs="*", default=list(DEVICE_HAS))
+    parser.add_argument(
+        "--gpu", action="store_true", help="stage the GPU run's two parts (device_gpu.sh)"
+    )
     args = parser.parse_args()
+    if args.gpu:
+        stage_gpu(args.dest, args.python, Path(__file__).resolve().parent.parent)
+        return 0
 
     wheels = args.dest / "whl"
     shutil.rmtree(wheels, ignore_errors=True)  # one version of each, or pip stops

@@ -148,3 +148,38 @@ def test_summary_command_prints_each_file_s_runs(
     assert summary.main([str(tmp_path / "missing.json")]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "(no such file)"
     assert summary.main([]) == 2
+
+
+def test_the_gguf_is_split_to_fill_the_first_call_and_refused_when_it_cannot_fit(
+    carry: ModuleType, tmp_path: Path
+) -> None:
+    big = tmp_path / "model.gguf"
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    big.write_bytes(data)
+    a, b = tmp_path / "part.aa", tmp_path / "part.ab"
+    assert carry.split_to_fit(big, a, b, first_room=6000, second_room=5000) == (6000, 4240)
+    assert a.read_bytes() + b.read_bytes() == data  # what `cat` joins there
+    with pytest.raises(SystemExit, match="does not fit two calls"):
+        carry.split_to_fit(big, a, b, first_room=6000, second_room=4000)
+    # No room left in the first call after the wheels: all of it in the second.
+    assert carry.split_to_fit(big, a, b, first_room=-5, second_room=20000) == (0, 10240)
+
+
+@pytest.mark.integration  # runs git
+def test_the_working_tree_that_travels_counts_untracked_files_but_not_ignored_ones(
+    carry: ModuleType, tmp_path: Path
+) -> None:
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("ignored/\n")  # 9 bytes
+    (tmp_path / "kept.txt").write_bytes(b"x" * 100)
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big.bin").write_bytes(b"y" * 5000)
+    assert carry.tree_bytes(tmp_path) == 109
+    # The real tree: what each GPU call carries beside its part (checked by size).
+    repo = Path(__file__).resolve().parent.parent
+    assert carry.tree_bytes(repo) < 8 * 2**20
+    gguf_and_wheels = 94 * 2**20 + 22 * 2**20  # the bundled GGUF, the staged wheels
+    room = carry.CALL_LIMIT - carry.MARGIN - carry.tree_bytes(repo)
+    assert gguf_and_wheels <= 2 * room
