@@ -146,9 +146,10 @@ class Settings(BaseSettings):
         default=1024,
         ge=256,
         multiple_of=256,
-        description="Most prompt tokens the exllamav2 engine prefills per job in one step "
-        "(a multiple of 256, at most the model's max_input_len): bounds the time of one "
-        "step, which a burst of long prompts would otherwise stretch past the lease.",
+        description="Most prompt tokens the exllamav2 engine prefills for one job in one "
+        "step (a multiple of 256, at most the model's max_input_len). A step gives every "
+        "job still in prefill one chunk, so a burst of N long prompts prefills up to N "
+        "chunks in one step: this bounds each job's share, not the step.",
     )
     lease_ttl_s: float = Field(
         default=5.0,

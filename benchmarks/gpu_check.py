@@ -188,10 +188,11 @@ def exllamav2_backend(model_dir: Path) -> tuple[Backend, dict[str, Any]]:
     fresh cache and generator, warmed up, for every run."""
     import torch
 
-    from workers.engines.exllamav2 import ExllamaApi, _import_exllamav2
+    from workers.engines.exllamav2 import ExllamaApi
+    from workers.engines.exllamav2_startup import import_exllamav2
 
     t0 = time.perf_counter()
-    exllamav2, attn, generator_cls = _import_exllamav2()
+    exllamav2, attn, generator_cls = import_exllamav2()
     import_s = time.perf_counter() - t0
     config = exllamav2.ExLlamaV2Config(str(model_dir))
     config.arch_compat_overrides()

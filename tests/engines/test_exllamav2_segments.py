@@ -307,3 +307,49 @@ def test_from_card_passes_the_chunk_size_and_segment_tokens(
     assert (seen["max_chunk_size"], seen["segment_tokens"]) == (512, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
         Settings(exllamav2_max_chunk_size=300)
+
+
+# --- a continuation waiting for pages ------------------------------------------------------
+
+
+def stall_of_a_continuation(monkeypatch: pytest.MonkeyPatch, max_skips: int) -> dict[str, int]:
+    """Steps the live request L waits between its first segment and its continuation.
+
+    8 pages. L (240 prompt tokens, segments of 16) holds 1 page; its continuation needs
+    2 (256 + 16 tokens). Seven others hold a page each and end 30 steps apart from step
+    31; a newcomer of one page arrives at every step. When L's first segment ends one
+    page is free, so its continuation waits; newcomers may pass it ``max_skips`` times.
+    """
+    from workers.engines import exllamav2 as engine_module
+
+    monkeypatch.setattr(engine_module, "CONTINUATION_MAX_SKIPS", max_skips)
+    engine, gen = make_engine(segment_tokens=16, cache_tokens=8 * 256, max_batch_size=64)
+    none: frozenset[int] = frozenset()
+    engine.submit(make_job("L", prompt=[3 + i % 90 for i in range(240)], max_new_tokens=48, eos=none))
+    for i in range(7):
+        engine.submit(make_job(f"B{i}", prompt=[1, 2, 3], max_new_tokens=30 + 30 * i, eos=none))
+    produced: list[int] = []
+    newcomers = 0
+    for step in range(1, 400):
+        if not engine.has_work():
+            break
+        engine.submit(make_job(f"N{newcomers}", prompt=[4, 5], max_new_tokens=40, eos=none))
+        newcomers += 1
+        if any(s.job_id == "L" and s.delta.token_ids for s in engine.step()):
+            produced.append(step)
+        if len(produced) == 48:
+            break
+    gaps = [b - a for a, b in zip(produced, produced[1:], strict=False)]
+    return {"tokens": len(produced), "stall": max(gaps), "ended": produced[-1]}
+
+
+def test_a_continuation_is_not_passed_by_newcomers_while_pages_are_short(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = stall_of_a_continuation(monkeypatch, max_skips=4)  # exllamav2's default
+    after = stall_of_a_continuation(monkeypatch, max_skips=0)
+    print(f"continuation passed up to 4 times: {before}\nnever passed: {after}")
+    assert before["tokens"] == after["tokens"] == 48
+    # Never passed, it starts when the first other request ends (step 31) frees a page.
+    assert after["stall"] <= 16
+    assert before["stall"] >= 2 * after["stall"]

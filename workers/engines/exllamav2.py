@@ -56,7 +56,9 @@ from workers.engines.exllamav2_startup import (
     MODE_UNPAGED,
     ModelLimits,
     StartupPlan,
+    cache_class,
     free_cuda_memory,
+    import_exllamav2,
     plan_startup,
     resolve_paged,
 )
@@ -65,6 +67,10 @@ logger = logging.getLogger(__name__)
 
 # New tokens one exllamav2 job reserves pages for (Settings.exllamav2_segment_tokens).
 DEFAULT_SEGMENT_TOKENS = 512
+# How many later jobs may start before a job that does not fit (dyn:1310-1320): a new
+# request keeps exllamav2's default; a continuation none (``_start_segment``).
+FIRST_MAX_SKIPS = 4
+CONTINUATION_MAX_SKIPS = 0
 
 
 @dataclass(frozen=True)
@@ -185,9 +191,9 @@ class ExLlamaV2Engine(Engine):
         ``cache_bits`` 16 is an FP16 cache; 4/6/8 select the quantized Q4/Q6/Q8 caches
         (the plain 8-bit cache is refused by the dynamic generator, dyn:359).
         """
-        exllamav2, exl_attn, ExLlamaV2DynamicGenerator = _import_exllamav2()
+        exllamav2, exl_attn, ExLlamaV2DynamicGenerator = import_exllamav2()
 
-        cache_class = _cache_class(cache_bits)
+        cache_cls = cache_class(cache_bits)
         config = exllamav2.ExLlamaV2Config(str(model_dir))  # reads no weights
         config.arch_compat_overrides()
         plan = plan_startup(
@@ -206,7 +212,7 @@ class ExLlamaV2Engine(Engine):
             logger.warning("exllamav2: %s", warning)
 
         model = exllamav2.ExLlamaV2(config)
-        cache = cache_class(model, max_seq_len=plan.cache_tokens, lazy=True)
+        cache = cache_cls(model, max_seq_len=plan.cache_tokens, lazy=True)
         model.load_autosplit(cache, progress=False)
         tokenizer = exllamav2.ExLlamaV2Tokenizer(config)
         generator = ExLlamaV2DynamicGenerator(
@@ -451,6 +457,10 @@ class ExLlamaV2Engine(Engine):
                 stop_conditions=state.stop_conditions,
                 return_logits=job.sampling.logprobs is not None,
                 identifier=(job.job_id, c.index),
+                # A continuation's stream is live: no newcomer may start while it waits
+                # for pages (exllamav2 lets later jobs pass a job that does not fit up
+                # to max_skips times, dyn:1310-1320, and each one takes pages it needs).
+                max_skips=CONTINUATION_MAX_SKIPS if previous is not None else FIRST_MAX_SKIPS,
                 **extra,
             )
             if previous is not None:
@@ -536,21 +546,6 @@ def _grammar_vocab(model_dir: Path, n_vocab: int, eos: list[int]) -> GrammarVoca
     return GrammarVocab(llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos))
 
 
-def _cache_class(cache_bits: int) -> Any:
-    """exllamav2's KV cache class for ``cache_bits``: FP16, or the quantized Q8/Q6/Q4."""
-    import exllamav2
-
-    caches = {
-        16: exllamav2.ExLlamaV2Cache,
-        8: exllamav2.ExLlamaV2Cache_Q8,
-        6: exllamav2.ExLlamaV2Cache_Q6,
-        4: exllamav2.ExLlamaV2Cache_Q4,
-    }
-    if cache_bits not in caches:
-        raise ValueError(f"cache_bits must be one of {sorted(caches)}, not {cache_bits}")
-    return caches[cache_bits]
-
-
 def _releaser(model: Any, cache: Any) -> Callable[[], None]:
     """What frees the GPU memory of a loaded model: only this closure keeps the model and
     its cache once the engine drops the generator, and ``close`` runs it."""
@@ -574,25 +569,3 @@ def _log_loaded(model_dir: Path, plan: StartupPlan, max_input_len: int) -> None:
         plan.cache_tokens,
         plan.max_chunk_size or max_input_len,
     )
-
-
-def _import_exllamav2() -> tuple[Any, Any, Any]:
-    """exllamav2, its attention module and its dynamic generator, or a start-up error
-    that says what to do: exllamav2 imports flash-attn when it is installed, and a
-    flash-attn wheel built for another torch (C++ ABI, version) fails that import with
-    an ``undefined symbol`` deep inside it."""
-    try:
-        import exllamav2
-        from exllamav2 import attn
-        from exllamav2.generator import ExLlamaV2DynamicGenerator
-    except ImportError as exc:
-        hint = ""
-        if "flash_attn" in str(exc) or "undefined symbol" in str(exc):
-            hint = (
-                " flash-attn is installed but does not load with this torch (a wheel for "
-                "another torch version or C++ ABI): install the wheel matching this torch "
-                "(docker/flash_attn_wheel.py names it), or uninstall flash-attn to run "
-                "unpaged (TOKENRELAY_EXLLAMAV2_ALLOW_UNPAGED=true)."
-            )
-        raise ModelError(f"exllamav2 cannot be imported: {exc}.{hint}") from exc
-    return exllamav2, attn, ExLlamaV2DynamicGenerator

@@ -18,6 +18,7 @@ import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.errors import ModelError
 
@@ -267,3 +268,40 @@ def free_cuda_memory() -> None:
 def _version(text: str) -> tuple[int, ...]:
     """``"2.7.4.post1"`` -> (2, 7, 4): the numeric parts, as exllamav2 compares them."""
     return tuple(int(t) for t in text.split(".") if t.isdigit())
+
+
+def cache_class(cache_bits: int) -> Any:
+    """exllamav2's KV cache class for ``cache_bits``: FP16, or the quantized Q8/Q6/Q4."""
+    import exllamav2
+
+    caches = {
+        16: exllamav2.ExLlamaV2Cache,
+        8: exllamav2.ExLlamaV2Cache_Q8,
+        6: exllamav2.ExLlamaV2Cache_Q6,
+        4: exllamav2.ExLlamaV2Cache_Q4,
+    }
+    if cache_bits not in caches:
+        raise ValueError(f"cache_bits must be one of {sorted(caches)}, not {cache_bits}")
+    return caches[cache_bits]
+
+
+def import_exllamav2() -> tuple[Any, Any, Any]:
+    """exllamav2, its attention module and its dynamic generator, or a start-up error
+    that says what to do: exllamav2 imports flash-attn when it is installed, and a
+    flash-attn wheel built for another torch (C++ ABI, version) fails that import with
+    an ``undefined symbol`` deep inside it."""
+    try:
+        import exllamav2
+        from exllamav2 import attn
+        from exllamav2.generator import ExLlamaV2DynamicGenerator
+    except ImportError as exc:
+        hint = ""
+        if "flash_attn" in str(exc) or "undefined symbol" in str(exc):
+            hint = (
+                " flash-attn is installed but does not load with this torch (a wheel for "
+                "another torch version or C++ ABI): install the wheel matching this torch "
+                "(docker/flash_attn_wheel.py names it), or uninstall flash-attn to run "
+                "unpaged (TOKENRELAY_EXLLAMAV2_ALLOW_UNPAGED=true)."
+            )
+        raise ModelError(f"exllamav2 cannot be imported: {exc}.{hint}") from exc
+    return exllamav2, attn, ExLlamaV2DynamicGenerator
