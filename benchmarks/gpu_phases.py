@@ -239,16 +239,27 @@ def paths(
         and err is not None
         and err <= logprob_tolerance,
     }
-    penalties = {"repetition": 1.3, "presence": 0.5, "frequency": 0.7}
+    penalties: dict[str, Any] = {"repetition": 1.3, "presence": 0.5, "frequency": 0.7}
+    penalties["bias"] = {greedy[1]: -2.0}
     sampling = SamplingParams(
         temperature=0.0,
+        logprobs=2,
+        logit_bias=penalties["bias"],
         repetition_penalty=penalties["repetition"],
         presence_penalty=penalties["presence"],
         frequency_penalty=penalties["frequency"],
     )
-    ids, _, _ = steps_of(engine, engine_job("penalties", prompt, tokens, sampling=sampling))
-    pen = ref.check(prompt, ids, margin=margin, **penalties).summary(margin)
-    out["penalties"] = {**pen, **penalties, "changed_output": ids != greedy}
+    ids, _, logprobs = steps_of(engine, engine_job("penalties", prompt, tokens, sampling=sampling))
+    pen = ref.check(prompt, ids, margin=margin, logprobs=logprobs, **penalties).summary(margin)
+    err = pen["max_logprob_error"]
+    out["penalties"] = {
+        **pen,
+        **penalties,
+        "bias": {str(k): v for k, v in penalties["bias"].items()},
+        "changed_output": ids != greedy,
+        # logprobs: the raw distribution, as without penalties (both engines).
+        "ok": pen["ok"] and err is not None and err <= logprob_tolerance,
+    }
     return out
 
 

@@ -111,11 +111,12 @@ def agreement(
 ) -> Agreement:
     """``rows[i]``: the reference's logits for the token after ``prompt + tokens[:i]``.
     With ``penalties`` (``penalized``'s keywords) the rows are penalized as the engine's
-    sampler does before they are compared."""
+    sampler does before the tokens are compared; ``logprobs`` are compared with the
+    log-softmax of the rows as they are (the raw distribution both engines report)."""
     a = Agreement(tokens=len(tokens))
     errors: list[float] = []
     for i, tok in enumerate(tokens):
-        row = np.asarray(rows[i], dtype=np.float64)
+        raw = row = np.asarray(rows[i], dtype=np.float64)
         if penalties:
             row = penalized(row, [*prompt, *tokens[:i]], tokens[:i], **penalties)
         gap = float(row.max() - row[tok])
@@ -127,7 +128,8 @@ def agreement(
         if gap > 0:
             a.worst.append({"position": i, "token": int(tok), "margin": round(gap, 4)})
         if logprobs is not None:
-            errors.append(abs(float(log_softmax(row)[tok]) - logprobs[i]))
+            # Both engines report the model's own distribution, before the sampler.
+            errors.append(abs(float(log_softmax(raw)[tok]) - logprobs[i]))
     a.worst = sorted(a.worst, key=lambda w: -w["margin"])[:5]
     if errors:
         a.max_logprob_error = max(errors)

@@ -30,7 +30,8 @@ from tests.engines.exllamav2_standin import (
 )
 from workers.engines.base import ChoiceJob, EngineJob, EngineStep, JobRejected
 from workers.engines.exllamav2 import ExLlamaV2Engine
-from workers.engines.exllamav2_jobs import NEUTRAL_SETTINGS, logprobs_from_logits
+from workers.engines.exllamav2_jobs import NEUTRAL_SETTINGS
+from workers.engines.logprobs import token_logprobs
 
 pytestmark = pytest.mark.unit  # fakes only: no engine weights, no server
 
@@ -411,7 +412,7 @@ def test_logprobs_come_from_the_logits_aligned_with_the_ids() -> None:
 
 def test_logprobs_zero_is_the_sampled_token_only() -> None:
     logits = np.array([[0.0, 1.0, 2.0, -np.inf]], dtype=np.float32)
-    (lp,) = logprobs_from_logits(logits, [3], 0)
+    (lp,) = token_logprobs(logits, [3], 0)
     assert lp.top == []
     assert lp.logprob == -9999.0  # -inf is floored: JSON has no -Infinity
 

@@ -4,6 +4,7 @@ against the stand-in generator and its small model (tests/engines/exllamav2_stan
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -323,23 +324,23 @@ def stall_of_a_continuation(monkeypatch: pytest.MonkeyPatch, max_skips: int) -> 
     from workers.engines import exllamav2 as engine_module
 
     monkeypatch.setattr(engine_module, "CONTINUATION_MAX_SKIPS", max_skips)
-    engine, gen = make_engine(segment_tokens=16, cache_tokens=8 * 256, max_batch_size=64)
+    engine, _gen = make_engine(segment_tokens=16, cache_tokens=8 * 256, max_batch_size=64)
     none: frozenset[int] = frozenset()
-    engine.submit(make_job("L", prompt=[3 + i % 90 for i in range(240)], max_new_tokens=48, eos=none))
+    engine.submit(
+        make_job("L", prompt=[3 + i % 90 for i in range(240)], max_new_tokens=48, eos=none)
+    )
     for i in range(7):
         engine.submit(make_job(f"B{i}", prompt=[1, 2, 3], max_new_tokens=30 + 30 * i, eos=none))
     produced: list[int] = []
-    newcomers = 0
     for step in range(1, 400):
         if not engine.has_work():
             break
-        engine.submit(make_job(f"N{newcomers}", prompt=[4, 5], max_new_tokens=40, eos=none))
-        newcomers += 1
+        engine.submit(make_job(f"N{step}", prompt=[4, 5], max_new_tokens=40, eos=none))
         if any(s.job_id == "L" and s.delta.token_ids for s in engine.step()):
             produced.append(step)
         if len(produced) == 48:
             break
-    gaps = [b - a for a, b in zip(produced, produced[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(produced)]
     return {"tokens": len(produced), "stall": max(gaps), "ended": produced[-1]}
 
 
@@ -353,3 +354,44 @@ def test_a_continuation_is_not_passed_by_newcomers_while_pages_are_short(
     # Never passed, it starts when the first other request ends (step 31) frees a page.
     assert after["stall"] <= 16
     assert before["stall"] >= 2 * after["stall"]
+
+
+# --- logprobs: the model's own distribution ----------------------------------------------
+
+
+def slope(ids: list[int]) -> np.ndarray:
+    """Positive and negative logits that move with the context (the repetition penalty
+    divides the first and multiplies the second)."""
+    row = np.linspace(3.0, -3.0, VOCAB).astype(np.float32)
+    row[(ids[-1] * 7) % VOCAB] += 1.5
+    return row
+
+
+def test_logprobs_are_the_raw_model_logits_whatever_the_bias_and_penalties() -> None:
+    """As the llama.cpp engine reports them (before its sampler chain): exllamav2's
+    returned rows carry the repetition penalty and the token bias, undone here."""
+    engine, _gen = make_engine(segment_tokens=5, logits=slope)
+    sampling = SamplingParams(
+        temperature=0.0,
+        logprobs=3,
+        logit_bias={9: 4.0, 40: -2.0},
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        repetition_penalty=1.3,
+    )
+    engine.submit(make_job(max_new_tokens=12, sampling=sampling, eos=frozenset()))
+    steps = run_until_idle(engine, limit=100)
+    got = [lp for s in steps for lp in s.delta.logprobs or ()]
+    out = tokens_of(steps)
+    assert len(got) == len(out) == 12
+    context = list(PROMPT)
+    for lp, tok in zip(got, out, strict=True):
+        want = slope(context).astype(np.float64)
+        want = want - np.log(np.exp(want - want.max()).sum()) - want.max()
+        assert lp.token_id == tok and abs(lp.logprob - want[tok]) < 1e-4
+        top = np.argsort(-want, kind="stable")[:3]
+        assert [t for t, _ in lp.top] == top.tolist()
+        assert all(abs(v - want[t]) < 1e-4 for t, v in lp.top)
+        context.append(tok)
+    # The penalties and the bias did change what was sampled.
+    assert out != [int(np.argmax(slope([*PROMPT, *out[:i]]))) for i in range(12)]

@@ -121,10 +121,10 @@ def test_the_phases_fail_when_the_engine_gets_penalties_or_logprobs_wrong(
 ) -> None:
     # Output penalties never applied, and logprobs taken from shifted logits.
     monkeypatch.setattr(exllamav2_jobs.OutputPenalties, "count", lambda self, tokens: None)
-    real = exllamav2_jobs.logprobs_from_logits
+    real = exllamav2_jobs.token_logprobs
     monkeypatch.setattr(
         exllamav2_jobs,
-        "logprobs_from_logits",
+        "token_logprobs",
         lambda logits, ids, k: real(np.asarray(logits) * 1.5, ids, k),
     )
     result = unpaged(ToyReference())

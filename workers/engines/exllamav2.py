@@ -47,7 +47,9 @@ from workers.engines.exllamav2_jobs import (
     OutputPenalties,
     _Choice,
     _Job,
+    adjusted,
     clamped_bias,
+    raw_logits,
     result_delta,
     sampler_settings,
 )
@@ -503,7 +505,15 @@ class ExLlamaV2Engine(Engine):
         if state is None or c is None or c.done or c.pending is not None:
             return None
         try:
-            delta = result_delta(c.index, result, state.logprobs)
+            sampling = state.job.sampling
+            unadjust = None
+            if state.logprobs is not None and adjusted(sampling):
+                context, generated = c.context(), list(c.generated)
+
+                def unadjust(rows: Any, tokens: list[int]) -> Any:
+                    return raw_logits(rows, tokens, context, generated, sampling)
+
+            delta = result_delta(c.index, result, state.logprobs, unadjust)
         except Exception:
             logger.exception("cannot map exllamav2 output of %s choice %d", state.job_id, c.index)
             if not result.get("eos") and c.exl_job is not None:

@@ -37,7 +37,7 @@ holds back an incomplete UTF-8 character (dyn:2137).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,14 +47,10 @@ from app.messages import EngineFinish, TokenDelta, TokenLogprob
 from app.records import SamplingParams
 from workers.engines.base import EngineJob
 from workers.engines.exllamav2_filter import GrammarFilter
+from workers.engines.logprobs import token_logprobs
 
 if TYPE_CHECKING:
     from workers.engines.exllamav2 import ExllamaApi
-
-# What a logprob of -inf (a token the penalties or the vocab padding ruled out) is
-# published as: JSON has no -Infinity, and vLLM's OpenAI server uses the same floor.
-_LOGPROB_FLOOR = -9999.0
-
 
 # OpenAI caps logit_bias at +-100; exllamav2 adds the bias to the logits as is (smp:429).
 _MAX_BIAS = 100.0
@@ -204,36 +200,62 @@ class _Job:
         return self.job.sampling.logprobs
 
 
-def logprobs_from_logits(logits: np.ndarray, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """Log-softmax of each row of ``logits`` (n, vocab) for the sampled ids, plus top k.
+def raw_logits(
+    rows: np.ndarray,
+    tokens: list[int],
+    context: list[int],
+    generated: list[int],
+    sampling: SamplingParams,
+) -> np.ndarray:
+    """The model's own logits back from the rows ``return_logits`` gives.
 
-    exllamav2's ``return_probs``/``return_top_tokens`` report probabilities *after*
-    top-k/top-p truncation and temperature (ext:239-284): under greedy decoding every
-    sampled token would get logprob 0 and every alternative -inf. The logits it returns
-    with ``return_logits`` are the model's, with penalties, logit_bias and min_tokens
-    blocking already applied in place (smp:408-429) but before temperature and
-    truncation, which is the distribution OpenAI's logprobs describe.
+    exllamav2 returns each row after its sampler changed it in place (smp:408-429): the
+    repetition penalty over the whole sequence, then the token bias (the request's
+    logit_bias and, in ``OutputPenalties``, the presence/frequency penalties as they were
+    when that token was sampled). Both engines report the log-softmax of the raw logits
+    (the llama.cpp engine reads them before its sampler chain, as vLLM does), so this
+    undoes them, in reverse order: row ``i`` was sampled after ``context + tokens[:i]``
+    (``generated``: the choice's output so far, a resumed prefix included). What the
+    sampler set to -1e30 or -inf (stop ids under min_tokens, a grammar's forbidden ids)
+    stays there: never a sampled token, only an alternative reported at the floor.
     """
-    rows = np.asarray(logits, dtype=np.float32)
-    peak = rows.max(axis=1, keepdims=True)
-    with np.errstate(under="ignore"):
-        lse = peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True))
-    lp = np.maximum(rows - lse, _LOGPROB_FLOOR)
-    out: list[TokenLogprob] = []
-    for i, tok in enumerate(token_ids):
-        top: list[tuple[int, float]] = []
-        if k > 0:
-            row = lp[i]
-            kk = min(k, row.shape[0])
-            idx = np.argpartition(-row, kk - 1)[:kk]
-            idx = idx[np.argsort(-row[idx], kind="stable")]
-            top = [(int(j), float(row[j])) for j in idx]
-        out.append(TokenLogprob(int(tok), float(lp[i, tok]), top))
+    out = np.array(rows, dtype=np.float64)
+    bias = clamped_bias(sampling.logit_bias)
+    wanted = OutputPenalties.wanted(sampling)
+    repetition = sampling.repetition_penalty
+    for i in range(out.shape[0]):
+        row = out[i]
+        for tok, b in bias.items():
+            row[tok] -= b
+        if wanted:
+            ids, counts = np.unique(
+                np.asarray([*generated, *tokens[:i]], dtype=np.int64), return_counts=True
+            )
+            row[ids] += sampling.frequency_penalty * counts + sampling.presence_penalty
+        if repetition != 1.0:
+            seen = np.unique(np.asarray([*context, *tokens[:i]], dtype=np.int64))
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals * repetition, vals / repetition)
     return out
 
 
-def result_delta(index: int, result: dict[str, Any], logprobs: int | None) -> TokenDelta:
-    """One streaming result dict (dyn:916-985) -> the choice's TokenDelta."""
+def adjusted(sampling: SamplingParams) -> bool:
+    """Whether exllamav2's returned logits differ from the model's (``raw_logits``)."""
+    return (
+        bool(sampling.logit_bias)
+        or OutputPenalties.wanted(sampling)
+        or (sampling.repetition_penalty != 1.0)
+    )
+
+
+def result_delta(
+    index: int,
+    result: dict[str, Any],
+    logprobs: int | None,
+    unadjust: Callable[[np.ndarray, list[int]], np.ndarray] | None = None,
+) -> TokenDelta:
+    """One streaming result dict (dyn:916-985) -> the choice's TokenDelta
+    (``unadjust(rows, tokens)``: the raw logits of the rows, ``raw_logits``)."""
     # Token ids arrive in result["token_ids"], except what exllamav2 was still
     # holding when the job ended: on a stop token it does not flush its buffer but
     # returns it, stop token included, under result["held"] (dyn:2079-2093, 2121).
@@ -249,7 +271,11 @@ def result_delta(index: int, result: dict[str, Any], logprobs: int | None) -> To
         logits = np.concatenate(rows, axis=0) if rows else np.empty((0, 0), np.float32)
         if logits.shape[0] != len(token_ids):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(token_ids)} tokens")
-        lps = logprobs_from_logits(logits, token_ids, logprobs)
+        if unadjust is not None:
+            logits = unadjust(logits, token_ids)
+        # exllamav2's return_probs/return_top_tokens are after temperature and
+        # truncation (ext:239-284): greedy would report 0 and -inf for everything.
+        lps = token_logprobs(logits, token_ids, logprobs)
 
     finish: EngineFinish | None = None
     cached: int | None = None

@@ -57,10 +57,10 @@ from workers.engines.llamacpp_load import cpu_has_amx, load_model, new_context
 from workers.engines.llamacpp_sampling import (
     choice_seed,
     grammar_vocab,
-    log_softmax_top,
     plain_greedy,
     sampler_chain,
 )
+from workers.engines.logprobs import log_sum_exp, logprob, top_logprobs
 
 if TYPE_CHECKING:
     from app.model_card import ModelCard
@@ -480,7 +480,8 @@ class LlamaCppEngine(Engine):
             row = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         if k is not None and row is not None:
             # Raw logits, before bias, penalties, the grammar or the min_tokens mask.
-            lse, top = log_softmax_top(row, k)
+            lse = log_sum_exp(row)
+            top = top_logprobs(row, k, lse)
         # Siblings share the row and each grammar masks it differently after the first.
         raw = row.copy() if constrained and row is not None and len(seqs) > 1 else None
         for i, s in enumerate(seqs):
@@ -499,7 +500,7 @@ class LlamaCppEngine(Engine):
             lps = None
             if k is not None and row is not None:
                 # The sampled token is never masked: row[tok] is its raw logit.
-                lps = [TokenLogprob(tok, float(row[tok]) - lse, list(top))]
+                lps = [TokenLogprob(tok, logprob(row, tok, lse), list(top))]
             self._advance(s, tok, lps, stops, out)
         if not owner.live:
             self._jobs.pop(job.job_id, None)

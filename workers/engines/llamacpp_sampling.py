@@ -1,6 +1,6 @@
 """llama.cpp sampling for the llama.cpp engine: each choice's sampler chain, its seed,
-logprobs from the raw logits, and llguidance's view of the vocabulary (for constrained
-choices). Split from workers/engines/llamacpp.py, which schedules and decodes.
+and llguidance's view of the vocabulary (for constrained choices). Split from
+workers/engines/llamacpp.py, which schedules and decodes.
 
 Function names and signatures are those of llama-cpp-python 0.3.36.
 """
@@ -11,7 +11,6 @@ import warnings
 from typing import Any
 
 import llama_cpp as lc
-import numpy as np
 
 from app.records import SamplingParams
 from workers.engines.base import EngineJob
@@ -89,17 +88,6 @@ def choice_seed(sp: SamplingParams, index: int) -> int:
     return seed - 1 if seed == lc.LLAMA_DEFAULT_SEED else seed
 
 
-def log_softmax_top(row: np.ndarray, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """log-sum-exp of ``row`` and its ``k`` most likely ids with their logprobs."""
-    m = float(row.max())
-    lse = m + float(np.log(np.exp(row - m, dtype=np.float64).sum()))
-    if k <= 0:
-        return lse, []
-    ids = np.argpartition(row, -k)[-k:]
-    ids = ids[np.argsort(-row[ids], kind="stable")]
-    return lse, [(int(t), float(row[t]) - lse) for t in ids]
-
-
 def grammar_vocab(model: Any) -> GrammarVocab:
     """llguidance's tokenizer for a loaded llama.cpp model (~0.5 s: built once per
     engine, on its first constrained job). EOS and EOT end a constrained output."""
@@ -115,4 +103,4 @@ def grammar_vocab(model: Any) -> GrammarVocab:
     return GrammarVocab(tokenizer)
 
 
-__all__ = ["choice_seed", "grammar_vocab", "log_softmax_top", "sampler_chain"]
+__all__ = ["choice_seed", "grammar_vocab", "sampler_chain"]
