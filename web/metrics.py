@@ -172,6 +172,22 @@ WORKER_FAMILIES: tuple[
         (),
         lambda w: w.engine_stats.get("cache_usage"),
     ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_engine_waiting",
+        "Jobs waiting inside a worker's engine for cache pages or a batch slot "
+        "(exllamav2): work it accepted but cannot run yet.",
+        (),
+        lambda w: w.engine_stats.get("engine_waiting"),
+    ),
+    (
+        GaugeMetricFamily,
+        "tokenrelay_worker_pending_continuations",
+        "Live streams paused inside a worker's engine, their next segment waiting for "
+        "cache pages (exllamav2).",
+        (),
+        lambda w: w.engine_stats.get("pending_continuations"),
+    ),
     # The prefix cache (engines that have one): hits / queries is the hit rate.
     (
         CounterMetricFamily,

@@ -246,6 +246,11 @@ class StandInDynamicGenerator:
         self.scripts[identifier] = deque(results)
 
     @property
+    def referenced_pages(self) -> dict[int, None]:
+        """exllamav2's pages with a reference (only its size is read)."""
+        return dict.fromkeys(range(self.max_pages - self.free_pages))
+
+    @property
     def free_pages(self) -> int:
         return self.max_pages - sum(j.pages for j in self.active_jobs)
 

@@ -332,16 +332,20 @@ def stall_of_a_continuation(monkeypatch: pytest.MonkeyPatch, max_skips: int) -> 
     for i in range(7):
         engine.submit(make_job(f"B{i}", prompt=[1, 2, 3], max_new_tokens=30 + 30 * i, eos=none))
     produced: list[int] = []
+    paused, full = 0, False
     for step in range(1, 400):
         if not engine.has_work():
             break
         engine.submit(make_job(f"N{step}", prompt=[4, 5], max_new_tokens=40, eos=none))
         if any(s.job_id == "L" and s.delta.token_ids for s in engine.step()):
             produced.append(step)
+        stats = engine.stats()
+        paused = max(paused, int(stats["pending_continuations"]))
+        full = full or stats["cache_usage"] == 1.0
         if len(produced) == 48:
             break
     gaps = [b - a for a, b in itertools.pairwise(produced)]
-    return {"tokens": len(produced), "stall": max(gaps), "ended": produced[-1]}
+    return {"tokens": len(produced), "stall": max(gaps), "paused": paused, "full": full}
 
 
 def test_a_continuation_is_not_passed_by_newcomers_while_pages_are_short(
@@ -351,6 +355,9 @@ def test_a_continuation_is_not_passed_by_newcomers_while_pages_are_short(
     after = stall_of_a_continuation(monkeypatch, max_skips=0)
     print(f"continuation passed up to 4 times: {before}\nnever passed: {after}")
     assert before["tokens"] == after["tokens"] == 48
+    # The gauges show it: paused streams (every job here runs in segments), the cache
+    # full meanwhile.
+    assert after["paused"] >= 1 and before["paused"] >= 1 and after["full"]
     # Never passed, it starts when the first other request ends (step 31) frees a page.
     assert after["stall"] <= 16
     assert before["stall"] >= 2 * after["stall"]

@@ -15,7 +15,7 @@ from flask.testing import FlaskClient
 from broker.registry import WorkerInfo
 
 
-def register(fleet: Any, worker_id: str, mode: str, engine_capacity: int) -> None:
+def register(fleet: Any, worker_id: str, mode: str, engine_capacity: int, **stats: float) -> None:
     fleet.workers.heartbeat(
         WorkerInfo(
             worker_id=worker_id,
@@ -27,6 +27,7 @@ def register(fleet: Any, worker_id: str, mode: str, engine_capacity: int) -> Non
             started=0.0,
             mode=mode,
             engine_capacity=engine_capacity,
+            engine_stats=stats,
         )
     )
 
@@ -76,3 +77,20 @@ def test_metrics_show_paged_and_engine_capacity_per_worker(client: FlaskClient, 
         "engine": "exllamav2",
     }
     assert not re.search(r'^tokenrelay_worker_paged\{[^}]*worker="w-test"', text, re.M)
+
+
+def test_metrics_show_the_engine_s_cache_and_its_paused_streams(
+    client: FlaskClient, fleet: Any
+) -> None:
+    """exllamav2's gauges (``ExLlamaV2Engine.stats``): cache pages in use, jobs waiting
+    inside the engine, and live streams paused there for pages."""
+    stats = {"cache_usage": 0.75, "engine_waiting": 3.0, "pending_continuations": 1.0}
+    register(fleet, "w-gpu", "paged", 64, **stats)
+    text = client.get("/metrics").get_data(as_text=True)
+    for name, value in (
+        ("tokenrelay_worker_cache_usage", 0.75),
+        ("tokenrelay_worker_engine_waiting", 3.0),
+        ("tokenrelay_worker_pending_continuations", 1.0),
+    ):
+        m = re.search(rf'^{name}\{{[^}}]*worker="w-gpu"[^}}]*\}} (\S+)$', text, re.M)
+        assert m is not None and float(m.group(1)) == value, name

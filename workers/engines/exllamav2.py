@@ -49,6 +49,7 @@ from workers.engines.exllamav2_jobs import (
     _Job,
     adjusted,
     clamped_bias,
+    generator_stats,
     raw_logits,
     result_delta,
     sampler_settings,
@@ -256,6 +257,10 @@ class ExLlamaV2Engine(Engine):
     def mode(self) -> str:
         """``paged`` (continuous batching) or ``unpaged`` (one sequence at a time)."""
         return MODE_PAGED if self._paged else MODE_UNPAGED
+
+    def stats(self) -> dict[str, float]:
+        gen = self._generator
+        return {} if gen is None else generator_stats(gen, self._jobs.values(), self._paged)
 
     def has_work(self) -> bool:
         return any(not c.done for job in self._jobs.values() for c in job.choices.values())

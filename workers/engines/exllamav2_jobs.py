@@ -47,6 +47,7 @@ from app.messages import EngineFinish, TokenDelta, TokenLogprob
 from app.records import SamplingParams
 from workers.engines.base import EngineJob
 from workers.engines.exllamav2_filter import GrammarFilter
+from workers.engines.exllamav2_startup import PAGE_SIZE
 from workers.engines.logprobs import token_logprobs
 
 if TYPE_CHECKING:
@@ -287,3 +288,24 @@ def result_delta(
         finish = EngineFinish.LENGTH if reason == "max_new_tokens" else EngineFinish.EOS
         cached = result.get("cached_tokens")
     return TokenDelta(index, token_ids, lps, finish, cached_tokens=cached)
+
+
+def generator_stats(generator: Any, jobs: Iterable[_Job], paged: bool) -> dict[str, float]:
+    """The engine's gauges (``Engine.stats``): ``cache_usage``, the fraction of the
+    cache's pages running jobs hold (pages that keep only a finished prefix are free to
+    take); ``engine_waiting``, jobs waiting inside exllamav2 for pages or a batch slot;
+    ``pending_continuations``, those of them continuing a live stream (paused until its
+    next segment gets pages)."""
+    pending = {id(j) for j in generator.pending_jobs}
+    continuing = sum(
+        1
+        for state in jobs
+        for c in state.choices.values()
+        if c.segments > 1 and c.exl_job is not None and id(c.exl_job) in pending
+    )
+    pages = max(int(generator.max_total_tokens) // PAGE_SIZE, 1) if paged else 1
+    return {
+        "cache_usage": min(len(generator.referenced_pages) / pages, 1.0),
+        "engine_waiting": float(len(pending)),
+        "pending_continuations": float(continuing),
+    }
