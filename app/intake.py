@@ -368,16 +368,20 @@ class Intake:
         *,
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+        model_name: str | None = None,
+        echo: bool | None = None,
     ) -> Intake:
+        """The intake of ``card`` served as ``model_name`` (default: the settings' own
+        model); ``echo``: its workers run the echo engine (default: the settings')."""
         limits = Limits.from_settings(settings)
         builder = RecordBuilder(
             card,
             PromptBuilder.from_card(card),
-            model_name=settings.served_name,
+            model_name=model_name or settings.served_name,
             request_timeout_s=limits.request_timeout_s,
             clock=clock,
             new_id=new_id,
-            echo=settings.engine == "echo",
+            echo=settings.engine == "echo" if echo is None else echo,
         )
         return cls(builder, limits, cache_per_key=settings.prefix_cache_per_key)
 
@@ -472,7 +476,7 @@ def shape_of(record: RequestRecord) -> ResponseShape:
     return ResponseShape(
         chat=chat,
         response_id=("chatcmpl-" if chat else "cmpl-") + record.request_id,
-        model=record.model,
+        model=record.model_alias or record.model,
         created=int(record.created),
         num_choices=record.num_choices,
         logprobs=record.sampling.logprobs is not None,

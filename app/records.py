@@ -108,6 +108,9 @@ class RequestRecord(BaseModel):
 
     request_id: str
     model: str
+    # The name the client asked for when it was an alias of ``model`` (responses report
+    # it); "" when it asked for ``model`` itself.
+    model_alias: str = ""
     prompts: list[list[int]] = Field(min_length=1)
     n: int = Field(default=1, ge=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)

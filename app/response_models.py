@@ -345,6 +345,9 @@ class ModelObject(_Response):
     created: int = Field(default_factory=_now)
     owned_by: str = "tokenrelay"
     max_model_len: int | None = None
+    # vLLM's field: the served model an alias stands for (itself for a served model).
+    root: str | None = None
+    engines: list[str] | None = None  # the engines of its live workers
 
 
 class ModelList(_Response):

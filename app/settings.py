@@ -173,6 +173,17 @@ class Settings(BaseSettings):
         description="A request still queued this long is sent again "
         "(duplicates are harmless: only one worker can claim it).",
     )
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Client-facing model names mapped to served ones (JSON object, e.g. "
+        '{"gpt-4o-mini": "SmolLM2-135M-Instruct"}); responses report the name asked for.',
+    )
+    model_wait_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="How long a request for a known model with no live worker waits "
+        "queued for one to start (scale from zero); 0 answers 503 at once.",
+    )
     no_worker_timeout_s: float = Field(
         default=30.0,
         gt=0,
@@ -445,6 +456,18 @@ class Settings(BaseSettings):
         if candidate.is_absolute() or candidate.exists():
             return candidate
         return self.models_dir / self.model
+
+    def card_path(self) -> Path:
+        """Where the served model's card is read: ``model_path()``, except for an echo
+        model, which may have any name (``tokenrelay up --engine echo --model A --model
+        B``): without a directory of its own it speaks with the bundled model's
+        tokenizer and template."""
+        path = self.model_path()
+        if self.engine == "echo" and not path.is_dir():
+            from app.prepare import BUNDLED_MODEL_NAME
+
+            return self.models_dir / BUNDLED_MODEL_NAME
+        return path
 
 
 def settings_markdown() -> str:

@@ -98,6 +98,11 @@ class Keys:
     def inflight(self) -> str:
         return f"{self.prefix}inflight"
 
+    @property
+    def models(self) -> str:
+        """Hash: served model name -> its entry (``broker.models.ModelEntry``)."""
+        return f"{self.prefix}models"
+
     def prefix_blocks(self, worker_id: str) -> str:
         """A worker's advertised prefix-block names (``broker.prefix_routes``)."""
         return f"{self.prefix}pfx:{worker_id}"

@@ -171,7 +171,7 @@ class ResponseService:
             base = ResponseSkeleton(
                 response_id_of(run.request_id),
                 int(run.record.created),
-                self.runner.model_name,
+                run.prepared.shape.model,
                 req,
             ).base()
             status = "queued" if req.background else "in_progress"

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -25,12 +26,14 @@ from kombu.exceptions import OperationalError
 from redis.client import Pipeline
 
 from app.errors import (
+    ModelError,
     NotFound,
     QueueFull,
     QuotaExceeded,
     ServiceUnavailable,
 )
-from app.intake import Endpoint, Intake, PreparedRequest
+from app.intake import Endpoint, Intake, PreparedRequest, shape_of
+from app.lenient_json import loads_lenient
 from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
@@ -38,6 +41,7 @@ from broker.celery_app import create_celery, fair_priority
 from broker.connection import redis_client
 from broker.hub import OutputHub
 from broker.keys import Keys
+from broker.models import MAX_CARDS, ModelCards, ModelCatalog
 from broker.output_usage import OutputUsage
 from broker.outputs import OutputStreams
 from broker.prefix_routes import PrefixRouter
@@ -98,7 +102,7 @@ class Runner:
         max_connections: int | None = None,
     ) -> None:
         self.settings = settings
-        self.card = card or load_model_card(settings.model_path())
+        self.card = card or load_model_card(settings.card_path())
         self.clock = clock
         self.new_id = new_id
         # Lambdas, not the callables themselves: tests may replace runner.clock/new_id.
@@ -126,14 +130,24 @@ class Runner:
         )
         self.workers = worker_registry(self.redis, keys)
         self.streamers = streamer_registry(self.redis, keys)
-        self.router = (
-            PrefixRouter(self.redis, keys, self.workers, self.model_name, clock=self.clock)
-            if settings.prefix_routing
-            else None
+        self.keys = keys
+        # Every model with workers on this Redis (broker.models): one front door.
+        self.models = ModelCatalog(
+            self.redis,
+            keys,
+            self.workers,
+            default=self.model_name,
+            aliases=settings.model_aliases,
         )
+        self.cards = ModelCards(self.models, self.card)
+        self._intakes: OrderedDict[str, Intake] = OrderedDict({self.model_name: self.intake})
+        self._routers: dict[str, PrefixRouter] = {}
+        # (model, outcome) of each routing decision (the web tier's metrics).
+        self.route_observer: Callable[[str, str], None] | None = None
+        self._models_lock = threading.Lock()
         self.celery = celery_app or create_celery(settings, results=False)
         self.metrics = metrics
-        self._ready_until = 0.0
+        self._ready_until: dict[str, float] = {}
         self._start_turn = threading.Semaphore(1)  # FIFO: its waiters wake in order
 
     # -- starting ------------------------------------------------------------------------
@@ -159,10 +173,8 @@ class Runner:
         # One start at a time in this process, in arrival order (``START_TURN_WAIT_S``).
         turn = self._start_turn.acquire(timeout=START_TURN_WAIT_S)
         try:
-            prepared = self.intake.prepare(
-                endpoint, body, stream=stream, owner=owner, context=context
-            )
-            self.check_ready()
+            prepared = self.prepare(endpoint, body, stream=stream, owner=owner, context=context)
+            self.check_ready(prepared.record.model)
             prepared = self._admit_and_submit(prepared)
         except Exception as exc:
             if self.metrics is not None:
@@ -172,6 +184,77 @@ class Runner:
             if turn:
                 self._start_turn.release()
         return self.follow(prepared, route=label)
+
+    def prepare(self, endpoint: Endpoint, body: Any, **options: Any) -> PreparedRequest:
+        """``body`` prepared by the intake of the model it names (``Intake.prepare``'s
+        options): an alias is served by its model and reported as asked; no ``model``
+        is the default model; an unknown one is 404 ``model_not_found``."""
+        if isinstance(body, bytes | str):
+            body = loads_lenient(body)
+        asked = body.get("model") if isinstance(body, dict) else None
+        asked = asked if isinstance(asked, str) else None  # else the intake says why
+        try:
+            served = self.models.resolve(asked)
+        except redis.RedisError as exc:
+            raise backbone_unavailable() from exc
+        except NotFound:
+            # A body that is wrong in itself says so first (400), as with one model.
+            self.intake.prepare(endpoint, {**body, "model": self.model_name}, **options)
+            raise
+        if asked is not None and asked != served:
+            body = {**body, "model": served}
+        prepared = self.intake_for(served).prepare(endpoint, body, **options)
+        if asked is not None and asked != served:
+            record = prepared.record.model_copy(update={"model_alias": asked})
+            prepared = dataclasses.replace(prepared, record=record, shape=shape_of(record))
+        return prepared
+
+    def intake_for(self, served: str) -> Intake:
+        """The intake of a served model, built on first use from its card (the directory
+        its workers registered), the last ``MAX_CARDS`` kept."""
+        with self._models_lock:
+            hit = self._intakes.get(served)
+            if hit is not None:
+                self._intakes.move_to_end(served)
+                return hit
+        try:
+            card = self.cards.card(served)
+            entry = self.models.entries().get(served)
+        except ModelError as exc:
+            raise ServiceUnavailable(
+                f"The model '{served}' cannot be loaded here: {exc}",
+                code="model_unavailable",
+                retry_after=RETRY_AFTER_S,
+            ) from exc
+        except redis.RedisError as exc:
+            raise backbone_unavailable() from exc
+        intake = Intake.for_model(
+            self.settings,
+            card,
+            clock=lambda: self.clock(),
+            new_id=lambda: self.new_id(),
+            model_name=served,
+            echo=None if entry is None else entry.engine == "echo",
+        )
+        with self._models_lock:
+            self._intakes[served] = intake
+            while len(self._intakes) > MAX_CARDS:
+                oldest = next(k for k in self._intakes if k != self.model_name)
+                del self._intakes[oldest]
+        return intake
+
+    def _router(self, model: str) -> PrefixRouter | None:
+        if not self.settings.prefix_routing:
+            return None
+        with self._models_lock:
+            router = self._routers.get(model)
+            if router is None:
+                router = PrefixRouter(self.redis, self.keys, self.workers, model, clock=self.clock)
+                observe = self.route_observer
+                if observe is not None:
+                    router.observe = lambda outcome: observe(model, outcome)
+                self._routers[model] = router
+            return router
 
     def follow(
         self,
@@ -276,7 +359,8 @@ class Runner:
             )
         if record.owner and settings.api_keys and settings.key_max_output_bytes:
             self._check_output_quota(record.owner)
-        route = self.router.choose(record) if self.router is not None else None
+        router = self._router(record.model)
+        route = router.choose(record) if router is not None else None
         if route is not None:
             record = record.model_copy(update={"route": route})
             prepared = dataclasses.replace(prepared, record=record)
@@ -295,8 +379,8 @@ class Runner:
                 )
             try:
                 self.store.send(record, self.celery, priority=fair_priority(ahead))
-                if route is not None:
-                    self.router.sent(route)  # type: ignore[union-attr]
+                if router is not None and route is not None:
+                    router.sent(route)
             except Exception:
                 # The record is written without its task (Redis went away between the
                 # two): cancel it, or a streamer would send the task again for a client
@@ -306,7 +390,7 @@ class Runner:
                 self.store.release(record.request_id)
                 raise
         except (redis.RedisError, OperationalError) as exc:
-            self._ready_until = 0.0
+            self._ready_until.clear()
             raise backbone_unavailable() from exc
         return prepared
 
@@ -352,28 +436,38 @@ class Runner:
             raise
 
     # -- readiness -----------------------------------------------------------------------
-    def readiness(self) -> tuple[bool, str]:
-        """(ready, reason): Redis reachable, a live worker for our model, a live streamer."""
+    def readiness(self, model: str | None = None) -> tuple[bool, str]:
+        """(ready, reason): Redis reachable, a live worker for ``model`` (the default
+        model when None), a live streamer."""
+        ok, reason, _no_worker = self._readiness(model or self.model_name)
+        return ok, reason
+
+    def _readiness(self, model: str) -> tuple[bool, str, bool]:
         try:
-            workers = [w for w in self.workers.live() if w.model == self.model_name]
+            workers = [w for w in self.workers.live() if w.model == model]
             streamers = self.streamers.live()
         except redis.RedisError:
-            return False, "Redis is unreachable."
-        if not workers:
-            return False, f"No live worker serves model '{self.model_name}'."
+            return False, "Redis is unreachable.", False
         if not streamers:
-            return False, "No live streamer."
-        return True, "ok"
+            return False, "No live streamer.", False
+        if not workers:
+            return False, f"No live worker serves model '{model}'.", True
+        return True, "ok", False
 
-    def check_ready(self) -> None:
-        """Fail fast: 503 + Retry-After before anything is submitted or streamed."""
+    def check_ready(self, model: str | None = None) -> None:
+        """Fail fast: 503 + Retry-After before anything is submitted or streamed. A
+        known model with no live worker is queued instead when ``model_wait_s`` is set
+        (its first worker may be starting: an autoscaler scaling it from zero); the
+        streamers fail it if none comes within that time."""
+        model = model or self.model_name
         now = time.monotonic()
-        if now < self._ready_until:
+        if now < self._ready_until.get(model, 0.0):
             return
-        ok, reason = self.readiness()
-        if not ok:
+        ok, reason, no_worker = self._readiness(model)
+        if not ok and not (no_worker and self.settings.model_wait_s > 0):
             raise ServiceUnavailable(reason, code="not_ready", retry_after=RETRY_AFTER_S)
-        self._ready_until = now + READY_CACHE_S
+        if ok:
+            self._ready_until[model] = now + READY_CACHE_S
 
 
 def is_backbone_down(exc: BaseException) -> bool:

@@ -83,7 +83,11 @@ class ClusterCollector:
         try:
             workers = svc.workers.live()
             streamers = svc.streamers.live()
-            depths = queue_depths(svc.redis, svc.model_name)
+            depths = {
+                queue: depth
+                for model in svc.models.known()
+                for queue, depth in queue_depths(svc.redis, model).items()
+            }
         except redis.RedisError:
             return
         for kind, name, doc, extra, sample in WORKER_FAMILIES:
@@ -344,7 +348,9 @@ class WebMetrics:
 
 
 class RunMetrics:
-    """``broker.runner.RunMetrics`` for one served model: rejections and run observers."""
+    """``broker.runner.RunMetrics``: rejections (labelled with the default model: a
+    refused request's model may be any string a client sent) and run observers
+    (labelled with the served model that ran it)."""
 
     def __init__(self, metrics: WebMetrics, model: str) -> None:
         self.metrics = metrics
@@ -354,7 +360,8 @@ class RunMetrics:
         self.metrics.rejected_request(self.model, endpoint, stream, exc)
 
     def observer(self, prepared: PreparedRequest, endpoint: str) -> RunTimer:
-        return RunTimer(self.metrics, (self.model, endpoint, _mode(prepared, endpoint)))
+        model = prepared.record.model
+        return RunTimer(self.metrics, (model, endpoint, _mode(prepared, endpoint)))
 
 
 def _mode(prepared: PreparedRequest, endpoint: str) -> str:
@@ -492,10 +499,8 @@ def register(app: Flask) -> None:
     app.extensions["tokenrelay.metrics"] = metrics
     if runner is not None:
         runner.metrics = RunMetrics(metrics, runner.model_name)
-        if runner.router is not None:
-            routes = metrics.prefix_routes
-            model = runner.model_name
-            runner.router.observe = lambda outcome: routes.labels(model, outcome).inc()
+        routes = metrics.prefix_routes
+        runner.route_observer = lambda model, outcome: routes.labels(model, outcome).inc()
 
     @app.after_request
     def _count(response: Response) -> Response:

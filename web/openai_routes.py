@@ -42,7 +42,7 @@ from app.intake import Endpoint
 from app.response_models import ModelList, ModelObject
 from broker import drive
 from broker.run import Run
-from broker.runner import client_error
+from broker.runner import backbone_unavailable, client_error
 from web import auth, sse
 from web.auth import tenant_of
 from web.bodies import json_body
@@ -96,19 +96,24 @@ def health() -> dict[str, str]:
 
 @blueprint.get("/ready")
 def ready() -> dict[str, Any]:
-    """503 with the reason unless Redis, a worker for our model and a streamer are up.
+    """503 with the reason unless Redis, a worker for the default model and a streamer
+    are up (``?model=NAME``: for that model).
 
-    When ready, ``workers`` lists each live worker of our model with its engine, mode
-    and capacity: an exllamav2 worker running ``unpaged`` serves one sequence at a
-    time, which readiness alone would not show (docs/deploy.md)."""
+    When ready, ``workers`` lists each live worker of that model with its engine, mode
+    and capacity (an exllamav2 worker running ``unpaged`` serves one sequence at a
+    time, which readiness alone would not show, docs/deploy.md), and ``models`` each
+    served model with its live workers."""
     runner = runner_of(current_app)
-    ok, reason = runner.readiness()
+    asked = request.args.get("model")
+    model = runner.models.resolve(asked) if asked else runner.model_name
+    ok, reason = runner.readiness(model)
     if not ok:
         raise ServiceUnavailable(reason, code="not_ready", retry_after=1)
     try:
-        live = [w for w in runner.workers.live() if w.model == runner.model_name]
+        live = runner.models.live()
+        known = runner.models.known()
     except redis.RedisError:
-        live = []  # gone since the check: readiness said ready, the detail is best-effort
+        live, known = {}, []  # gone since the check: the detail is best-effort
     workers = [
         {
             "worker_id": w.worker_id,
@@ -117,18 +122,37 @@ def ready() -> dict[str, Any]:
             "capacity": w.engine_capacity or None,
             "slots": w.capacity,
         }
-        for w in sorted(live, key=lambda w: w.worker_id)
+        for w in sorted(live.get(model, []), key=lambda w: w.worker_id)
     ]
-    return {"status": "ready", "workers": workers}
+    models = {
+        name: {"ready": bool(live.get(name)), "workers": len(live.get(name, []))} for name in known
+    }
+    return {"status": "ready", "model": model, "workers": workers, "models": models}
 
 
-def _model_object() -> ModelObject:
+def _model_objects() -> list[ModelObject]:
+    """Every model with a live worker, then each alias of one."""
     runner = runner_of(current_app)
-    return ModelObject(
-        id=runner.model_name,
-        created=current_app.extensions["tokenrelay.started"],
-        max_model_len=runner.card.context_length,
-    )
+    try:
+        live = runner.models.live()
+        entries = runner.models.entries()
+    except redis.RedisError as exc:
+        raise backbone_unavailable() from exc
+    created = current_app.extensions["tokenrelay.started"]
+    out = []
+    for name in sorted(live, key=lambda n: (n != runner.model_name, n)):
+        entry = entries.get(name)
+        length = runner.card.context_length if name == runner.model_name else None
+        served = ModelObject(
+            id=name,
+            created=int(entry.registered) if entry and entry.registered else created,
+            max_model_len=entry.context_length if entry else length,
+            root=name,
+            engines=sorted({w.engine for w in live[name]}),
+        )
+        out.append(served)
+        out += [served.model_copy(update={"id": a}) for a in runner.models.aliases_of(name)]
+    return out
 
 
 def _json(model: Any, status: int = 200) -> Response:
@@ -137,17 +161,15 @@ def _json(model: Any, status: int = 200) -> Response:
 
 @blueprint.get("/v1/models")
 def list_models() -> Response:
-    return _json(ModelList(data=[_model_object()]))
+    return _json(ModelList(data=_model_objects()))
 
 
 @blueprint.get("/v1/models/<path:model_id>")
 def get_model(model_id: str) -> Response:
-    model = _model_object()
-    if model_id != model.id:
-        raise NotFound(
-            f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
-        )
-    return _json(model)
+    for model in _model_objects():
+        if model.id == model_id:
+            return _json(model)
+    raise NotFound(f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
 
 
 # -- generation ---------------------------------------------------------------------------

@@ -368,7 +368,7 @@ class BatchDriver:
 
         def build(body: dict[str, Any]) -> PreparedRequest:
             self._keep_locks()  # planning a big file takes longer than a lock lives
-            return self.runner.intake.prepare(target, body, queue="batch", stream=False)
+            return self.runner.prepare(target, body, queue="batch", stream=False)
 
         return build
 

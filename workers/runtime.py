@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 
@@ -24,6 +25,7 @@ from app.settings import Settings
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
 from broker.keys import Keys
+from broker.models import ModelCatalog, ModelEntry
 from broker.prefix_routes import PrefixAdverts
 from broker.publish import lease_value
 from broker.registry import WorkerInfo, worker_registry
@@ -71,6 +73,14 @@ class WorkerRuntime:
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
+        self.models = ModelCatalog(client, keys, self.registry, default=self.model_name)
+        self.model_entry = ModelEntry(
+            name=self.model_name,
+            model_dir=str(Path(card.path).resolve()),
+            engine=engine.name,
+            context_length=card.context_length,
+            registered=time.time(),
+        )
         # Routed to (broker.prefix_routes) when its engine keeps a prefix cache.
         self.adverts = (
             PrefixAdverts(client, keys, ttl_s=5 * HEARTBEAT_S)
@@ -100,7 +110,7 @@ class WorkerRuntime:
 
     @classmethod
     def from_settings(cls, settings: Settings, *, worker_id: str | None = None) -> WorkerRuntime:
-        card = load_model_card(settings.model_path())
+        card = load_model_card(settings.card_path())
         engine = load_engine(settings, card)
         # Task threads (claims, loads), the engine thread and the heartbeat.
         client = redis_client(settings.redis_url, max_connections=settings.worker_slots + 16)
@@ -197,6 +207,9 @@ class WorkerRuntime:
         while not self._stop.is_set():
             try:
                 self.registry.heartbeat(self.info())
+                # Known to the front door from now on, even once every worker is gone
+                # (broker.models): written each beat, so a Redis that lost it has it again.
+                self.models.register(self.model_entry)
                 if self.adverts is not None:
                     self.adverts.touch(self.worker_id)
             except redis.RedisError as exc:

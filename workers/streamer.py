@@ -48,14 +48,17 @@ from celery import Celery
 from tokenizers import Tokenizer
 
 from app.decoder import RequestDecoder
+from app.errors import ModelError, NotFound
 from app.messages import EngineFinish, OutputEvent, OutputKind
 from app.model_card import load_model_card, load_tokenizer
-from app.records import RequestState
+from app.records import RequestRecord, RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.chunks import ChunkLog, entry_ordinal, phase_of
 from broker.connection import as_str, redis_client
 from broker.direct import read_rest, xread_command
+from broker.keys import Keys
+from broker.models import ModelCards, ModelCatalog
 from broker.outputs import OutputEntry
 from broker.publish import decode_deltas
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
@@ -103,8 +106,11 @@ class Streamer(Relay):
         *,
         consumer: str | None = None,
         clock: Callable[[], float] = time.time,
+        cards: ModelCards | None = None,
     ) -> None:
-        super().__init__(settings, client, tokenizer, celery_app, consumer=consumer, clock=clock)
+        super().__init__(
+            settings, client, tokenizer, celery_app, consumer=consumer, clock=clock, cards=cards
+        )
         self.workers = worker_registry(client, self.keys)
         self.registry = streamer_registry(client, self.keys, ttl_s=5 * HEARTBEAT_S)
         self._handoff_cursor = "0-0"
@@ -332,15 +338,29 @@ class Streamer(Relay):
             return self._adopt_or_raise(entry_id, rid, read)
         except BACKBONE_ERRORS:
             raise
-        except Exception:
-            # e.g. a record or output entry that does not decode: end it for its client.
+        except Exception as exc:
+            # e.g. a record or output entry that does not decode, or a model whose
+            # tokenizer cannot be loaded here: end it for its client.
             logger.exception("request %s: cannot adopt it; ending it with an error", rid)
             self.tracked.pop(rid, None)
-            error = OutputEvent(OutputKind.ERROR, error=REQUEST_FAULT, code=500)
+            message, code = (str(exc), 503) if isinstance(exc, ModelError) else (REQUEST_FAULT, 500)
+            error = OutputEvent(OutputKind.ERROR, error=message, code=code)
             self._commit([OutputEntry(rid, [error], "0", first=True)])
             self.store.cancel(rid)
             self.handoff.ack(entry_id)
             return None
+
+    def tokenizer_for(self, record: RequestRecord) -> Tokenizer:
+        """The tokenizer of the request's model: this process's own, or another served
+        model's (``ModelError`` when its card cannot be read here)."""
+        if record.model == self.settings.served_name or self.cards is None:
+            return self.tokenizer
+        try:
+            return self.cards.tokenizer(record.model)
+        except ModelError as exc:
+            raise ModelError(f"The model '{record.model}' cannot be decoded here: {exc}") from exc
+        except NotFound as exc:
+            raise ModelError(f"The model '{record.model}' is not registered here.") from exc
 
     def _adopt_or_raise(self, entry_id: str, rid: str, read: tuple[Any, Any]) -> OutputEntry | None:
         raw_record, written = read
@@ -352,7 +372,7 @@ class Streamer(Relay):
             self.handoff.ack(entry_id)  # expired before anyone decoded it
             return None
         record, _state, _attempt = loaded
-        t = Tracked(entry_id, record, RequestDecoder.for_record(self.tokenizer, record))
+        t = Tracked(entry_id, record, RequestDecoder.for_record(self.tokenizer_for(record), record))
         t.out.phase = phase_of(rid)
         seal = None
         if written:
@@ -495,7 +515,9 @@ class Streamer(Relay):
             t.no_worker_since = None
         else:
             t.no_worker_since = t.no_worker_since or now
-            if now - t.no_worker_since > self.settings.no_worker_timeout_s:
+            # A model scaled to zero gets model_wait_s for its first worker to start.
+            patience = max(self.settings.no_worker_timeout_s, self.settings.model_wait_s)
+            if now - t.no_worker_since > patience:
                 return self._fail(t, f"No worker is serving model {model!r}.", 503)
         waited = now - max(t.queued_since, t.last_sent)
         routed_to_the_dead = bool(t.route) and t.route not in live.ids()
@@ -541,10 +563,16 @@ class Streamer(Relay):
 
 
 def build_streamer(settings: Settings) -> Streamer:
-    card = load_model_card(settings.model_path())
+    card = load_model_card(settings.card_path())
     tokenizer = load_tokenizer(card)
     client = redis_client(settings.redis_url, max_connections=16)
-    return Streamer(settings, client, tokenizer, create_celery(settings, results=False))
+    keys = Keys(settings.key_prefix)
+    catalog = ModelCatalog(
+        client, keys, worker_registry(client, keys), default=settings.served_name
+    )
+    cards = ModelCards(catalog, card)
+    celery = create_celery(settings, results=False)
+    return Streamer(settings, client, tokenizer, celery, cards=cards)
 
 
 def main(argv: list[str] | None = None) -> int:

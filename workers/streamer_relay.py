@@ -32,6 +32,7 @@ from broker.connection import as_str
 from broker.direct import DirectConnection
 from broker.handoff import RequestHandoff
 from broker.keys import Keys
+from broker.models import ModelCards
 from broker.output_usage import OutputUsage
 from broker.outputs import OutputEntry, OutputStreams, encode_events, encode_text
 from broker.publish import decode_deltas
@@ -62,10 +63,13 @@ class Relay:
         *,
         consumer: str | None = None,
         clock: Callable[[], float] = time.time,
+        cards: ModelCards | None = None,
     ) -> None:
         self.settings = settings
         self.redis = client
         self.tokenizer = tokenizer
+        # The other models' tokenizers, loaded on first use (broker.models).
+        self.cards = cards
         self.celery = celery_app
         self.clock = clock
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -352,8 +352,8 @@ def say(message: str) -> None:
 
 def ensure_model(settings: Settings) -> None:
     """Prepare the bundled model if it is the one asked for and is missing; else check."""
-    path = settings.model_path()
-    if settings.model == BUNDLED_MODEL_NAME and not is_complete(path):
+    path = settings.card_path()
+    if path.name == BUNDLED_MODEL_NAME and not is_complete(path):
         say(f"preparing the bundled model in {settings.models_dir} (once)")
         prepare_bundled_model(settings.models_dir, progress=lambda m: say(f"  {m}"))
     elif not path.is_dir():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from flask.testing import FlaskClient
 from app.messages import FinishReason, OutputEvent, OutputKind
 from app.settings import Settings
 from broker.keys import Keys
+from broker.models import ModelEntry
 from broker.outputs import OutputEntry, OutputStreams
 from broker.registry import StreamerInfo, WorkerInfo, streamer_registry, worker_registry
 from broker.requests import RequestStore
@@ -135,6 +137,19 @@ class LiveFleet:
         self.streamer = StreamerInfo(streamer_id="s-test", hostname="test", pid=0, started=0.0)
         self.workers.heartbeat(self.worker)
         self.streamers.heartbeat(self.streamer)
+
+    def serve(self, model: str, model_dir: Path, *, worker_id: str | None = None) -> WorkerInfo:
+        """A live worker of another model, with the entry its worker writes
+        (``broker.models``): its card is read from ``model_dir``."""
+        info = self.worker.model_copy(
+            update={"worker_id": worker_id or f"w-{model}", "model": model}
+        )
+        self.workers.heartbeat(info)
+        entry = ModelEntry(
+            name=model, model_dir=str(model_dir), engine="scripted", context_length=8192
+        )
+        self.workers.redis.hset(self.workers.keys.models, model, entry.model_dump_json())
+        return info
 
     def stop_workers(self) -> None:
         self.workers.unregister(self.worker.member_id)

@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -631,11 +632,14 @@ def test_a_bug_mid_stream_is_a_generic_error_event(
 # -- models and health ------------------------------------------------------------------------
 
 
-def test_models(make_client: Callable[..., Any]) -> None:
+def test_models(make_client: Callable[..., Any], fleet: Any, bundled_model_dir: Path) -> None:
     client, _svc = make_client(served_model_name="org/model-x")
+    fleet.serve("org/model-x", bundled_model_dir)
     listing = client.get("/v1/models").get_json()
     assert listing["object"] == "list"
-    (model,) = listing["data"]
+    # Every model with a live worker (the fleet's own too), the process's default first.
+    model, other = listing["data"]
+    assert other["id"] == fleet.worker.model
     assert model["id"] == "org/model-x" and model["object"] == "model"
     assert model["max_model_len"] == 8192
     one = client.get("/v1/models/org/model-x")
