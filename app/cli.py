@@ -55,6 +55,9 @@ EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
     "up": ExternalCommand(
         "workers.up", "run the whole stack on this machine (python -m workers.up)"
     ),
+    "models": ExternalCommand(
+        "broker.models_cli", "list the models served on the Redis, or forget one"
+    ),
 }
 
 
@@ -77,6 +80,7 @@ def main(argv: Sequence[str] | None = None, *, exec_fn: ExecFn = os.execvp) -> i
             # Before argparse, so every option (even --help) reaches the component.
             return run_external(args_list[0], args_list[1:], exec_fn=exec_fn)
         args = build_parser().parse_args(args_list)
+        args.exec_fn = exec_fn  # a built-in that hands over to an external one uses it
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)
     except CommandError as exc:
@@ -118,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=_model_prepare)
     listing = model_commands.add_parser("list", help="list prepared models")
     _add_models_dir(listing)
+    listing.add_argument(
+        "--served",
+        action="store_true",
+        help="list the models served on the Redis instead (as `tokenrelay models`)",
+    )
     listing.set_defaults(handler=_model_list)
 
     config = commands.add_parser("config", help="configuration tools")
@@ -205,6 +214,9 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 def _model_list(args: argparse.Namespace) -> int:
     from app.prepare import list_models
+
+    if args.served:
+        return run_external("models", ["list"], exec_fn=args.exec_fn)
 
     models_dir = _models_dir(args)
     cards = list_models(models_dir)

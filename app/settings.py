@@ -178,6 +178,12 @@ class Settings(BaseSettings):
         description="Client-facing model names mapped to served ones (JSON object, e.g. "
         '{"gpt-4o-mini": "SmolLM2-135M-Instruct"}); responses report the name asked for.',
     )
+    known_models: list[str] = Field(
+        default_factory=list,
+        description="Models served here before any worker of theirs registered (JSON "
+        "list of served names, each a directory under models_dir): a request for one "
+        "waits or gets 503, not 404, as a model an autoscaler starts from zero needs.",
+    )
     model_wait_s: float = Field(
         default=0.0,
         ge=0,

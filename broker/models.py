@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from app.errors import NotFound
 from app.model_card import ModelCard, load_model_card, load_tokenizer
+from app.settings import Settings
 from broker.keys import Keys
 from broker.registry import Registry, WorkerInfo
 
@@ -68,6 +69,7 @@ class ModelCatalog:
         *,
         default: str,
         aliases: dict[str, str] | None = None,
+        configured: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = client
@@ -75,6 +77,8 @@ class ModelCatalog:
         self.workers = workers
         self.default = default
         self.aliases = dict(aliases or {})
+        # Known before any worker of theirs registered (Settings.known_models).
+        self.configured = frozenset(configured or ())
         self.clock = clock
         self._lock = threading.Lock()
         self._entries: tuple[float, dict[str, ModelEntry]] = (float("-inf"), {})
@@ -122,7 +126,7 @@ class ModelCatalog:
 
     def known(self) -> list[str]:
         """Every served name with an entry or a live worker, the default first."""
-        names = {*self.entries(), *self.live()}
+        names = {*self.entries(), *self.live(), *self.configured}
         return sorted(names, key=lambda n: (n != self.default, n))
 
     def resolve(self, asked: str | None) -> str:
@@ -130,7 +134,9 @@ class ModelCatalog:
         404 ``model_not_found`` for a name that is neither served, known nor an alias."""
         name = self.default if asked is None else asked
         served = self.aliases.get(name, name)
-        if served == self.default or served in self.live() or served in self.entries():
+        if served == self.default or served in self.configured:
+            return served
+        if served in self.live() or served in self.entries():
             return served
         raise model_not_found(name)
 
@@ -144,11 +150,19 @@ class ModelCards:
     The default model's card is given and always kept."""
 
     def __init__(
-        self, catalog: ModelCatalog, default_card: ModelCard, *, size: int = MAX_CARDS
+        self,
+        catalog: ModelCatalog,
+        default_card: ModelCard,
+        *,
+        size: int = MAX_CARDS,
+        fallback: Callable[[str], Path] | None = None,
     ) -> None:
+        """``fallback``: the directory of a known model no worker has registered yet
+        (``Settings.known_models``: its directory under models_dir)."""
         self.catalog = catalog
         self.default_card = default_card
         self.size = size
+        self.fallback = fallback
         self._lock = threading.Lock()
         self._cards: OrderedDict[str, tuple[str, ModelCard]] = OrderedDict()
         self._tokenizers: OrderedDict[str, Tokenizer] = OrderedDict()
@@ -157,9 +171,11 @@ class ModelCards:
         if served == self.catalog.default:
             return self.default_card.path
         entry = self.catalog.entries().get(served)
-        if entry is None:
-            raise model_not_found(served)
-        return Path(entry.model_dir)
+        if entry is not None:
+            return Path(entry.model_dir)
+        if self.fallback is not None and served in self.catalog.configured:
+            return self.fallback(served)
+        raise model_not_found(served)
 
     def card(self, served: str) -> ModelCard:
         """``served``'s card (raises ``ModelError`` naming what is wrong with it)."""
@@ -191,3 +207,26 @@ class ModelCards:
             while len(self._tokenizers) > self.size:
                 self._tokenizers.popitem(last=False)
         return tokenizer
+
+
+def settings_directory(settings: Settings) -> Callable[[str], Path]:
+    """``ModelCards``'s fallback: where ``settings`` would find a model of that name."""
+
+    def directory(name: str) -> Path:
+        return settings.model_copy(update={"model": name, "served_model_name": None}).card_path()
+
+    return directory
+
+
+def catalog_of(
+    client: redis.Redis, keys: Keys, workers: Registry[WorkerInfo], settings: Settings
+) -> ModelCatalog:
+    """The catalog as ``settings`` configure it (default model, aliases, known models)."""
+    return ModelCatalog(
+        client,
+        keys,
+        workers,
+        default=settings.served_name,
+        aliases=settings.model_aliases,
+        configured=settings.known_models,
+    )

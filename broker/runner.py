@@ -41,7 +41,7 @@ from broker.celery_app import create_celery, fair_priority
 from broker.connection import redis_client
 from broker.hub import OutputHub
 from broker.keys import Keys
-from broker.models import MAX_CARDS, ModelCards, ModelCatalog
+from broker.models import MAX_CARDS, ModelCards, catalog_of, settings_directory
 from broker.output_usage import OutputUsage
 from broker.outputs import OutputStreams
 from broker.prefix_routes import PrefixRouter
@@ -132,14 +132,8 @@ class Runner:
         self.streamers = streamer_registry(self.redis, keys)
         self.keys = keys
         # Every model with workers on this Redis (broker.models): one front door.
-        self.models = ModelCatalog(
-            self.redis,
-            keys,
-            self.workers,
-            default=self.model_name,
-            aliases=settings.model_aliases,
-        )
-        self.cards = ModelCards(self.models, self.card)
+        self.models = catalog_of(self.redis, keys, self.workers, settings)
+        self.cards = ModelCards(self.models, self.card, fallback=settings_directory(settings))
         self._intakes: OrderedDict[str, Intake] = OrderedDict({self.model_name: self.intake})
         self._routers: dict[str, PrefixRouter] = {}
         # (model, outcome) of each routing decision (the web tier's metrics).

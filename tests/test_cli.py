@@ -109,7 +109,18 @@ def test_external_table_names_the_planned_components() -> None:
         "web": "web",
         "batcher": "workers.batcher",
         "up": "workers.up",
+        "models": "broker.models_cli",
     }
+
+
+def test_model_list_served_runs_the_models_command() -> None:
+    calls: list[tuple[str, list[str]]] = []
+    code = cli.main(
+        ["model", "list", "--served"], exec_fn=lambda exe, argv: calls.append((exe, list(argv)))
+    )
+    assert code == 0
+    ((_exe, argv),) = calls
+    assert argv[-3:] == ["-m", "broker.models_cli", "list"]
 
 
 def test_runnable_module_detection() -> None:

@@ -58,7 +58,7 @@ from broker.chunks import ChunkLog, entry_ordinal, phase_of
 from broker.connection import as_str, redis_client
 from broker.direct import read_rest, xread_command
 from broker.keys import Keys
-from broker.models import ModelCards, ModelCatalog
+from broker.models import ModelCards, catalog_of, settings_directory
 from broker.outputs import OutputEntry
 from broker.publish import decode_deltas
 from broker.registry import StreamerInfo, streamer_registry, worker_registry
@@ -567,10 +567,8 @@ def build_streamer(settings: Settings) -> Streamer:
     tokenizer = load_tokenizer(card)
     client = redis_client(settings.redis_url, max_connections=16)
     keys = Keys(settings.key_prefix)
-    catalog = ModelCatalog(
-        client, keys, worker_registry(client, keys), default=settings.served_name
-    )
-    cards = ModelCards(catalog, card)
+    catalog = catalog_of(client, keys, worker_registry(client, keys), settings)
+    cards = ModelCards(catalog, card, fallback=settings_directory(settings))
     celery = create_celery(settings, results=False)
     return Streamer(settings, client, tokenizer, celery, cards=cards)
 

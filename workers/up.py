@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
+from urllib.parse import quote
 
 import redis
 from pydantic import ValidationError
@@ -151,8 +152,15 @@ class Stack:
         self.urls: dict[str, str] = {}
         self.flower_auth = settings.flower_basic_auth or f"admin:{secrets.token_urlsafe(12)}"
         self.state = "starting"
-        # "worker", then "worker-2" ... with ``--workers``.
+        # "worker", then "worker-2" ... with ``--workers``; then each other model's.
         self.worker_names = ["worker"] + [f"worker-{i}" for i in range(2, options.workers + 1)]
+        self.model_workers: dict[str, str] = {}  # worker name -> the other model it serves
+        for model in options.more_models:
+            slug = "".join(c if c.isalnum() else "-" for c in Path(model).name)
+            for i in range(1, options.workers + 1):
+                name = f"worker-{slug}" + ("" if i == 1 else f"-{i}")
+                self.worker_names.append(name)
+                self.model_workers[name] = model
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,7 +172,12 @@ class Stack:
         py = sys.executable
         loglevel = ["--loglevel", "INFO"]
         for name in self.worker_names:
-            self._spawn(name, [py, "-m", "workers", *loglevel], env, WORKER_ENGINE_FAILED)
+            model = self.model_workers.get(name)
+            which = ["--model", model] if model else []
+            # Another model is served under its own name, not the default's.
+            own = {k: v for k, v in env.items() if k != "TOKENRELAY_SERVED_MODEL_NAME"}
+            args = [py, "-m", "workers", *which, *loglevel]
+            self._spawn(name, args, own if model else env, WORKER_ENGINE_FAILED)
         self._spawn("streamer", [py, "-m", "workers.streamer", *loglevel], env)
         self._spawn("batcher", [py, "-m", "workers.batcher", *loglevel], env)
         # Its own metrics directory: a restarted web server clears the dead one's samples
@@ -184,7 +197,10 @@ class Stack:
             "redis": self.settings.redis_url,
         }
         self.write_state()
-        self._wait_ready(f"{web}/ready", f"http://{flower_base}/healthcheck")
+        self._wait_ready(
+            [f"{web}/ready?model={quote(m, safe='')}" for m in self.served_models()],
+            f"http://{flower_base}/healthcheck",
+        )
         self.state = "running"
         self.write_state()
         flower_with_auth = f"http://{user}:{password}@{flower_base}/"
@@ -192,12 +208,17 @@ class Stack:
             "ready\n"
             f"  chat page  {self.urls['chat']}\n"
             f"  API base   {self.urls['api']}   (OpenAI-compatible; model "
-            f"{self.settings.served_name!r}, engine {self.settings.engine})\n"
+            f"{', '.join(repr(m) for m in self.served_models())}, engine "
+            f"{self.settings.engine})\n"
             f"  Flower     {flower_with_auth}   (user {user!r}, password {password!r})\n"
             f"  Redis      {redact(self.settings.redis_url)}\n"
             f"  logs       {self.log_dir}/\n"
             "Press Ctrl-C to stop."
         )
+
+    def served_models(self) -> list[str]:
+        """The names clients use: the default model's, then each other model's."""
+        return [self.settings.served_name, *(Path(m).name for m in self.options.more_models)]
 
     def _check_ports(self) -> None:
         s = self.settings
@@ -266,17 +287,20 @@ class Stack:
             raise Interrupted
         self.supervisor.start(name, args, env, self.options.stop_timeout, fatal)
 
-    def _wait_ready(self, ready_url: str, flower_url: str) -> None:
+    def _wait_ready(self, ready_urls: list[str], flower_url: str) -> None:
         reason = "no answer yet"
         auth = basic_auth_header(self.flower_auth)
 
         def web_ready() -> bool:
             nonlocal reason
-            status, body = http_status(ready_url)
-            if status == 200:
-                return True
-            reason = readiness_reason(body) if status else "the web server is not answering yet"
-            return False
+            for url in ready_urls:  # every model served
+                status, body = http_status(url)
+                if status != 200:
+                    reason = (
+                        readiness_reason(body) if status else "the web server is not answering yet"
+                    )
+                    return False
+            return True
 
         def flower_ready() -> bool:
             status, _ = http_status(flower_url, auth)
@@ -417,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(args)
         lock = acquire_run_dir(args.run_dir)
-        ensure_model(settings)
+        for model in (settings.model, *options.more_models):
+            ensure_model(settings.model_copy(update={"model": model}))
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])

@@ -27,6 +27,9 @@ class Options:
     fresh: bool = False
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     workers: int = 1
+    # Models served beside the settings' own (``--model`` given more than once), each
+    # by workers of its own; the first ``--model`` is the default model.
+    more_models: tuple[str, ...] = ()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine of the worker (default: TOKENRELAY_ENGINE, llamacpp); "
         "echo needs no model weights",
     )
-    parser.add_argument("--model", help="model name under models_dir, or a path")
+    parser.add_argument(
+        "--model",
+        action="append",
+        help="model name under models_dir, or a path; repeat it to serve several models "
+        "behind the one web tier, each with workers of its own (the first is the default "
+        "model; with --engine echo any name serves, with the bundled tokenizer)",
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -104,7 +113,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     """Settings from the environment, with the command line's overrides validated."""
     overrides = {
         "engine": args.engine,
-        "model": args.model,
+        "model": args.model[0] if args.model else None,
         "port": args.port,
         "flower_port": args.flower_port,
     }
@@ -132,5 +141,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
         fresh=args.fresh,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
         workers=args.workers,
+        more_models=tuple(dict.fromkeys(args.model[1:])) if args.model else (),
     )
     return args, options

@@ -1,0 +1,183 @@
+"""Two models behind one web tier (issue 41): real processes (redis-server, a worker per
+model with the echo engine, a streamer, the batch driver, gunicorn), one client per API.
+
+Each model's requests are answered by its own worker: the workers' token counters (their
+heartbeats) grow by exactly the completion tokens of their own model's requests, and the
+other model's stay still. The echo engine repeats the last user message, so every text
+is known exactly."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from broker.keys import Keys
+from broker.registry import worker_registry
+from tests.e2e.test_batches import jsonl, poll, upload
+from tests.e2e.test_websocket import ChatClient, ws_url
+from tests.stack import Stack, full_stack, isolated_settings, wait_for, worker_process
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MODELS = ("model-a", "model-b")
+
+
+@pytest.fixture(scope="module")
+def two(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    settings = isolated_settings("redis://unused", models_dir, web_workers=1, web_threads=16)
+    with full_stack(
+        settings, tmp_path_factory.mktemp("models-logs"), workers=(), batcher=True
+    ) as running:
+        for model in MODELS:
+            own = running.settings.model_copy(update={"model": model, "served_model_name": None})
+            running.start(model, worker_process(own, running.log_dir, name=model))
+        yield running
+
+
+def tokens_by_model(stack: Stack) -> dict[str, int]:
+    live = worker_registry(stack.redis(), Keys(stack.settings.key_prefix)).live()
+    return {w.model: w.tokens_total for w in live}
+
+
+def every_api(two: Stack, client: openai.OpenAI, model: str) -> int:
+    """One request of each API for ``model``, texts checked; the completion tokens."""
+    used = 0
+    text = f"Hello from {model}, said plainly."
+    # JSON and SSE.
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}]
+    )
+    assert reply.model == model and reply.choices[0].message.content == text
+    assert reply.usage is not None
+    used += reply.usage.completion_tokens
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        parts += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(parts) == text and usage is not None
+    used += usage.completion_tokens
+    # Responses.
+    response = client.responses.create(model=model, input=text)
+    assert response.model == model and response.output_text == text
+    assert response.usage is not None
+    used += response.usage.output_tokens
+    # WebSocket.
+    ws = ChatClient(ws_url(two))
+    try:
+        ws.chat("w1", text, model=model)
+        ws.wait_done("w1")
+        got = ws.reply("w1")
+        assert not got.errors and "".join(d["text"] for d in got.deltas) == text
+        used += got.usage["completion_tokens"]
+    finally:
+        ws.close()
+    # A batch of two lines.
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"{model}-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": model, "messages": [{"role": "user", "content": text}]},
+            }
+        )
+        for i in range(2)
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    batch, _ = poll(client, batch.id)
+    assert batch.status == "completed", two.logs()
+    for line in jsonl(client, batch.output_file_id):
+        out = line["response"]["body"]
+        assert out["model"] == model and out["choices"][0]["message"]["content"] == text
+        used += out["usage"]["completion_tokens"]
+    return used
+
+
+def test_each_api_reaches_its_own_model_s_worker_with_exact_text(two: Stack) -> None:
+    client = openai.OpenAI(base_url=two.base_url + "/v1", api_key="x", max_retries=0)
+    listed = {m.id for m in client.models.list().data}
+    assert set(MODELS) <= listed, listed
+    for model in MODELS:
+        before = tokens_by_model(two)
+        used = every_api(two, client, model)
+        wanted = {m: before[m] + (used if m == model else 0) for m in MODELS}
+        wait_for(
+            lambda wanted=wanted: tokens_by_model(two) == wanted,  # type: ignore[misc]
+            10,
+            f"{model}'s worker to count its {used} tokens, the other none",
+            interval=0.2,
+        )
+
+
+def test_an_unknown_model_is_404_and_a_model_without_workers_503_at_once(two: Stack) -> None:
+    url = two.base_url + "/v1/chat/completions"
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    resp = requests.post(url, json={**body, "model": "no-such-model"}, timeout=10)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    # The web tier's default model has no worker here (only model-a and model-b do).
+    t0 = time.monotonic()
+    resp = requests.post(url, json=body, timeout=10)
+    assert resp.status_code == 503 and time.monotonic() - t0 < 1.0
+    assert resp.headers["Retry-After"] == "1"
+
+
+def test_the_models_command_lists_what_is_served(two: Stack) -> None:
+    import subprocess
+    import sys
+
+    from tests.stack import child_env
+
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.models_cli", "list"],
+        env=child_env(two.settings),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert set(MODELS) <= set(rows), out
+    assert rows["model-a"][1:3] == ["1", "echo"]  # one live worker, its engine
+
+
+@pytest.mark.timeout(180)
+def test_up_serves_every_model_it_is_given(tmp_path: Path, models_dir: Path) -> None:
+    """``tokenrelay up --engine echo --model alpha --model beta``: a worker per model
+    (echo names speak with the bundled tokenizer), one web tier for both."""
+    import signal
+
+    from tests.upstack import start_up
+
+    run = start_up(tmp_path, models_dir, "--model", "alpha", "--model", "beta")
+    try:
+        urls = run.wait_ready(150)["urls"]
+        assert "'alpha', 'beta'" in run.output()
+        assert {"worker", "worker-beta"} <= set(run.state()["children"])
+        with openai.OpenAI(base_url=urls["api"], api_key="x", max_retries=0) as client:
+            assert {m.id for m in client.models.list().data} == {"alpha", "beta"}
+            for model in ("alpha", "beta"):
+                reply = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"to {model}"}]
+                )
+                assert reply.model == model and reply.choices[0].message.content == f"to {model}"
+        run.popen.send_signal(signal.SIGTERM)
+        assert run.wait_exit(60) == 0, run.logs()
+    finally:
+        run.cleanup()
