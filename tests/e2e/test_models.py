@@ -111,19 +111,24 @@ def every_api(two: Stack, client: openai.OpenAI, model: str) -> int:
 
 
 def test_each_api_reaches_its_own_model_s_worker_with_exact_text(two: Stack) -> None:
-    client = openai.OpenAI(base_url=two.base_url + "/v1", api_key="x", max_retries=0)
-    listed = {m.id for m in client.models.list().data}
-    assert set(MODELS) <= listed, listed
-    for model in MODELS:
-        before = tokens_by_model(two)
-        used = every_api(two, client, model)
-        wanted = {m: before[m] + (used if m == model else 0) for m in MODELS}
-        wait_for(
-            lambda wanted=wanted: tokens_by_model(two) == wanted,  # type: ignore[misc]
-            10,
-            f"{model}'s worker to count its {used} tokens, the other none",
-            interval=0.2,
-        )
+    with openai.OpenAI(base_url=two.base_url + "/v1", api_key="x", max_retries=0) as client:
+        listed = {m.id for m in client.models.list().data}
+        assert set(MODELS) <= listed, listed
+        for model in MODELS:
+            check_model(two, client, model)
+
+
+def check_model(two: Stack, client: openai.OpenAI, model: str) -> None:
+    """Every API for ``model``; its worker counts exactly their tokens, the other none."""
+    before = tokens_by_model(two)
+    used = every_api(two, client, model)
+    wanted = {m: before[m] + (used if m == model else 0) for m in MODELS}
+    wait_for(
+        lambda: tokens_by_model(two) == wanted,
+        10,
+        f"{model}'s worker to count its {used} tokens, the other none",
+        interval=0.2,
+    )
 
 
 def test_an_unknown_model_is_404_and_a_model_without_workers_503_at_once(two: Stack) -> None:
