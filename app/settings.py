@@ -173,6 +173,12 @@ class Settings(BaseSettings):
         description="A request still queued this long is sent again "
         "(duplicates are harmless: only one worker can claim it).",
     )
+    model_max_queue: int = Field(
+        default=0,
+        ge=0,
+        description="Most choices in flight for one model (0: only max_queue bounds it): "
+        "a burst for one model cannot take all of max_queue from the others.",
+    )
     model_aliases: dict[str, str] = Field(
         default_factory=dict,
         description="Client-facing model names mapped to served ones (JSON object, e.g. "

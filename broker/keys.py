@@ -19,7 +19,7 @@
 {p}fence:epoch      string a value new at every resume, second claim and cancel: a worker's
                            publish checks each lease and cancel key only when it changed
 {p}inflight         zset   admitted request ids scored by deadline (admission limit)
-{p}inflight:weights hash   request id -> "<choices> <owner>": what each admitted request
+{p}inflight:weights hash   request id -> "<choices> <owner>\n<model>": what each admitted request
                            counts against the limit and whose per-key quota it uses
 {p}hub:{id}         stream wake-ups of one web process's output reader (MAXLEN 16, TTL)
 {p}file:{fid}       hash   an uploaded or generated file: meta (JSON), owner

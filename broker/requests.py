@@ -42,6 +42,7 @@ class Admission(int, Enum):
     ADMITTED = 1
     FULL = 0  # the shared in-flight limit
     OWNER_FULL = -1  # the key's own in-flight quota
+    MODEL_FULL = -2  # the model's share of the in-flight limit (Settings.model_max_queue)
 
     def __bool__(self) -> bool:
         return self is Admission.ADMITTED
@@ -162,10 +163,14 @@ class RequestStore(TokenPublishing):
         weight: int = 1,
         owner: str = "",
         owner_limit: int = 0,
+        model: str = "",
+        model_limit: int = 0,
         create: RequestRecord | None = None,
     ) -> tuple[Admission, int]:
-        """Count ``rid`` (``weight`` choices) against the shared in-flight limit and
-        one request against ``owner``'s ``owner_limit`` (0: none): the answer, and how
+        """Count ``rid`` (``weight`` choices) against the shared in-flight limit, one
+        request against ``owner``'s ``owner_limit`` (0: none) and ``weight`` choices
+        against ``model``'s ``model_limit`` (0: none; a model with nothing in flight is
+        always admitted, as the shared limit admits a first request): the answer, and how
         many of ``owner``'s requests were in flight before this one (what orders the
         queue between keys: ``fair_priority``).
 
@@ -173,6 +178,7 @@ class RequestStore(TokenPublishing):
         atomic call when it is admitted, and not at all when it is refused."""
         keys = [self.keys.inflight, self.inflight_weights]
         args: list[Any] = [now, limit, rid, deadline, max(weight, 1), owner, owner_limit]
+        args += [model, model_limit]
         if create is not None:
             keys += [self.keys.request(rid), self.keys.new_requests]
             args += [create.encode(), RequestState.QUEUED.value, self.stream_ttl_s]

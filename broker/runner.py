@@ -367,6 +367,12 @@ class Runner:
                 )
                 full.retry_after = RETRY_AFTER_S  # type: ignore[attr-defined]
                 raise full
+            if admitted is Admission.MODEL_FULL:
+                raise QueueFull(
+                    f"The model '{record.model}' is at capacity (model_max_queue); please "
+                    "retry shortly.",
+                    retry_after=RETRY_AFTER_S,
+                )
             if not admitted:
                 raise QueueFull(
                     "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
@@ -419,6 +425,8 @@ class Runner:
                 # Only with keys configured does an owner stand for one client.
                 owner=record.owner if settings.api_keys else "",
                 owner_limit=settings.key_max_in_flight,
+                model=record.model,
+                model_limit=settings.model_max_queue,
                 create=record,
             )
         except redis.ResponseError:

@@ -446,14 +446,16 @@ if #expired > 0 then
   each_chunk(expired, function(...) redis.call('HDEL', KEYS[2], ...) end)
 end
 local members = redis.call('ZRANGE', KEYS[1], 0, -1)
-local total, mine = 0, 0
+local total, mine, theirs = 0, 0, 0
 local owner, owner_limit = ARGV[6], tonumber(ARGV[7])
+local model, model_limit = ARGV[8], tonumber(ARGV[9])
 each_chunk(members, function(...)
   for _, v in ipairs(redis.call('HMGET', KEYS[2], ...)) do
     if v then
-      local w, o = string.match(v, '^(%d+) (.*)$')
+      local w, o, m = string.match(v, '^(%d+) ([^\\n]*)\\n?(.*)$')
       total = total + tonumber(w)
       if owner ~= '' and o == owner then mine = mine + 1 end
+      if m == model then theirs = theirs + tonumber(w) end
     else
       total = total + 1
     end
@@ -461,12 +463,13 @@ each_chunk(members, function(...)
 end)
 if owner ~= '' and owner_limit > 0 and mine >= owner_limit then return -1 end
 local weight = tonumber(ARGV[5])
+if model_limit > 0 and theirs > 0 and theirs + weight > model_limit then return -2 end
 if total > 0 and total + weight > tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[5] .. ' ' .. owner)
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[5] .. ' ' .. owner .. '\\n' .. model)
 if KEYS[4] then
-  redis.call('HSET', KEYS[3], 'body', ARGV[8], 'state', ARGV[9], 'attempt', 0, 'worker', '')
-  redis.call('EXPIRE', KEYS[3], ARGV[10])
+  redis.call('HSET', KEYS[3], 'body', ARGV[10], 'state', ARGV[11], 'attempt', 0, 'worker', '')
+  redis.call('EXPIRE', KEYS[3], ARGV[12])
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'r', ARGV[3])
 end
 return 1 + mine

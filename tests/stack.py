@@ -272,6 +272,13 @@ class Stack:
         self._exit.callback(fn)
 
 
+def start_model_worker(stack: Stack, model: str, name: str | None = None) -> Proc:
+    """A worker of another model on ``stack`` (``tokenrelay worker --model MODEL``: with
+    the echo engine any name serves, with the bundled tokenizer), as ``procs[name]``."""
+    own = stack.settings.model_copy(update={"model": model, "served_model_name": None})
+    return stack.start(name or model, worker_process(own, stack.log_dir, name=name or model))
+
+
 def web_settings(settings: Settings, **overrides: object) -> Settings:
     """``settings`` on a fresh free port on loopback (for another web process)."""
     from broker.server import free_port

@@ -22,7 +22,7 @@ from broker.keys import Keys
 from broker.registry import worker_registry
 from tests.e2e.test_batches import jsonl, poll, upload
 from tests.e2e.test_websocket import ChatClient, ws_url
-from tests.stack import Stack, full_stack, isolated_settings, wait_for, worker_process
+from tests.stack import Stack, full_stack, isolated_settings, start_model_worker, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,8 +36,7 @@ def two(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         settings, tmp_path_factory.mktemp("models-logs"), workers=(), batcher=True
     ) as running:
         for model in MODELS:
-            own = running.settings.model_copy(update={"model": model, "served_model_name": None})
-            running.start(model, worker_process(own, running.log_dir, name=model))
+            start_model_worker(running, model)
         yield running
 
 

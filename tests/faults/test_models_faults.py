@@ -19,16 +19,11 @@ from broker.keys import Keys
 from broker.registry import worker_registry
 from tests.faults.conftest import REGISTRATION_TTL_S
 from tests.faults.web_clients import CHAT, Stream, Unary, probe, start_stream, start_unary, words
-from tests.stack import Stack, full_stack, isolated_settings, wait_for, worker_process
+from tests.stack import full_stack, isolated_settings, start_model_worker, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 RATE = 20.0  # echo tokens per second: ~85 tokens of ``words`` take ~4 s
-
-
-def start_model_worker(stack: Stack, model: str, name: str) -> None:
-    own = stack.settings.model_copy(update={"model": model, "served_model_name": None})
-    stack.start(name, worker_process(own, stack.log_dir, name=name))
 
 
 @pytest.mark.timeout(150)

@@ -112,3 +112,36 @@ def test_admission_says_how_many_of_the_owners_requests_are_ahead(store: Request
     assert counts == [0, 1, 2] and alone == (Admission.ADMITTED, 0)
     for r in (*held, other):
         store.release(r.request_id)
+
+
+def test_a_model_over_its_share_is_refused_while_others_are_admitted(
+    store: RequestStore,
+) -> None:
+    """``model_max_queue``: one model's choices in flight are bounded on their own, under
+    the shared limit, so a burst for one model leaves room for the others; a refused
+    request writes nothing; an entry written before models were recorded counts for
+    none."""
+
+    def admit(r: RequestRecord, model: str, weight: int = 1) -> Admission:
+        answer, _ahead = store.admit(
+            r.request_id,
+            r.deadline,
+            10,
+            time.time(),
+            weight=weight,
+            model=model,
+            model_limit=3,
+            create=r,
+        )
+        return answer
+
+    a1, a2, b1, old = record(), record(), record(), record()
+    assert admit(a1, "model-a", weight=2) is Admission.ADMITTED
+    assert admit(a2, "model-a", weight=2) is Admission.MODEL_FULL  # 2 + 2 > 3
+    assert store.load(a2.request_id) is None
+    assert admit(b1, "model-b", weight=3) is Admission.ADMITTED
+    store.redis.zadd(store.keys.inflight, {old.request_id: old.deadline})
+    store.redis.hset(store.inflight_weights, old.request_id, "1 ")  # the older format
+    assert admit(a2, "model-a", weight=1) is Admission.ADMITTED  # 2 + 1 <= 3
+    for r in (a1, a2, b1, old):
+        store.release(r.request_id)
