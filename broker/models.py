@@ -126,7 +126,7 @@ class ModelCatalog:
 
     def known(self) -> list[str]:
         """Every served name with an entry or a live worker, the default first."""
-        names = {*self.entries(), *self.live(), *self.configured}
+        names = {self.default, *self.entries(), *self.live(), *self.configured}
         return sorted(names, key=lambda n: (n != self.default, n))
 
     def resolve(self, asked: str | None) -> str:
