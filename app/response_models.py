@@ -348,6 +348,7 @@ class ModelObject(_Response):
     # vLLM's field: the served model an alias stands for (itself for a served model).
     root: str | None = None
     engines: list[str] | None = None  # the engines of its live workers
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"root", "engines"})
 
 
 class ModelList(_Response):

@@ -98,7 +98,12 @@ class ModelCatalog:
             at, cached = self._entries
             if now - at < CACHE_S:
                 return cached
-        raw = self.redis.hgetall(self.key)
+        try:
+            raw = self.redis.hgetall(self.key)
+        except redis.RedisError:
+            if at == float("-inf"):
+                raise
+            return cached  # Redis away: what was known last (a request fails later)
         entries = {}
         for name, value in raw.items():
             try:
@@ -117,8 +122,14 @@ class ModelCatalog:
             at, cached = self._live
             if now - at < CACHE_S:
                 return cached
+        try:
+            members = self.workers.live()
+        except redis.RedisError:
+            if at == float("-inf"):
+                raise
+            return cached
         by_model: dict[str, list[WorkerInfo]] = {}
-        for w in self.workers.live():
+        for w in members:
             by_model.setdefault(w.model, []).append(w)
         with self._lock:
             self._live = (now, by_model)

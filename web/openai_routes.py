@@ -42,7 +42,7 @@ from app.intake import Endpoint
 from app.response_models import ModelList, ModelObject
 from broker import drive
 from broker.run import Run
-from broker.runner import backbone_unavailable, client_error
+from broker.runner import client_error
 from web import auth, sse
 from web.auth import tenant_of
 from web.bodies import json_body
@@ -136,8 +136,9 @@ def _model_objects() -> list[ModelObject]:
     try:
         live = runner.models.live()
         entries = runner.models.entries()
-    except redis.RedisError as exc:
-        raise backbone_unavailable() from exc
+    except redis.RedisError:
+        # Redis away and nothing read yet: this process's own model, as it knows it.
+        live, entries = {runner.model_name: []}, {}
     created = current_app.extensions["tokenrelay.started"]
     out = []
     for name in sorted(live, key=lambda n: (n != runner.model_name, n)):
@@ -148,7 +149,7 @@ def _model_objects() -> list[ModelObject]:
             created=int(entry.registered) if entry and entry.registered else created,
             max_model_len=entry.context_length if entry else length,
             root=name,
-            engines=sorted({w.engine for w in live[name]}),
+            engines=sorted({w.engine for w in live[name]}) or None,
         )
         out.append(served)
         out += [served.model_copy(update={"id": a}) for a in runner.models.aliases_of(name)]

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import types
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -72,7 +73,9 @@ def runtime_for(engine: ExLlamaV2Engine) -> WorkerRuntime:
     engine thread keeps stepping and its publishes back off, as in a Redis outage."""
     client = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     settings = Settings(served_model_name="m", worker_slots=4)
-    card = cast(ModelCard, types.SimpleNamespace(eos_token_ids=[2]))
+    card = cast(
+        ModelCard, types.SimpleNamespace(eos_token_ids=[2], path=Path("m"), context_length=8192)
+    )
     return WorkerRuntime(settings, card, engine, client)
 
 
