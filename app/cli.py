@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_models_dir(prepare)
     prepare.set_defaults(handler=_model_prepare)
+    add = model_commands.add_parser(
+        "add", help="prepare a model directory from a GGUF file (served as its file's name)"
+    )
+    add.add_argument("file", type=Path, help="a .gguf file")
+    _add_models_dir(add)
+    add.set_defaults(handler=_model_add)
     listing = model_commands.add_parser("list", help="list prepared models")
     _add_models_dir(listing)
     listing.add_argument(
@@ -209,6 +215,13 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
     directory = prepare_bundled_model(_models_dir(args), progress=_progress)
     print(directory)
+    return 0
+
+
+def _model_add(args: argparse.Namespace) -> int:
+    from app.prepare import prepare_model_file
+
+    print(prepare_model_file(args.file, _models_dir(args), progress=_progress))
     return 0
 
 

@@ -2,9 +2,10 @@
 
 transformers' GGUF loader does the same but needs torch just to read a vocabulary; the
 ``gguf`` package reads the tokens, merges, token types and pre-tokenizer name directly.
-Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported, with
-the pre-tokenizers llama.cpp names below; anything else is a clear ``ModelError`` rather
-than a tokenizer that silently disagrees with the engine.
+Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``, with the pre-tokenizers
+llama.cpp names below) and SentencePiece ones (``"llama"``: llama 2, Mistral, Gemma) are
+supported; anything else is a clear ``ModelError`` rather than a tokenizer that silently
+disagrees with the engine.
 """
 
 from __future__ import annotations
@@ -64,6 +65,67 @@ class GGUFVocab:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
+    """A GPT-2-style vocabulary (``tokenizer.ggml.model == "gpt2"``): its merges as they
+    are, byte-level pre-tokenized as llama.cpp does for ``pre``."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs: list[tuple[str, str]] = []
+    for m in merges:
+        left, _, right = m.partition(" ")
+        pairs.append((left, right))
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], scores: list[float], types: list[int], *, add_space_prefix: bool
+) -> Tokenizer:
+    """A SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``) as llama.cpp
+    tokenizes it (llm_tokenizer_spm): spaces become U+2581 (one prepended with
+    ``add_space_prefix``), then adjacent pieces merge, the merge whose result scores
+    highest first, and what no piece covers falls back to byte tokens (``<0xE2>``).
+    A BPE model does the same when its merges are every split of a piece into two
+    pieces, ranked by the whole piece's score (transformers' SentencePieceExtractor);
+    the decoder undoes it: U+2581 to a space, bytes joined, the prepended space cut."""
+    from tokenizers import normalizers
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    mergeable = [i for i, t in enumerate(types) if t in (_NORMAL, _USER_DEFINED)]
+    ranked: list[tuple[float, int, int, tuple[str, str]]] = []
+    for i in mergeable:
+        piece = tokens[i]
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], vocab[left], vocab[right], (left, right)))
+    ranked.sort()
+    unk = next((tokens[i] for i, t in enumerate(types) if t == _UNKNOWN), None)
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[pair for *_rank, pair in ranked],
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(bpe)
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    undo: list[decoders.Decoder] = [
+        decoders.Replace("\u2581", " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if add_space_prefix:
+        undo.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(undo)
+    return tokenizer
+
+
 def _field(reader: Any, key: str) -> Any:
     f = reader.fields.get(key)
     return None if f is None else f.contents()
@@ -79,22 +141,25 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
         raise ModelError(f"cannot read GGUF file {path.name}") from exc
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelError(f"unsupported GGUF tokenizer model {kind!r} (only byte-level BPE)")
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     types: list[int] = _field(reader, "tokenizer.ggml.token_type")
-    merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
-    pre = _field(reader, "tokenizer.ggml.pre") or "default"
-
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs: list[tuple[str, str]] = []
-    for m in merges:
-        left, _, right = m.partition(" ")
-        pairs.append((left, right))
-    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
+        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        tokenizer = _byte_level_bpe(tokens, merges, pre)
+    elif kind == "llama":
+        scores: list[float] = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise ModelError("a SentencePiece GGUF vocabulary without tokenizer.ggml.scores")
+        prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+        tokenizer = _sentencepiece_bpe(
+            tokens, scores, types, add_space_prefix=True if prefix is None else bool(prefix)
+        )
+    else:
+        raise ModelError(
+            f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, byte-level BPE; "
+            "llama, SentencePiece)"
+        )
 
     specials = {tokens[i]: i for i, t in enumerate(types) if t == _CONTROL}
     user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]

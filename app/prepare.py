@@ -99,6 +99,19 @@ def prepare_bundled_model(models_dir: Path, *, progress: Progress = _silent) -> 
     )
 
 
+def prepare_model_file(gguf: Path, models_dir: Path, *, progress: Progress = _silent) -> Path:
+    """Bring your own model: a GGUF file as ``<models_dir>/<its file's stem>``, served
+    under that name (tokenizer, special tokens, EOS and chat template from its metadata;
+    the GGUF itself linked, not copied, when the filesystem allows). Rebuilt when the
+    file changes (its size or modification time)."""
+    gguf = Path(gguf).expanduser()
+    if not gguf.is_file() or gguf.suffix.lower() != ".gguf":
+        raise ModelError(f"{gguf} is not a .gguf file")
+    stat = gguf.stat()
+    source = f"file:{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    return prepare_gguf_model(gguf, models_dir, name=gguf.stem, source=source, progress=progress)
+
+
 def prepare_gguf_model(
     gguf: Path, models_dir: Path, *, name: str, source: str, progress: Progress = _silent
 ) -> Path:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -58,7 +59,12 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from app.errors import TokenRelayError
-from app.prepare import BUNDLED_MODEL_NAME, is_complete, prepare_bundled_model
+from app.prepare import (
+    BUNDLED_MODEL_NAME,
+    is_complete,
+    prepare_bundled_model,
+    prepare_model_file,
+)
 from app.settings import Settings
 from broker.connection import redis_client
 from broker.sentinel import redact
@@ -374,6 +380,18 @@ def say(message: str) -> None:
     print(f"{PROG}: {message}", flush=True)
 
 
+def own_model(settings: Settings, model: str) -> str:
+    """``model``, or for a path to a .gguf file the name it is served as once prepared
+    into the models directory (``tokenrelay model add``)."""
+    path = Path(model).expanduser()
+    if path.suffix.lower() != ".gguf":
+        return model
+    if not path.is_file():
+        raise UpError(f"model file {path} not found")
+    say(f"preparing {path.name} in {settings.models_dir}")
+    return prepare_model_file(path, settings.models_dir, progress=lambda m: say(f"  {m}")).name
+
+
 def ensure_model(settings: Settings) -> None:
     """Prepare the bundled model if it is the one asked for and is missing; else check."""
     path = settings.card_path()
@@ -441,7 +459,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(args)
         lock = acquire_run_dir(args.run_dir)
-        for model in (settings.model, *options.more_models):
+        # A .gguf file is prepared into the models directory and served as its name.
+        models = [own_model(settings, m) for m in (settings.model, *options.more_models)]
+        settings = settings.model_copy(update={"model": models[0]})
+        options = dataclasses.replace(options, more_models=tuple(models[1:]))
+        for model in models:
             ensure_model(settings.model_copy(update={"model": model}))
     except ValidationError as exc:
         err = exc.errors()[0]

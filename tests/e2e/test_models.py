@@ -185,3 +185,47 @@ def test_up_serves_every_model_it_is_given(tmp_path: Path, models_dir: Path) -> 
         assert run.wait_exit(60) == 0, run.logs()
     finally:
         run.cleanup()
+
+
+@pytest.mark.timeout(180)
+def test_up_serves_a_gguf_file_beside_another_vocabulary(tmp_path: Path, models_dir: Path) -> None:
+    """``tokenrelay up --model FILE.gguf --model alpha``: the file is prepared and served
+    under its name with its own SentencePiece vocabulary, beside alpha (the bundled
+    byte-level BPE one), behind one web tier; both texts exact."""
+    import shutil
+    import signal
+
+    import llama_cpp
+
+    from tests.test_gguf_spm import write_spm_gguf
+    from tests.upstack import start_up
+
+    gguf = tmp_path / "Spm-Vocab.gguf"
+    write_spm_gguf(gguf, add_space_prefix=True)
+    models = tmp_path / "models"
+    shutil.copytree(models_dir, models, symlinks=True)  # the bundled model, and room
+    run = start_up(tmp_path, models, "--model", str(gguf), "--model", "alpha")
+    try:
+        urls = run.wait_ready(150)["urls"]
+        assert (models / "Spm-Vocab" / "tokenizer.json").is_file()
+        with openai.OpenAI(base_url=urls["api"], api_key="x", max_retries=0) as client:
+            assert {m.id for m in client.models.list().data} == {"Spm-Vocab", "alpha"}
+            text = "Hello there, café 東京 and more"
+            done = client.completions.create(model="Spm-Vocab", prompt=text, max_tokens=64)
+            # The echo of the prompt's ids as a continuation: the text llama.cpp's server
+            # gives for them (each piece as it is, the first one's space included).
+            llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+            try:
+                ids = llm.tokenize(text.encode(), add_bos=False, special=False)
+                want = llm.detokenize(ids).decode()
+            finally:
+                llm.close()
+            assert want == " " + text and done.choices[0].text == want
+            reply = client.chat.completions.create(
+                model="alpha", messages=[{"role": "user", "content": text}]
+            )
+            assert reply.choices[0].message.content == text
+        run.popen.send_signal(signal.SIGTERM)
+        assert run.wait_exit(60) == 0, run.logs()
+    finally:
+        run.cleanup()
