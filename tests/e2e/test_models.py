@@ -229,3 +229,87 @@ def test_up_serves_a_gguf_file_beside_another_vocabulary(tmp_path: Path, models_
         assert run.wait_exit(60) == 0, run.logs()
     finally:
         run.cleanup()
+
+
+def llama_cpp_greedy(gguf: Path, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    """llama.cpp's own greedy continuation of ``prompt`` (BOS as the vocabulary says,
+    special tokens parsed, as llama.cpp's server tokenizes a prompt), and its
+    ``llama_detokenize`` of those ids."""
+    import llama_cpp
+
+    from tests.test_gguf_gemma import detokenize
+
+    llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=1, seed=0, verbose=False)
+    try:
+        prompt_ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        ids: list[int] = []
+        eog = llama_cpp.llama_vocab_is_eog
+        vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+        for token in llm.generate(prompt_ids, top_k=1, temp=0.0, repeat_penalty=1.0):
+            if eog(vocab, token) or len(ids) == max_tokens:
+                break
+            ids.append(token)
+        return ids, detokenize(llm, ids, special=False)
+    finally:
+        llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_up_serves_gemma_beside_the_bundled_model(
+    tmp_path: Path, models_dir: Path, gemma_gguf: Path
+) -> None:
+    """``tokenrelay up --model gemma-3-270m-q4_k_m.gguf --model SmolLM2-135M-Instruct`` on
+    the llamacpp engine: two real models, two vocabularies (SentencePiece, byte-level
+    BPE), two templates (ChatML by llama.cpp's default, SmolLM2's own), one web tier.
+    Gemma's greedy text is llama.cpp's own detokenization of llama.cpp's greedy ids."""
+    import shutil
+    import signal
+
+    from tests.upstack import start_up
+
+    models = tmp_path / "models"
+    shutil.copytree(models_dir, models, symlinks=True)
+    prompt = "The three primary colours are"
+    want_ids, want = llama_cpp_greedy(gemma_gguf, prompt, 24)
+    run = start_up(
+        tmp_path,
+        models,
+        "--engine",
+        "llamacpp",
+        "--model",
+        str(gemma_gguf),
+        "--model",
+        "SmolLM2-135M-Instruct",
+        TOKENRELAY_LLAMACPP_THREADS="1",
+    )
+    try:
+        urls = run.wait_ready(240)["urls"]
+        gemma = gemma_gguf.stem
+        with openai.OpenAI(base_url=urls["api"], api_key="x", max_retries=0) as client:
+            assert {m.id for m in client.models.list().data} == {gemma, "SmolLM2-135M-Instruct"}
+            done = client.completions.create(
+                model=gemma, prompt=prompt, max_tokens=24, temperature=0
+            )
+            assert done.usage is not None and done.usage.completion_tokens == len(want_ids)
+            assert done.choices[0].text == want, (want_ids, want)
+            streamed = "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model=gemma, prompt=prompt, max_tokens=24, temperature=0, stream=True
+                )
+                if c.choices
+            )
+            assert streamed == want
+            for model in (gemma, "SmolLM2-135M-Instruct"):
+                reply = client.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": "Name a colour."}],
+                    max_tokens=8,
+                    temperature=0,
+                )
+                assert reply.model == model and reply.choices[0].finish_reason in ("stop", "length")
+                assert reply.usage is not None and reply.usage.completion_tokens > 0
+        run.popen.send_signal(signal.SIGTERM)
+        assert run.wait_exit(60) == 0, run.logs()
+    finally:
+        run.cleanup()
