@@ -121,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models_dir(prepare)
     prepare.set_defaults(handler=_model_prepare)
     add = model_commands.add_parser(
-        "add", help="prepare a model directory from a GGUF file (served as its file's name)"
+        "add",
+        help="bring your own model: a GGUF file (prepared into a model directory, served "
+        "as its file's name) or an HF model directory (linked, served as its name)",
     )
-    add.add_argument("file", type=Path, help="a .gguf file")
+    add.add_argument("file", type=Path, help="a .gguf file or a model directory")
     _add_models_dir(add)
     add.set_defaults(handler=_model_add)
     listing = model_commands.add_parser("list", help="list prepared models")
@@ -219,9 +221,12 @@ def _model_prepare(args: argparse.Namespace) -> int:
 
 
 def _model_add(args: argparse.Namespace) -> int:
-    from app.prepare import prepare_model_file
+    from app.prepare import add_model_directory, prepare_model_file
 
-    print(prepare_model_file(args.file, _models_dir(args), progress=_progress))
+    if Path(args.file).expanduser().is_dir():
+        print(add_model_directory(args.file, _models_dir(args)))
+    else:
+        print(prepare_model_file(args.file, _models_dir(args), progress=_progress))
     return 0
 
 

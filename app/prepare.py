@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.errors import ModelError
-from app.model_card import CARD_FILE, ModelCard, load_model_card
+from app.model_card import CARD_FILE, ModelCard, load_model_card, load_tokenizer
 
 if TYPE_CHECKING:
     from app.gguf_tokenizer import GGUFVocab
@@ -134,6 +134,36 @@ def prepare_model_file(gguf: Path, models_dir: Path, *, progress: Progress = _si
     stat = gguf.stat()
     source = f"file:{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
     return prepare_gguf_model(gguf, models_dir, name=gguf.stem, source=source, progress=progress)
+
+
+def add_model_directory(directory: Path, models_dir: Path) -> Path:
+    """Bring your own model: an HF-style model directory (``tokenizer.json``, config
+    files, weights as safetensors, EXL2 or a GGUF) linked into ``models_dir`` under its
+    own name, served as that name. Checked first, so a directory missing its tokenizer,
+    its context length or any weights is a clear error now, not a worker that cannot
+    start later. Idempotent: the same directory added twice is one link."""
+    directory = Path(directory).expanduser().resolve()
+    if not directory.is_dir():
+        raise ModelError(f"{directory} is not a model directory")
+    card = load_model_card(directory)
+    load_tokenizer(card)  # a tokenizer.json that does not load is refused now
+    if card.engines() == ("echo",):
+        raise ModelError(
+            f"{directory} holds no weights an engine can serve "
+            "(a .gguf file for llamacpp, safetensors or EXL2 for exllamav2)"
+        )
+    models_dir = Path(models_dir).expanduser()
+    target = models_dir / directory.name
+    if target.exists() or target.is_symlink():
+        if target.resolve() == directory:
+            return target
+        raise ModelError(f"{target} already exists (remove it, or rename the directory)")
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(directory, target_is_directory=True)
+    except OSError as exc:
+        raise ModelError(f"cannot link {directory} into {models_dir}: {exc}") from exc
+    return target
 
 
 def prepare_gguf_model(

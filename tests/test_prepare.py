@@ -18,6 +18,7 @@ from app.prepare import (
     BUNDLED_MODEL_NAME,
     MARKER_FILE,
     _link_or_copy,
+    add_model_directory,
     bundled_gguf_path,
     is_complete,
     list_models,
@@ -237,3 +238,44 @@ def test_list_models(prepared: Path, card: ModelCard, tmp_path: Path) -> None:
     assert [c.name for c in cards] == [BUNDLED_MODEL_NAME]
     assert cards[0] == card.model_copy(update={"path": models / BUNDLED_MODEL_NAME})
     assert list_models(tmp_path / "missing") == []
+
+
+def hf_directory(prepared: Path, target: Path) -> Path:
+    """The bundled model as a plain HF-style directory: no tokenrelay.json, no marker."""
+    copy = linked_copy(prepared, target)
+    (copy / "tokenrelay.json").unlink()
+    (copy / MARKER_FILE).unlink()
+    return copy
+
+
+def test_an_hf_directory_is_linked_in_and_served_as_its_name(
+    prepared: Path, tmp_path: Path
+) -> None:
+    """``tokenrelay model add DIR``: checked, then linked into the models directory."""
+    from app import cli
+
+    source = hf_directory(prepared, tmp_path / "elsewhere" / "My-Chat-Model")
+    models = tmp_path / "models"
+    assert cli.main(["model", "add", str(source), "--models-dir", str(models)]) == 0
+    assert (models / "My-Chat-Model").resolve() == source.resolve()
+    assert [c.name for c in list_models(models)] == ["My-Chat-Model"]
+    card = load_model_card(models / "My-Chat-Model")
+    assert card.engines() == ("echo", "llamacpp") and card.eos_token_ids[0] == 2
+    assert add_model_directory(source, models) == models / "My-Chat-Model"  # idempotent
+
+
+def test_an_hf_directory_that_cannot_be_served_is_refused(prepared: Path, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    no_tokenizer = hf_directory(prepared, tmp_path / "a" / "No-Tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match=r"tokenizer\.json"):
+        add_model_directory(no_tokenizer, models)
+    no_weights = hf_directory(prepared, tmp_path / "b" / "No-Weights")
+    (no_weights / BUNDLED_GGUF).unlink()
+    with pytest.raises(ModelError, match="no weights"):
+        add_model_directory(no_weights, models)
+    taken = hf_directory(prepared, tmp_path / "c" / "No-Weights")
+    (models / "No-Weights").mkdir(parents=True)
+    with pytest.raises(ModelError, match="already exists"):
+        add_model_directory(taken, models)
+    assert not list_models(models)

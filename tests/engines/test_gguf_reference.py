@@ -57,3 +57,11 @@ def test_transformers_on_the_converted_weights_agrees_with_llama_cpp(
     # many logits below transformers' best (then the model follows it).
     other = ref.check(prompts[0], ids["1"], margin=DEFAULT_MARGIN)
     assert other.over >= 4 and other.max_margin > 5
+    # The converted directory is an HF model directory like any other: `tokenrelay model
+    # add` takes it, for the exllamav2 engine (safetensors) under its own name.
+    from app.model_card import load_model_card
+    from app.prepare import add_model_directory
+
+    added = load_model_card(add_model_directory(model_dir, tmp_path / "models"))
+    assert added.name == "model" and "exllamav2" in added.engines()
+    assert added.context_length == card.context_length
