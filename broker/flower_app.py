@@ -38,5 +38,16 @@ def require_auth_for_flower_metrics() -> bool:
     return True
 
 
+def flower_celery(settings: Settings) -> Any:
+    """The app Flower runs with: every model's queues are on its broker page because it
+    lists what the live workers consume. It talks to Redis through kombu's own
+    transports: Flower names its broker client by the URL's scheme (``redis``,
+    ``sentinel``), and ours (``broker.kombu_redis``, a per-command saving that Flower
+    does not need) would make its queue page and ``/api/queues/length`` a 404."""
+    celery = create_celery(settings)
+    celery.conf.broker_transport = None
+    return celery
+
+
 require_auth_for_flower_metrics()
-app = create_celery(Settings())
+app = flower_celery(Settings())

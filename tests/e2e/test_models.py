@@ -18,6 +18,7 @@ import openai
 import pytest
 import requests
 
+from broker.celery_app import queue_name
 from broker.keys import Keys
 from broker.registry import worker_registry
 from tests.e2e.test_batches import jsonl, poll, upload
@@ -38,6 +39,17 @@ def two(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for model in MODELS:
             start_model_worker(running, model)
         yield running
+
+
+def flower_queues(flower: str, auth: str) -> set[str]:
+    """The queue names Flower's broker page lists (``/api/queues/length``): every queue
+    of its known workers, so the workers are asked for first (its Workers page's
+    refresh), as a worker started after Flower is known only from then on."""
+    from tests.upstack import get
+
+    get(flower + "api/workers?refresh=1", auth)
+    status, body = get(flower + "api/queues/length", auth)
+    return {q["name"] for q in json.loads(body)["active_queues"]} if status == 200 else set()
 
 
 def tokens_by_model(stack: Stack) -> dict[str, int]:
@@ -181,6 +193,9 @@ def test_up_serves_every_model_it_is_given(tmp_path: Path, models_dir: Path) -> 
                     model=model, messages=[{"role": "user", "content": f"to {model}"}]
                 )
                 assert reply.model == model and reply.choices[0].message.content == f"to {model}"
+        # Flower shows each model's queues (its workers consume them).
+        want = {queue_name(kind, m) for kind in ("interactive", "batch") for m in ("alpha", "beta")}
+        wait_for(lambda: want <= flower_queues(urls["flower"], run.flower_auth()), 30, "queues", 1)
         run.popen.send_signal(signal.SIGTERM)
         assert run.wait_exit(60) == 0, run.logs()
     finally:

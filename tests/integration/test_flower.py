@@ -114,3 +114,24 @@ def test_flower_lists_worker_and_task(settings: Settings, tmp_path: Path) -> Non
                 assert task[stamp], (stamp, task)
     finally:
         flower.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "client"),
+    [
+        ("redis://127.0.0.1:6379/0", "Redis"),
+        ("redis+sentinel://127.0.0.1:26379/m/0", "RedisSentinel"),
+    ],
+)
+def test_flower_can_read_queue_lengths_from_its_broker(url: str, client: str) -> None:
+    """Flower picks its broker client by the URL's scheme; the app it runs with gives it
+    one it knows (its queue page and ``/api/queues/length`` were a 404 before)."""
+    from flower.utils.broker import Broker
+
+    from broker.flower_app import flower_celery
+
+    app = flower_celery(Settings(redis_url=url))
+    with app.connection() as conn:
+        uri = conn.as_uri(include_password=True)
+    broker = Broker(uri, broker_options=app.conf.broker_transport_options)
+    assert type(broker).__name__ == client
