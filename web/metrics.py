@@ -84,7 +84,7 @@ class ClusterCollector:
             workers = svc.workers.live()
             streamers = svc.streamers.live()
             depths = {
-                queue: depth
+                (model, queue): depth
                 for model in svc.models.known()
                 for queue, depth in queue_depths(svc.redis, model).items()
             }
@@ -101,10 +101,10 @@ class ClusterCollector:
         depth = GaugeMetricFamily(
             "tokenrelay_queue_depth",
             "Generation tasks waiting in a Celery queue.",
-            labels=["queue"],
+            labels=["model", "queue"],
         )
-        for q, n in depths.items():
-            depth.add_metric([q], float(n))
+        for (model, q), n in depths.items():
+            depth.add_metric([model, q], float(n))
         live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
         live.add_metric([], len(streamers))
         yield from (depth, live)
@@ -262,7 +262,7 @@ class WebMetrics:
         self.stream_errors = Counter(
             "tokenrelay_stream_errors",
             "Errors sent as stream events after a stream had started, by endpoint and type.",
-            ["endpoint", "error_type"],
+            ["model", "endpoint", "error_type"],
             registry=r,
         )
         self.in_flight = Gauge(
@@ -275,7 +275,7 @@ class WebMetrics:
         self.disconnects = Counter(
             "tokenrelay_client_disconnects",
             "Clients that went away before their response ended (the request is cancelled).",
-            ["endpoint"],
+            ["model", "endpoint"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -472,9 +472,9 @@ class RunTimer:
         m.generations.labels(*lv, str(outcome.status), outcome.error_type).inc()
         if outcome.cancelled:
             m.cancelled.labels(*lv).inc()
-            m.disconnects.labels(lv[1]).inc()
+            m.disconnects.labels(lv[0], lv[1]).inc()
         if outcome.status != 200 and not outcome.cancelled and self.last_text is not None:
-            m.stream_errors.labels(lv[1], outcome.error_type).inc()
+            m.stream_errors.labels(lv[0], lv[1], outcome.error_type).inc()
         usage = outcome.usage
         if usage is None:
             return

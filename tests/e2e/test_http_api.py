@@ -190,7 +190,7 @@ def test_disconnect_stops_the_worker_within_a_second(slow_stack: Stack) -> None:
     disconnects = metric_value(
         slow_stack.base_url,
         "tokenrelay_client_disconnects_total",
-        'endpoint="/v1/chat/completions"',
+        f'endpoint="/v1/chat/completions",model="{slow_stack.settings.served_name}"',
     )
     assert disconnects >= 1
 

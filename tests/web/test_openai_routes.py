@@ -386,7 +386,8 @@ def test_disconnect_cancels_and_frees_the_slot(
         time.sleep(0.05)
     assert scripted.in_flight() == []
     metrics = client.get("/metrics").get_data(as_text=True)
-    assert 'tokenrelay_client_disconnects_total{endpoint="/v1/chat/completions"} 1.0' in metrics
+    gone = 'tokenrelay_client_disconnects_total{endpoint="/v1/chat/completions",model="'
+    assert re.search(re.escape(gone) + r'[^"]+"\} 1\.0', metrics), metrics
     labels = 'endpoint="/v1/chat/completions",mode="stream",model="'
     assert "tokenrelay_requests_cancelled_total{" + labels in metrics
     assert "tokenrelay_requests_in_flight{" + labels in metrics
