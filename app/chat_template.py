@@ -297,6 +297,18 @@ def _content_text(message: Message) -> str:
     return str(content)
 
 
+# The fill-in-the-middle tokens' texts llama.cpp recognises (llama-vocab.cpp): prefix,
+# suffix, middle.
+_FIM_TEXTS: tuple[tuple[str, ...], ...] = (
+    ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+     "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+     "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+     "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
+)  # fmt: skip
+
+
 class PromptBuilder:
     """Messages -> prompt text -> prompt token ids, for one model.
 
@@ -410,6 +422,29 @@ class PromptBuilder:
         if self.card.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids as a prompt holds it (special tokens' text kept)."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """Fill-in-the-middle (the completions endpoint's ``suffix``), laid out as
+        llama.cpp's server does: ``<PRE> prefix <SUF> suffix <MID>``, BOS first where
+        the vocabulary adds one; the completion is the middle. A model without the
+        three tokens (found by the texts llama.cpp looks for) cannot do it: a 400."""
+        found = [
+            next((i for t in texts if (i := self.tokenizer.token_to_id(t)) is not None), None)
+            for texts in _FIM_TEXTS
+        ]
+        pre, suf, mid = found
+        if pre is None or suf is None or mid is None:
+            raise InvalidRequest(
+                f"The model {self.card.name!r} has no fill-in-the-middle tokens, so "
+                "'suffix' cannot be used with it.",
+                param="suffix",
+            )
+        parts = self.tokenizer.encode_batch_fast([prefix, suffix], add_special_tokens=False)
+        return self._with_bos([pre, *parts[0].ids, suf, *parts[1].ids, mid])
 
     def encode_chat(
         self, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any

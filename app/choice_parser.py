@@ -34,6 +34,7 @@ class ChoiceParser:
         start_in_reasoning: bool = False,
         tool_parser: str | None = None,
         new_id: Callable[[], str] = new_call_id,
+        max_tool_calls: int | None = None,
     ) -> None:
         self._reasoning: ThinkParser | None = (
             make_reasoning_parser(reasoning_parser, start_in_reasoning=start_in_reasoning)
@@ -41,7 +42,7 @@ class ChoiceParser:
             else None
         )
         self._tools: ToolCallParser | None = (
-            make_tool_parser(tool_parser, new_id) if tool_parser else None
+            make_tool_parser(tool_parser, new_id, max_calls=max_tool_calls) if tool_parser else None
         )
         # Tokens fed while inside the think block (those that open and close it too):
         # usage's ``completion_tokens_details.reasoning_tokens``.

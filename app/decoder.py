@@ -282,6 +282,7 @@ class RequestDecoder:
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         tools_enabled: bool = False,
+        single_tool_call: bool = False,
         new_call_id: Callable[[], str] = new_call_id,
     ) -> None:
         """``more_prompts``: the completions endpoint's list of prompts after the first;
@@ -307,7 +308,9 @@ class RequestDecoder:
         if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
         self._reasoning = bool(reasoning_parser)
-        self._parsers = _choice_parsers(tokenizer, prompts, n, reasoning_parser, tools, new_call_id)
+        self._parsers = _choice_parsers(
+            tokenizer, prompts, n, reasoning_parser, tools, new_call_id, single_tool_call
+        )
         self._texts = (
             TokenTexts(tokenizer, skip_special_tokens=skip_special_tokens) if logprobs else None
         )
@@ -332,6 +335,7 @@ class RequestDecoder:
             tool_parser=record.tool_parser,
             reasoning_parser=record.reasoning_parser,
             tools_enabled=record.tools_enabled,
+            single_tool_call=record.single_tool_call,
         )
 
     @property
@@ -501,6 +505,7 @@ def _choice_parsers(
     reasoning_parser: str | None,
     tools: str | None,
     new_id: Callable[[], str],
+    single_tool_call: bool = False,
 ) -> list[ChoiceParser] | None:
     """One ``ChoiceParser`` per choice when the request parses reasoning or tool calls
     (None: its text is passed on as it is)."""
@@ -522,6 +527,7 @@ def _choice_parsers(
             start_in_reasoning=opens[c // n],
             tool_parser=tools,
             new_id=new_id,
+            max_tool_calls=1 if single_tool_call else None,
         )
         for c in range(len(prompts) * n)
     ]

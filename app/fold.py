@@ -134,8 +134,12 @@ class ResponseFold:
         response_id: str,
         created: int,
         logprobs: bool = False,
+        service_tier: bool = False,
+        echo: tuple[str, ...] | None = None,
     ) -> None:
         self.kind = kind
+        self.service_tier = service_tier
+        self.echo = echo  # per choice: the prompt text its text starts with
         self.model = model
         self.response_id = response_id
         self.created = created
@@ -155,6 +159,8 @@ class ResponseFold:
             response_id=shape.response_id,
             created=shape.created,
             logprobs=shape.logprobs,
+            service_tier=shape.service_tier,
+            echo=shape.echo,
         )
 
     @property
@@ -226,8 +232,10 @@ class ResponseFold:
                     for i, c in enumerate(self.choices)
                 ],
                 usage=usage,
+                service_tier="default" if self.service_tier else None,
                 timings=self.timings,
             )
+        echo = self.echo or ("",) * len(self.choices)
         return CompletionResponse(
             id=self.response_id,
             created=self.created,
@@ -235,7 +243,7 @@ class ResponseFold:
             choices=[
                 CompletionChoice(
                     index=i,
-                    text="".join(c.text),
+                    text=echo[i] + "".join(c.text),
                     logprobs=(
                         CompletionLogprobs.from_entries(c.logprobs, 0)
                         if self.want_logprobs

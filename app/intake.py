@@ -101,6 +101,10 @@ class ResponseShape:
     num_choices: int
     logprobs: bool = False
     include_usage: bool = False
+    # OpenAI's ``service_tier`` was sent: responses say "default".
+    service_tier: bool = False
+    # The completions endpoint's ``echo``: per choice, the prompt text its text starts with.
+    echo: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +195,7 @@ class RecordBuilder:
                 param="tools",
             )
         tools = [t.for_template() for t in req.tools or ()] if tools_enabled else None
-        text = self.prompts.render_chat(messages, tools=tools)
+        text = self.prompts.render_chat(messages, tools=tools, **req.template_variables())
         self.check_prompt_chars(text, "messages")
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
         echo: list[list[int]] | None = None
@@ -243,11 +247,25 @@ class RecordBuilder:
         for p in req.prompts:
             if isinstance(p, str):
                 self.check_prompt_chars(p, "prompt")
-        texts = iter(self.prompts.encode_many([p for p in req.prompts if isinstance(p, str)]))
-        prompts = [p if isinstance(p, list) else next(texts) for p in req.prompts]
+        if req.suffix:
+            self.check_prompt_chars(req.suffix, "suffix")
+            prompts = [
+                self.prompts.encode_infill(
+                    p if isinstance(p, str) else self.prompts.decode(p), req.suffix
+                )
+                for p in req.prompts
+            ]
+        else:
+            texts = iter(self.prompts.encode_many([p for p in req.prompts if isinstance(p, str)]))
+            prompts = [p if isinstance(p, list) else next(texts) for p in req.prompts]
         for ids in prompts:
             self.check_token_ids(ids, "prompt", "Prompt token ids")
-        return self._record(req, prompts, echo_ids=None, queue=queue, request_id=request_id)
+        echo = None
+        if req.echo:  # each prompt's text, as given (token ids: their text)
+            echo = [p if isinstance(p, str) else self.prompts.decode(p) for p in req.prompts]
+        return self._record(
+            req, prompts, echo_ids=None, queue=queue, request_id=request_id, echo_prompts=echo
+        )
 
     def check_token_ids(self, ids: Iterable[int], param: str, what: str) -> None:
         """Token ids must be the model's: an id outside the vocabulary is a 400 here, not
@@ -266,6 +284,7 @@ class RecordBuilder:
         request_id: str | None,
         constraint: OutputConstraint | None = None,
         tools_enabled: bool = False,
+        echo_prompts: list[str] | None = None,
     ) -> RequestRecord:
         self.check_token_ids(req.stop_token_ids, "stop_token_ids", "Stop token ids")
         self.check_token_ids(req.logit_bias or {}, "logit_bias", "Token ids in 'logit_bias'")
@@ -309,6 +328,13 @@ class RecordBuilder:
             # output has no room for thinking: its text is the answer.
             reasoning_parser=self.card.reasoning_parser if chat and constraint is None else None,
             tools_enabled=tools_enabled,
+            single_tool_call=tools_enabled
+            and isinstance(req, ChatCompletionRequest)
+            and req.parallel_tool_calls is False,
+            service_tier=isinstance(req, ChatCompletionRequest) and req.service_tier is not None,
+            continuous_usage=req.continuous_usage,
+            echo_prompts=echo_prompts,
+            priority=req.priority,
         )
 
 
@@ -481,4 +507,8 @@ def shape_of(record: RequestRecord) -> ResponseShape:
         num_choices=record.num_choices,
         logprobs=record.sampling.logprobs is not None,
         include_usage=record.include_usage,
+        service_tier=record.service_tier,
+        echo=tuple(record.echo_prompts[c // record.n] for c in range(record.num_choices))
+        if record.echo_prompts is not None
+        else None,
     )

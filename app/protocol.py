@@ -16,7 +16,7 @@ Responses live in ``app.response_models``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import (
     Field,
@@ -78,6 +78,33 @@ class StreamOptions(RequestModel):
     include_usage: bool | None = Field(
         default=None, description="Send a final chunk with the request's usage."
     )
+    continuous_usage_stats: bool | None = Field(
+        default=None, description="vLLM's: every chunk carries the usage so far."
+    )
+    include_obfuscation: bool | None = Field(
+        default=None, description="OpenAI's stream padding: accepted, none is added."
+    )
+
+
+# OpenAI's request fields that have no meaning for a self-hosted model: accepted (SDK
+# helpers and agent frameworks send them) and ignored. docs/api.md lists what each does.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+MAX_METADATA_KEYS = 16
+
+
+def check_metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's ``metadata``: at most 16 string values, keys of at most 64 characters
+    and values of at most 512."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS:
+        raise invalid(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} entries.")
+    for key, item in value.items():
+        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+            raise invalid(
+                "'metadata' keys are at most 64 characters and its values strings of at most 512."
+            )
+    return dict(value)
 
 
 class _GenerationRequest(RequestModel):
@@ -115,6 +142,12 @@ class _GenerationRequest(RequestModel):
     skip_special_tokens: bool = Field(
         default=True,
         description="vLLM's: leave special tokens (e.g. EOS) out of the text and logprobs.",
+    )
+    priority: int = Field(
+        default=0,
+        ge=-_INT32_MAX,
+        le=_INT32_MAX,
+        description="vLLM's: lower runs earlier among the same key's waiting requests.",
     )
 
     @field_validator("n")
@@ -206,6 +239,12 @@ class _GenerationRequest(RequestModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: the usage so far on every chunk."""
+        options = self.stream_options
+        return bool(self.stream and options and options.continuous_usage_stats)
+
+    @property
     def top_logprobs_wanted(self) -> int | None:
         """How many alternatives to report per token (None: no logprobs at all)."""
         raise NotImplementedError
@@ -251,6 +290,12 @@ class _GenerationRequest(RequestModel):
         )
 
 
+# Template variables that the request's own fields set.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``."""
 
@@ -266,6 +311,57 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI's fields, honoured where they mean something here (docs/api.md).
+    reasoning_effort: ReasoningEffort | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: Any = None
+    # vLLM's: extra variables for the chat template (e.g. ``enable_thinking``).
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _check_metadata(cls, value: Any) -> dict[str, str] | None:
+        return check_metadata(value)
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value and "audio" in value:
+            raise invalid("Audio output is not supported by this server; use ['text'].")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise invalid(
+                f"'chat_template_kwargs' may not set {', '.join(map(repr, reserved))}: "
+                "those come from the request itself."
+            )
+        return value
+
+    def template_variables(self) -> dict[str, Any]:
+        """The extra chat template variables: ``chat_template_kwargs``, and
+        ``reasoning_effort`` as itself and as the thinking switch templates such as
+        Qwen 3's read (``enable_thinking``: off for "none", on otherwise) unless the
+        kwargs set it."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
     @field_validator("messages")
     @classmethod
@@ -431,19 +527,17 @@ class CompletionRequest(_GenerationRequest):
             raise invalid(f"'logprobs' must be at most {most} (got {value}).")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise invalid("'echo' is not supported by this server.")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _check_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise invalid("'suffix' is not supported by this server.")
-        return value
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise invalid(
+                "'echo' with 'logprobs' is not supported (the prompt's own logprobs are "
+                "not computed); ask for either.",
+                subpath="echo",
+            )
+        if self.echo and self.suffix:
+            raise invalid("'echo' and 'suffix' cannot be combined.", subpath="echo")
+        return self
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:

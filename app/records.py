@@ -130,6 +130,18 @@ class RequestRecord(BaseModel):
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     tools_enabled: bool = False
+    # ``parallel_tool_calls: false``: a choice makes at most one call (what the model
+    # writes after it is dropped).
+    single_tool_call: bool = False
+    # Framing the client asked for: OpenAI's ``service_tier`` (echoed as "default"),
+    # vLLM's ``continuous_usage_stats`` (usage on every chunk), and the completions
+    # endpoint's ``echo`` (each prompt's text before its choices' text).
+    service_tier: bool = False
+    continuous_usage: bool = False
+    echo_prompts: list[str] | None = None
+    # vLLM's ``priority``: lower runs earlier among the same key's waiting requests
+    # (it shifts the key's fair-share step, ``broker.celery_app.fair_priority``).
+    priority: int = 0
     # Who may resume or replay the stream: the hash of the API key that made it ("" when
     # no keys are configured), as files and batches record theirs.
     owner: str = ""

@@ -174,7 +174,7 @@ class Timings(_Response):
 
 
 class ChatCompletionResponse(_Response):
-    _omit_if_none = frozenset({"timings"})
+    _omit_if_none = frozenset({"timings", "service_tier"})
 
     id: str = Field(default_factory=new_chat_completion_id)
     object: Literal["chat.completion"] = "chat.completion"
@@ -182,6 +182,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    # "default" when the request named a tier (there is one tier here), else left out.
+    service_tier: Literal["default"] | None = None
     timings: Timings | None = None
 
 
@@ -268,13 +270,14 @@ class ChatCompletionChunk(_Response):
     """One SSE event of a streamed chat completion (the usage chunk has no choices;
     it carries ``timings`` too)."""
 
-    _omit_if_none = frozenset({"usage", "timings"})
+    _omit_if_none = frozenset({"usage", "timings", "service_tier"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionChunkChoice] = Field(default_factory=list)
+    service_tier: Literal["default"] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import InvalidRequest
+from app.errors import InvalidRequest, NotFound
 
 # Fields of a Responses request that are translated (the rest are refused).
 SUPPORTED_FIELDS = frozenset(
@@ -44,14 +44,23 @@ SUPPORTED_FIELDS = frozenset(
         "background",
         "user",
         "truncation",
+        "reasoning",
+        "max_tool_calls",
+        "conversation",
+        "prompt",
     }
 )
 # Accepted and ignored: hints that change nothing a client relies on here.
 IGNORED_FIELDS = frozenset(
-    {"prompt_cache_key", "safety_identifier", "service_tier", "stream_options"}
-)
+    {
+        "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+        "safety_identifier", "service_tier", "stream_options", "include", "top_logprobs",
+        "moderation", "image", "access_programs", "background_options", "context_management",
+    }
+)  # fmt: skip
 # Accepted only empty (null, [] or {}: what SDKs may send by default).
-EMPTY_ONLY_FIELDS = frozenset({"include", "reasoning"})
+EMPTY_ONLY_FIELDS: frozenset[str] = frozenset()
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -109,6 +118,7 @@ class ResponsesRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     background: bool = False
     user: str | None = None
+    reasoning_effort: str | None = None
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -128,8 +138,11 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if "input" not in body or body["input"] is None:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input")
     truncation = body.get("truncation")
-    if truncation not in (None, "disabled"):
-        raise unsupported("Only 'truncation': 'disabled' is supported.", "truncation")
+    if truncation not in (None, "disabled", "auto"):
+        raise InvalidRequest("'truncation' must be 'auto' or 'disabled'.", param="truncation")
+    _no_stored_reference(body, "conversation", "conversations", "use 'previous_response_id'")
+    _no_stored_reference(body, "prompt", "prompt templates", "send the prompt's text")
+    max_calls = _opt_int(body, "max_tool_calls", minimum=1)
     background = _opt_bool(body, "background", False)
     stream = _opt_bool(body, "stream", False)
     store = _opt_bool(body, "store", True)
@@ -145,7 +158,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         top_p=_opt_number(body, "top_p"),
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True),
+        parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True) and max_calls != 1,
         text_format=_text_format(body.get("text")),
         stream=stream,
         store=store,
@@ -153,7 +166,36 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         metadata=_metadata(body.get("metadata")),
         background=background,
         user=_opt_str(body, "user"),
+        reasoning_effort=_reasoning_effort(body.get("reasoning")),
     )
+
+
+def _no_stored_reference(body: dict[str, Any], name: str, what: str, instead: str) -> None:
+    """``conversation`` and ``prompt`` name objects stored on OpenAI's side; none are
+    stored here, so any id is one that does not exist (OpenAI's answer: 404)."""
+    value = body.get(name)
+    if value is None:
+        return
+    ref = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(ref, str):
+        raise InvalidRequest(f"'{name}' must be an id or an object with an 'id'.", param=name)
+    raise NotFound(
+        f"{name.capitalize()} {ref!r} not found: this server keeps no {what}; {instead}.",
+        param=name,
+    )
+
+
+def _reasoning_effort(value: Any) -> str | None:
+    """``reasoning.effort``: the chat template's thinking switch (``reasoning_effort``);
+    ``summary`` is accepted (the reasoning text itself is what the model wrote)."""
+    if value is None:
+        return None
+    effort = value.get("effort") if isinstance(value, dict) else value
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(
+            f"'reasoning.effort' must be one of {', '.join(_EFFORTS)}.", param="reasoning.effort"
+        )
+    return effort
 
 
 # -- scalar fields ------------------------------------------------------------------------
@@ -426,6 +468,8 @@ def to_chat_body(req: ResponsesRequest, context: list[dict[str, Any]]) -> dict[s
         body["top_p"] = req.top_p
     if req.user is not None:
         body["user"] = req.user
+    if req.reasoning_effort is not None:
+        body["reasoning_effort"] = req.reasoning_effort
     if req.tools:
         body["tools"] = [
             {

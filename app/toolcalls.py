@@ -159,6 +159,7 @@ class ToolCallParser(ABC):
         "_new_id",
         "_stash",
         "_ws",
+        "max_calls",
     )
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
@@ -171,13 +172,23 @@ class ToolCallParser(ABC):
         self._in_body = False
         self._stash = ""  # what opened the body (whitespace before it + tag): released
         self._body = ""  # if the call turns out malformed, with the body's raw text
+        # At most this many calls; once made, the rest of the choice's text is dropped
+        # (content after a call is not part of an answer that ends in the call).
+        self.max_calls: int | None = None
 
     @property
     def calls(self) -> int:
         """How many tool calls this choice has made so far."""
         return self._calls
 
+    @property
+    def done(self) -> bool:
+        """The choice made all the calls it may: nothing it writes is passed on."""
+        return self.max_calls is not None and self._calls >= self.max_calls
+
     def feed(self, text: str) -> list[Piece]:
+        if self.done:
+            return []
         if not (self._in_body or self._held or self._after_call) and self._first not in text:
             # The common case, once per token: plain content, no tag can start in it.
             out: list[Piece] = []
@@ -187,13 +198,16 @@ class ToolCallParser(ABC):
 
     def _scan(self, text: str) -> list[Piece]:
         out: list[Piece] = []
-        while text:
+        while text and not self.done:
             text = self._feed_body(text, out) if self._in_body else self._feed_content(text, out)
         return out
 
     def flush(self) -> list[Piece]:
         """The choice ended: finish or release an open call, release what was held."""
         out: list[Piece] = []
+        if self.done:
+            self._held = self._ws = ""
+            return out
         if self._in_body:
             self._flush_body(out)
         held, self._held = self._held, ""
@@ -253,6 +267,8 @@ class ToolCallParser(ABC):
         self._emit(stash + raw, out)
 
     def _emit_calls(self, calls: list[tuple[str, str]], out: list[Piece]) -> None:
+        if self.max_calls is not None:
+            calls = calls[: max(self.max_calls - self._calls, 0)]
         for name, arguments in calls:
             index = self._calls
             self._calls += 1
@@ -463,11 +479,16 @@ TOOL_PARSERS: dict[str, type[ToolCallParser]] = {
 }
 
 
-def make_tool_parser(name: str, new_id: Callable[[], str] = new_call_id) -> ToolCallParser:
-    """The tool-call parser called ``name`` (a model card's ``tool_call_parser``)."""
+def make_tool_parser(
+    name: str, new_id: Callable[[], str] = new_call_id, *, max_calls: int | None = None
+) -> ToolCallParser:
+    """The tool-call parser called ``name`` (a model card's ``tool_call_parser``);
+    ``max_calls``: at most that many calls (``parallel_tool_calls: false`` is 1)."""
     try:
         cls = TOOL_PARSERS[name]
     except KeyError:
         known = ", ".join(sorted(TOOL_PARSERS))
         raise ValueError(f"unknown tool-call parser {name!r} (known: {known})") from None
-    return cls(new_id)
+    parser = cls(new_id)
+    parser.max_calls = max_calls
+    return parser

@@ -378,7 +378,8 @@ class Runner:
                     "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
                 )
             try:
-                self.store.send(record, self.celery, priority=fair_priority(ahead))
+                step = fair_priority(max(ahead + record.priority, 0))
+                self.store.send(record, self.celery, priority=step)
                 if router is not None and route is not None:
                     router.sent(route)
             except Exception:

@@ -507,9 +507,11 @@ def test_completion_echo_suffix_best_of() -> None:
     assert completion(echo=False, suffix=None, best_of=None).echo is False
     assert completion(suffix="").suffix == ""
     assert completion(n=3, best_of=3).best_of == 3
-    err = completion_error(echo=True)
-    assert (err.param, err.message) == ("echo", "'echo' is not supported by this server.")
-    assert completion_error(suffix="}").param == "suffix"
+    assert completion(echo=True).echo is True  # the prompt's text starts each choice
+    assert completion(suffix="}").suffix == "}"  # fill-in-the-middle, where the model can
+    err = completion_error(echo=True, logprobs=1)
+    assert err.param == "echo" and "not supported" in err.message
+    assert completion_error(echo=True, suffix="}").param == "echo"
     assert completion_error(n=1, best_of=2).param == "best_of"
 
 
@@ -977,6 +979,8 @@ VLLM_EXTENSIONS = {
     "repetition_penalty",
     "skip_special_tokens",
     "cache_salt",
+    "priority",
+    "chat_template_kwargs",
 }
 
 

@@ -130,8 +130,8 @@ def test_tools_tool_choice_and_formats() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "x", "reasoning": {"effort": "low"}, "include": []}, "reasoning"),
-        ({"input": "x", "top_logprobs": 2, "prompt": {"id": "p"}}, "prompt"),
+        ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": "x", "conversation": 3}, "conversation"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
@@ -141,7 +141,7 @@ def test_tools_tool_choice_and_formats() -> None:
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
-        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "truncation": "some"}, "truncation"),
         ({"input": "x", "background": True, "store": False}, "store"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({}, "input"),
@@ -157,17 +157,34 @@ def test_refused_fields_are_named(body: dict[str, Any], param: str) -> None:
 def test_harmless_hints_are_accepted() -> None:
     body = {
         "input": "x",
-        "include": [],
         "reasoning": None,
         "prompt_cache_key": "k",
         "safety_identifier": "u1",
         "service_tier": "auto",
         "stream_options": {"include_obfuscation": False},
+        "include": ["reasoning.encrypted_content"],
+        "truncation": "auto",
+        "top_logprobs": 2,
     }
     assert chat_of(body)["messages"] == [{"role": "user", "content": "x"}]
-    with pytest.raises(InvalidRequest) as err:
-        parse_responses_request({"input": "x", "include": ["reasoning.encrypted_content"]})
-    assert err.value.param == "include"
+
+
+def test_reasoning_effort_and_max_tool_calls_reach_the_chat_body() -> None:
+    body = chat_of({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}})
+    assert body["reasoning_effort"] == "low"
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    one = chat_of({"input": "x", "tools": tools, "max_tool_calls": 1})
+    assert one["parallel_tool_calls"] is False
+    assert chat_of({"input": "x", "tools": tools})["parallel_tool_calls"] is True
+
+
+@pytest.mark.parametrize("name", ["conversation", "prompt"])
+def test_references_to_objects_stored_at_openai_are_not_found(name: str) -> None:
+    from app.errors import NotFound
+
+    with pytest.raises(NotFound) as err:
+        parse_responses_request({"input": "x", name: {"id": "conv_1"}})
+    assert err.value.param == name and "conv_1" in err.value.message
 
 
 def test_chat_params_are_renamed() -> None:

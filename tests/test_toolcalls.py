@@ -266,3 +266,25 @@ def test_every_parser_passes_plain_text_and_releases_a_partial_tag_at_flush(name
     tag = parser.start_tag
     text = "Plain answer, no tools. " + tag[:-1]
     assert every_split(name, text) == (text, [])
+
+
+TWO_CALLS = {
+    "hermes": '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call> and more',
+    "llama3_json": ' {"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}',
+    "mistral": '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, '
+    '{"name": "b", "arguments": {}}]',
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_parallel_tool_calls_false_keeps_the_first_call_only(name: str) -> None:
+    """``parallel_tool_calls: false``: one call; what the model writes after it (a
+    second call, more text) is not passed on, however the text is cut."""
+    text = TWO_CALLS[name]
+    assert len(run(name, [text])[1]) == 2  # unlimited: both
+    for cut in range(len(text) + 1):
+        parser = make_tool_parser(name, counter_ids(), max_calls=1)
+        pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.flush()
+        assert collect(pieces) == ("", [(ID0, "a", {"x": 1})]), cut
+        assert parser.calls == 1

@@ -58,7 +58,11 @@ class ChunkStream:
     def _chat(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
         s = self.shape
         return ChatCompletionChunk(
-            id=s.response_id, created=s.created, model=s.model, choices=choices
+            id=s.response_id,
+            created=s.created,
+            model=s.model,
+            choices=choices,
+            service_tier="default" if s.service_tier else None,
         )
 
     def _completion(self, choices: list[CompletionChoice]) -> CompletionChunk:
@@ -66,9 +70,14 @@ class ChunkStream:
         return CompletionChunk(id=s.response_id, created=s.created, model=s.model, choices=choices)
 
     def opening(self) -> list[Chunk]:
-        """Chat streams start with each choice's role, as OpenAI's do."""
+        """Chat streams start with each choice's role, as OpenAI's do; completions with
+        ``echo``, with each choice's prompt text."""
         if not self.shape.chat:
-            return []
+            echo = self.shape.echo or ()
+            return [
+                self._completion([CompletionChoice(index=i, text=text)])
+                for i, text in enumerate(echo)
+            ]
         return [
             self._chat(
                 [ChatCompletionChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]
@@ -95,15 +104,27 @@ class ChunkStream:
             if not self.shape.include_usage:
                 return []
             s = self.shape
-            cls = ChatCompletionChunk if s.chat else CompletionChunk
+            usage, timings = usage_from_event(ev.usage), timings_from_usage(ev.usage)
+            if s.chat:
+                return [
+                    ChatCompletionChunk(
+                        id=s.response_id,
+                        created=s.created,
+                        model=s.model,
+                        choices=[],
+                        service_tier="default" if s.service_tier else None,
+                        usage=usage,
+                        timings=timings,
+                    )
+                ]
             return [
-                cls(
+                CompletionChunk(
                     id=s.response_id,
                     created=s.created,
                     model=s.model,
                     choices=[],
-                    usage=usage_from_event(ev.usage),
-                    timings=timings_from_usage(ev.usage),
+                    usage=usage,
+                    timings=timings,
                 )
             ]
         return []

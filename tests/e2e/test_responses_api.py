@@ -196,7 +196,7 @@ def test_delete(client: openai.OpenAI, model: str) -> None:
     ("extra", "param"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
         ({"max_output_tokens": 10**7}, "max_output_tokens"),
         (
             {
