@@ -261,6 +261,7 @@ class RequestDecoder:
     __slots__ = (
         "_cached_tokens",
         "_choices",
+        "_continuous_usage",
         "_n",
         "_open",
         "_parsers",
@@ -283,6 +284,7 @@ class RequestDecoder:
         reasoning_parser: str | None = None,
         tools_enabled: bool = False,
         single_tool_call: bool = False,
+        continuous_usage: bool = False,
         new_call_id: Callable[[], str] = new_call_id,
     ) -> None:
         """``more_prompts``: the completions endpoint's list of prompts after the first;
@@ -316,6 +318,8 @@ class RequestDecoder:
         )
         self._open = len(self._choices)
         self._prompt_tokens = sum(len(p) for p in prompts)
+        # vLLM's ``continuous_usage_stats``: every DELTA and FINAL carries the usage so far.
+        self._continuous_usage = continuous_usage
         self._n = n
         # Per prompt index: the prompt tokens the engine took from its prefix cache.
         self._cached_tokens: dict[int, int] = {}
@@ -336,6 +340,7 @@ class RequestDecoder:
             reasoning_parser=record.reasoning_parser,
             tools_enabled=record.tools_enabled,
             single_tool_call=record.single_tool_call,
+            continuous_usage=record.continuous_usage,
         )
 
     @property
@@ -355,7 +360,12 @@ class RequestDecoder:
         few characters. It steps this Decoder itself instead (``Decoder.step`` on the
         delta's token ids: the same text, the same stops) and calls ``ended`` when the
         step ends the choice, which gives the events ``feed`` would have given."""
-        if len(self._choices) != 1 or self._parsers is not None or self._texts is not None:
+        if (
+            len(self._choices) != 1
+            or self._parsers is not None
+            or self._texts is not None
+            or self._continuous_usage
+        ):
             return None
         return self._choices[0]
 
@@ -393,6 +403,19 @@ class RequestDecoder:
 
     def feed(self, delta: TokenDelta) -> list[OutputEvent]:
         """Apply one worker delta; ignored once its choice has ended."""
+        events = self._feed(delta)
+        if self._continuous_usage and events:
+            self._with_usage(events)
+        return events
+
+    def _with_usage(self, events: list[OutputEvent]) -> None:
+        """The usage so far on each DELTA and FINAL (``continuous_usage_stats``)."""
+        usage = self.usage
+        for ev in events:
+            if ev.kind is OutputKind.DELTA or ev.kind is OutputKind.FINAL:
+                ev.usage = usage
+
+    def _feed(self, delta: TokenDelta) -> list[OutputEvent]:
         choice = delta.choice
         if not 0 <= choice < len(self._choices):
             raise ValueError(f"choice {choice} out of range for n={len(self._choices)}")
@@ -441,6 +464,8 @@ class RequestDecoder:
                     else self._parse(self._parsers[i], decoder, text, 0)
                 )
                 events += self._events(i, decoder, parsed, None, code)
+        if self._continuous_usage and events:
+            self._with_usage(events)
         return events
 
     @staticmethod

@@ -103,6 +103,8 @@ class ResponseShape:
     include_usage: bool = False
     # OpenAI's ``service_tier`` was sent: responses say "default".
     service_tier: bool = False
+    # vLLM's ``continuous_usage_stats``: every chunk carries the usage so far.
+    continuous_usage: bool = False
     # The completions endpoint's ``echo``: per choice, the prompt text its text starts with.
     echo: tuple[str, ...] | None = None
 
@@ -508,6 +510,7 @@ def shape_of(record: RequestRecord) -> ResponseShape:
         logprobs=record.sampling.logprobs is not None,
         include_usage=record.include_usage,
         service_tier=record.service_tier,
+        continuous_usage=record.continuous_usage,
         echo=tuple(record.echo_prompts[c // record.n] for c in range(record.num_choices))
         if record.echo_prompts is not None
         else None,

@@ -240,9 +240,10 @@ class _GenerationRequest(RequestModel):
 
     @property
     def continuous_usage(self) -> bool:
-        """vLLM's ``continuous_usage_stats``: the usage so far on every chunk."""
+        """vLLM's ``continuous_usage_stats``: the usage so far on every chunk (with
+        ``include_usage``, as vLLM has it)."""
         options = self.stream_options
-        return bool(self.stream and options and options.continuous_usage_stats)
+        return bool(self.include_usage and options and options.continuous_usage_stats)
 
     @property
     def top_logprobs_wanted(self) -> int | None:

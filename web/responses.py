@@ -95,9 +95,9 @@ class ChunkStream:
             self.ended = True
             return []
         if kind is OutputKind.DELTA:
-            return [self._delta(ev)]
+            return [self._so_far(self._delta(ev), ev)]
         if kind is OutputKind.FINAL:
-            return [self._final(ev)]
+            return [self._so_far(self._final(ev), ev)]
         if kind is OutputKind.USAGE:
             self.ended = True
             self.usage = ev.usage
@@ -146,6 +146,7 @@ class ChunkStream:
             and not ev.reasoning
             and not ev.tool_calls
             and (ev.logprobs is None or not self.shape.logprobs)
+            and not self.shape.continuous_usage
             and self.error is None
             and not self.ended
             and 0 <= index < len(self._templates)
@@ -157,6 +158,12 @@ class ChunkStream:
             if head:
                 return [head + json.dumps(ev.text, ensure_ascii=False) + tail]
         return [chunk.to_json() for chunk in self.feed(ev)]
+
+    def _so_far(self, chunk: Chunk, ev: OutputEvent) -> Chunk:
+        """vLLM's ``continuous_usage_stats``: the usage so far on the chunk."""
+        if self.shape.continuous_usage and ev.usage is not None:
+            chunk.usage = usage_from_event(ev.usage)
+        return chunk
 
     def _template(self, index: int) -> tuple[str, str]:
         marked = self._delta(OutputEvent(OutputKind.DELTA, choice=index, text=_TEXT_MARK))

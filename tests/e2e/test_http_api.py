@@ -259,3 +259,24 @@ def test_metrics_show_the_workers_and_queues(stack: Stack) -> None:
         "tokenrelay_streamers_live 1.0",
     ):
         assert name in text, name
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack: Stack) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (issue 42): each content chunk
+    carries the usage so far, growing to the final usage chunk's, and the text is the
+    same as without it."""
+    text = "one two three four five six seven eight"
+    body = {
+        "messages": [{"role": "user", "content": text}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    resp = requests.post(stack.base_url + CHAT, json=body, timeout=60)
+    chunks = read_sse(resp)
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == text
+    so_far = [c["usage"]["completion_tokens"] for c in content]
+    assert so_far == sorted(so_far) and so_far[0] >= 1 and len(set(so_far)) > 1
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] >= so_far[-1]
+    assert {c["usage"]["prompt_tokens"] for c in content} == {final["usage"]["prompt_tokens"]}
