@@ -1,0 +1,53 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``): vLLM's and
+llama.cpp's server's token-counting endpoints (``app.tokenize_api``), answered by the
+web tier with the requested model's own tokenizer and chat template, no worker
+involved. API keys apply as on ``/v1/``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from flask import Blueprint, current_app, request
+
+from app.chat_template import PromptBuilder
+from app.tokenize_api import detokenize, tokenize
+from broker.runner import backbone_unavailable
+from web import auth
+from web.bodies import json_body
+from web.context import runner_of, settings_of
+
+blueprint = Blueprint("tokenize", __name__)
+
+
+def _prompts(body: Any) -> PromptBuilder:
+    """The prompt builder of the model the body names (the default model without one)."""
+    runner = runner_of(current_app)
+    asked = body.get("model") if isinstance(body, dict) else None
+    try:
+        served = runner.models.resolve(asked if isinstance(asked, str) else None)
+    except redis.RedisError as exc:
+        raise backbone_unavailable() from exc
+    return runner.intake_for(served).builder.prompts
+
+
+def _check_key() -> None:
+    keys = settings_of(current_app).api_keys
+    if keys and not request.path.startswith("/v1/"):  # /v1/ paths: checked for every route
+        auth.check_key(keys, auth.bearer_key(request.headers.get("Authorization")))
+
+
+@blueprint.post("/tokenize")
+@blueprint.post("/v1/tokenize")
+def tokenize_route() -> dict[str, Any]:
+    _check_key()
+    body = json_body(request)
+    return tokenize(body, _prompts(body))
+
+
+@blueprint.post("/detokenize")
+@blueprint.post("/v1/detokenize")
+def detokenize_route() -> dict[str, Any]:
+    _check_key()
+    body = json_body(request)
+    return detokenize(body, _prompts(body))
