@@ -14,11 +14,17 @@ reasoning parser), only when the request gave tools:
 
 Text outside calls is content. Like the Decoder with stop strings, a parser holds back
 the longest suffix that could still become its opening tag, so a partial tag never
-reaches a client as content. A call is buffered until its JSON is complete, then sent as
-two ``ToolCallDelta`` fragments: index, id and name, then the arguments (``json.dumps``
-of the parsed object, so streamed and non-streamed calls are equal). A
-malformed call (bad JSON, no name) is released as content, at its end or at ``flush``,
-never an error. Whitespace that only separates calls from each other or from the edge
+reaches a client as content. A call whose JSON names the function first and then holds
+its arguments as an object (``{"name": ..., "arguments": {``, and Mistral's
+``name[ARGS]{``) is streamed as the model writes it, as OpenAI, vLLM and llama.cpp
+stream calls: a fragment with index, id and name as soon as the name is known, then the
+arguments' text as it grows, up to the end of the arguments object (what follows it,
+the call's closing and tag, is not sent); the call stands from then on, however it ends.
+Any other call is buffered until its JSON is complete, then sent as two fragments: index,
+id and name, then the arguments (``json.dumps`` of the parsed object). Either way the
+non-streamed response is the fragments joined, so the two cannot differ. A malformed
+call that was not announced (bad JSON, no name) is released as content, at its end or at
+``flush``, never an error. Whitespace that only separates calls from each other or from the edge
 of the content (the template's newlines) is dropped, so a choice that only called tools
 has no content.
 """
@@ -51,6 +57,11 @@ logger = logging.getLogger(__name__)
 _SPACE = re.compile(r"\s*")
 _SPACE_OR_SEMICOLON = re.compile(r"[\s;]*")
 _NAME_CHARS = re.compile(r"[\w.\-]*")
+# A call object that names its function first, then opens its arguments object.
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+_ARGS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*\{')
 
 
 def _skip(pattern: re.Pattern[str], text: str) -> int:
@@ -151,12 +162,16 @@ class ToolCallParser(ABC):
 
     __slots__ = (
         "_after_call",
+        "_announced",
+        "_args_end",
+        "_args_pos",
         "_body",
         "_calls",
         "_first",
         "_held",
         "_in_body",
         "_new_id",
+        "_no_stream",
         "_stash",
         "_ws",
         "max_calls",
@@ -172,6 +187,12 @@ class ToolCallParser(ABC):
         self._in_body = False
         self._stash = ""  # what opened the body (whitespace before it + tag): released
         self._body = ""  # if the call turns out malformed, with the body's raw text
+        # The open call's streamed arguments: announced (name sent), where the unsent
+        # arguments text starts in the body, their end (None: not yet reached).
+        self._announced = False
+        self._no_stream = False  # the open call cannot be streamed: it is buffered
+        self._args_pos = 0
+        self._args_end: JsonEnd | None = None
         # At most this many calls; once made, the rest of the choice's text is dropped
         # (content after a call is not part of an answer that ends in the call).
         self.max_calls: int | None = None
@@ -250,6 +271,57 @@ class ToolCallParser(ABC):
         self._in_body = True
         self._stash = stash
         self._body = ""
+        self._announced = self._no_stream = False
+        self._args_end = None
+
+    def _stream_args(
+        self, text: str, start: int, out: list[Piece], *, name: str | None = None
+    ) -> None:
+        """Send what is new of the open call's arguments: ``text`` is the call's body so
+        far (only what is surely part of it), its JSON starting at ``start``; ``name``:
+        the function, when the syntax gave it before the JSON (Mistral's ``[ARGS]``)."""
+        if self._no_stream or self.done:
+            return
+        if not self._announced:
+            if name is not None:
+                head = len(text) - len(text[start:].lstrip())
+                if head == len(text):
+                    return
+                if text[head] != "{":
+                    self._no_stream = True
+                    return
+                at = head
+            else:
+                match = _CALL_HEAD.match(text, start)
+                if match is None:
+                    # The arguments opened but not right after the name: buffered.
+                    self._no_stream = _ARGS_KEY.search(text, start) is not None
+                    return
+                name, at = _loads(f'"{match.group(1)}"'), match.end()
+                if not isinstance(name, str) or not name:
+                    self._no_stream = True
+                    return
+            self._announced = True
+            self._args_pos, self._args_end = at, JsonEnd()
+            out.append(ToolCallDelta(self._calls, self._new_id(), name, ""))
+        ends = self._args_end
+        if ends is None or self._args_pos >= len(text):
+            return
+        new = text[self._args_pos :]
+        end = ends.feed(new)
+        if end >= 0:
+            new, self._args_end = new[:end], None
+        self._args_pos += len(new)
+        if new:
+            out.append(ToolCallDelta(self._calls, None, None, new))
+
+    def _end_streamed_call(self) -> None:
+        """The announced call ended (well-formed or not): it stands as sent."""
+        self._calls += 1
+        self._announced = False
+        self._in_body = False
+        self._stash = self._body = self._ws = ""
+        self._after_call = True
 
     @abstractmethod
     def _feed_body(self, text: str, out: list[Piece]) -> str:
@@ -260,13 +332,20 @@ class ToolCallParser(ABC):
         self._release(self._body, out)
 
     def _release(self, raw: str, out: list[Piece]) -> None:
-        """A malformed call: what opened it and its raw text go out as content."""
+        """A malformed call: what opened it and its raw text go out as content (one
+        already announced stands, with the arguments sent)."""
+        if self._announced:
+            self._end_streamed_call()
+            return
         self._in_body = False
         stash, self._stash, self._body = self._stash, "", ""
         logger.debug("malformed %s tool call released as content", self.name)
         self._emit(stash + raw, out)
 
     def _emit_calls(self, calls: list[tuple[str, str]], out: list[Piece]) -> None:
+        if self._announced:  # its name and arguments are out already
+            self._end_streamed_call()
+            return
         if self.max_calls is not None:
             calls = calls[: max(self.max_calls - self._calls, 0)]
         for name, arguments in calls:
@@ -296,11 +375,16 @@ class HermesParser(ToolCallParser):
         body = self._body = self._body + text
         at = body.find(end, searched)
         if at < 0:
+            # What may be the start of the closing tag is held back.
+            held = len(body) - len(end) + 1
+            self._stream_args(body[: max(held, 0)], 0, out)
             return ""
+        self._stream_args(body[:at], 0, out)
         self._finish(body[:at], body[: at + len(end)], out)
         return body[at + len(end) :]
 
     def _flush_body(self, out: list[Piece]) -> None:
+        self._stream_args(self._body, 0, out)
         self._finish(self._body, self._body, out)
 
     def _finish(self, json_text: str, raw: str, out: list[Piece]) -> None:
@@ -339,16 +423,23 @@ class _JsonBodyParser(ToolCallParser):
             self._json_at = len(self._body)
             text = value
         end = self._json.feed(text)
+        name = self._named()
         if end < 0:
             self._body += text
+            self._stream_args(self._body, self._json_at, out, name=name)
             return ""
         raw = self._body + text[:end]
+        self._stream_args(raw, self._json_at, out, name=name)
         calls = self._calls_in(raw[self._json_at :])
         if calls:
             self._emit_calls(calls, out)
         else:
             self._release(raw, out)
         return text[end:]
+
+    def _named(self) -> str | None:
+        """The function, when the syntax names it before the JSON (else the JSON does)."""
+        return None
 
     @abstractmethod
     def _calls_in(self, json_text: str) -> list[tuple[str, str]] | None:
@@ -442,6 +533,9 @@ class MistralParser(_JsonBodyParser):
             if self._name_at >= 0:
                 return self._feed_name(text, out)
         return self._feed_json(text, out, "{" if self._function is not None else "{[")
+
+    def _named(self) -> str | None:
+        return self._function
 
     def _feed_name(self, text: str, out: list[Piece]) -> str:
         """``name[ARGS]``: the function's name, then its arguments object."""

@@ -125,23 +125,49 @@ def test_without_tools_enabled_the_syntax_is_content(smollm_tokenizer: Tokenizer
 
 def test_malformed_call_is_content_and_the_finish_is_stop(smollm_tokenizer: Tokenizer) -> None:
     tok = smollm_tokenizer
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    text = '<tool_call>\n{"name": "get_weather" "arguments": {"city": 1}\n</tool_call>'
     req = decoder(tok, tool_parser="hermes", tools_enabled=True)
     events = feed_one_by_one(req, [*ids_of(tok, text), EOS])
     assert summary(events) == (text, "", [])
     assert final(events).finish_reason is FinishReason.STOP
 
 
-def test_length_cut_inside_a_call_releases_it_as_content(smollm_tokenizer: Tokenizer) -> None:
+def test_a_streamed_call_with_bad_arguments_stands(smollm_tokenizer: Tokenizer) -> None:
+    """Once its name and the opening of its arguments are out, a call is a call: what
+    the model wrote for the arguments is what the client gets (as vLLM streams it)."""
+    tok = smollm_tokenizer
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    req = decoder(tok, tool_parser="hermes", tools_enabled=True)
+    events = feed_one_by_one(req, [*ids_of(tok, text), EOS])
+    calls = [f for e in events for f in e.tool_calls or ()]
+    assert calls[0].name == "get_weather" and calls[0].arguments == ""
+    assert "".join(f.arguments for f in calls) == '{"city": }'
+    assert summary(events)[0] == ""
+    assert final(events).finish_reason is FinishReason.TOOL_CALLS
+
+
+def test_length_cut_inside_a_call_s_arguments_keeps_the_partial_call(
+    smollm_tokenizer: Tokenizer,
+) -> None:
+    """As OpenAI: a call cut by max_tokens keeps the arguments written so far, and the
+    finish is ``length``; cut before its arguments opened, it is content."""
     tok = smollm_tokenizer
     ids = ids_of(tok, "Sure " + CALL)
-    stop = StopConditions(eos_token_ids=(EOS,), max_tokens=len(ids) - 12)
+    text = tok.decode(ids)
+    args_at = text.index('"arguments": {') + len('"arguments": ')
+    keep = next(n for n in range(len(ids)) if len(tok.decode(ids[:n])) > args_at + 3)
+    stop = StopConditions(eos_token_ids=(EOS,), max_tokens=keep)
     req = decoder(tok, tool_parser="hermes", tools_enabled=True, stop=stop)
     events = feed_one_by_one(req, ids)
-    content, _, calls = summary(events)
-    assert calls == []
-    assert content == tok.decode(ids[: len(ids) - 12])
+    calls = [f for e in events for f in e.tool_calls or ()]
+    assert summary(events)[0] == "Sure"
+    assert "".join(f.arguments for f in calls) == tok.decode(ids[:keep])[args_at:]
     assert final(events).finish_reason is FinishReason.LENGTH
+    early = 4  # "Sure <tool_call>..." cut before the arguments
+    stop = StopConditions(eos_token_ids=(EOS,), max_tokens=early)
+    req = decoder(tok, tool_parser="hermes", tools_enabled=True, stop=stop)
+    events = feed_one_by_one(req, ids)
+    assert summary(events) == (tok.decode(ids[:early]), "", [])
 
 
 def test_stop_string_after_a_call_ends_with_tool_calls(smollm_tokenizer: Tokenizer) -> None:

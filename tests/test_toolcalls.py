@@ -96,7 +96,7 @@ def test_hermes_parallel_calls_have_no_content() -> None:
 
 
 def test_hermes_malformed_calls_are_content_verbatim() -> None:
-    bad_json = 'Try <tool_call>{"name": "a", "arguments": {</tool_call> after'
+    bad_json = 'Try <tool_call>{"name": "a" "arguments": {}}</tool_call> after'
     assert every_split("hermes", bad_json) == (bad_json, [])
     no_name = '<tool_call>{"arguments": {}}</tool_call>'
     assert every_split("hermes", no_name) == (no_name, [])
@@ -288,3 +288,37 @@ def test_parallel_tool_calls_false_keeps_the_first_call_only(name: str) -> None:
         pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.flush()
         assert collect(pieces) == ("", [(ID0, "a", {"x": 1})]), cut
         assert parser.calls == 1
+
+
+STREAMED = {
+    "hermes": '<tool_call>\n{"name": "f", "arguments": {"city": "Paris", "n": [1, 2]}}\n'
+    "</tool_call>",
+    "llama3_json": '<|python_tag|>{"name": "f", "parameters": {"city": "Paris", "n": [1, 2]}}',
+    "mistral": '[TOOL_CALLS]f[ARGS]{"city": "Paris", "n": [1, 2]}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(STREAMED))
+def test_arguments_stream_as_the_model_writes_them(name: str) -> None:
+    """Fed a few characters at a time, a call is announced (id and name) as soon as its
+    name is known, and its arguments follow in many fragments that join to exactly the
+    arguments' text: nothing of the call's closing or tag."""
+    text = STREAMED[name]
+    parser = make_tool_parser(name, counter_ids())
+    fragments: list[ToolCallDelta] = []
+    for i in range(0, len(text), 3):
+        fragments += [p for p in parser.feed(text[i : i + 3]) if isinstance(p, ToolCallDelta)]
+    fragments += [p for p in parser.flush() if isinstance(p, ToolCallDelta)]
+    assert fragments[0].name == "f" and fragments[0].arguments == ""
+    args = [f.arguments for f in fragments[1:]]
+    assert len(args) > 5 and all(args)
+    assert "".join(args) == '{"city": "Paris", "n": [1, 2]}'
+    assert parser.calls == 1
+
+
+def test_a_call_that_names_its_arguments_first_is_buffered() -> None:
+    text = '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>'
+    parser = make_tool_parser("hermes", counter_ids())
+    pieces = [p for c in text for p in parser.feed(c)] + parser.flush()
+    calls = [p for p in pieces if isinstance(p, ToolCallDelta)]
+    assert [(c.name, c.arguments) for c in calls] == [("f", ""), (None, '{"a": 1}')]

@@ -151,6 +151,22 @@ def test_streamed_function_call_events(client: openai.OpenAI, model: str) -> Non
     assert final.output[0].type == "function_call"
 
 
+def test_function_call_arguments_stream_in_deltas(client: openai.OpenAI, model: str) -> None:
+    """Issue 42: ``response.function_call_arguments.delta`` as the model writes them;
+    they join to the ``.done`` arguments and to the non-streamed call's."""
+    arguments = {"city": "Oslo", "unit": "celsius", "days": 3, "detail": "hourly"}
+    text = call("get_weather", arguments)
+    plain = client.responses.create(model=model, input=text, tools=[WEATHER])
+    with client.responses.stream(model=model, input=text, tools=[WEATHER]) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 3 and "".join(deltas) == done.arguments
+    assert plain.output[0].type == "function_call"
+    assert plain.output[0].arguments == done.arguments
+    assert json.loads(done.arguments) == arguments
+
+
 class Person(BaseModel):
     name: str
     age: int

@@ -93,11 +93,35 @@ def test_tool_calls_plain_and_streamed_agree(client: openai.OpenAI, model: str) 
 
 
 def test_malformed_call_is_content(client: openai.OpenAI, model: str) -> None:
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    text = '<tool_call>\n{"name": "get_weather" "arguments": {"city": \n</tool_call>'
     r = client.chat.completions.create(model=model, messages=user(text), tools=[WEATHER])
     assert r.choices[0].message.content == text
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_arguments_grow_and_join_to_the_plain_response(
+    client: openai.OpenAI, model: str
+) -> None:
+    """Issue 42: a call's arguments arrive in more than one delta (the echo engine
+    writes a token per step) and join to the arguments of the same call not streamed."""
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius", "days": 3}}\n</tool_call>'
+    )
+    plain = client.chat.completions.create(model=model, messages=user(text), tools=[WEATHER])
+    (call,) = plain.choices[0].message.tool_calls or ()
+    fragments: list[str] = []
+    for chunk in client.chat.completions.create(
+        model=model, messages=user(text), tools=[WEATHER], stream=True
+    ):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or ():
+                if tc.function is not None and tc.function.arguments:
+                    fragments.append(tc.function.arguments)
+    assert len(fragments) > 3
+    assert "".join(fragments) == call.function.arguments
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius", "days": 3}
 
 
 def test_two_turn_tool_loop_renders_the_history(client: openai.OpenAI, model: str) -> None:
