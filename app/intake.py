@@ -27,6 +27,7 @@ from app.errors import (
 )
 from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
+from app.messages_api import to_chat_body as messages_to_chat_body
 from app.model_card import ModelCard
 from app.protocol import (
     ChatCompletionRequest,
@@ -59,6 +60,9 @@ class Endpoint(str, Enum):
     # Translated to a chat request (app.responses_api); here without stored state
     # (batch lines): the HTTP route adds previous_response_id's context itself.
     RESPONSES = "/v1/responses"
+    # Anthropic's Messages API, translated to a chat request (app.messages_api); its
+    # record keeps this endpoint, so a resumed stream is framed as Messages again.
+    MESSAGES = "/v1/messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,6 +450,16 @@ class Intake:
             return self._prepare_responses(
                 body, queue=queue, request_id=request_id, owner=owner, context=context
             )
+        if endpoint is Endpoint.MESSAGES:
+            chat = self.prepare(
+                Endpoint.CHAT,
+                messages_to_chat_body(body),
+                queue=queue,
+                request_id=request_id,
+                owner=owner,
+            )
+            record = chat.record.model_copy(update={"endpoint": Endpoint.MESSAGES.value})
+            return replace(chat, endpoint=Endpoint.MESSAGES, record=record)
         req: ChatCompletionRequest | CompletionRequest
         if endpoint is Endpoint.CHAT:
             req = parse_chat_request(body, **self.limits.parse_args())
@@ -500,7 +514,7 @@ class Intake:
 
 def shape_of(record: RequestRecord) -> ResponseShape:
     """A request's response shape, from its record alone."""
-    chat = record.endpoint == Endpoint.CHAT.value
+    chat = record.endpoint in (Endpoint.CHAT.value, Endpoint.MESSAGES.value)
     return ResponseShape(
         chat=chat,
         response_id=("chatcmpl-" if chat else "cmpl-") + record.request_id,

@@ -93,7 +93,7 @@ class RequestState(str, Enum):
 
 
 QueueName = Literal["interactive", "batch"]
-EndpointPath = Literal["/v1/chat/completions", "/v1/completions"]
+EndpointPath = Literal["/v1/chat/completions", "/v1/completions", "/v1/messages"]
 
 
 class RequestRecord(BaseModel):

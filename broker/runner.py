@@ -292,6 +292,10 @@ class Runner:
                 code="stream_not_found",
             )
         prepared = self.intake.restore(loaded[0])
+        if prepared.endpoint is Endpoint.MESSAGES:
+            # Anthropic's events number their content blocks from the message's start:
+            # replayed from there, and the route skips what the client has seen.
+            cursor = None
         return self.follow(prepared, cursor=self._within(request_id, cursor), route=route)
 
     def _within(self, rid: str, cursor: str | None) -> str | None:

@@ -16,7 +16,17 @@ from flask_sock import Sock
 from app.settings import Settings
 from broker.response_service import ResponseService
 from broker.runner import Runner
-from web import batch, errors, metrics, openai_routes, page_headers, responses_api, tokenize, ws
+from web import (
+    batch,
+    errors,
+    messages_api,
+    metrics,
+    openai_routes,
+    page_headers,
+    responses_api,
+    tokenize,
+    ws,
+)
 from web.connections import KeyConnections
 from web.context import CONNECTIONS, RESPONSES, RUNNER, SETTINGS
 
@@ -41,6 +51,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.register_blueprint(batch.blueprint)
     app.register_blueprint(responses_api.blueprint)
     app.register_blueprint(tokenize.blueprint)
+    app.register_blueprint(messages_api.blueprint)
     ws.register(Sock(app))
     page_headers.register(app)
     return app

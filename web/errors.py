@@ -33,6 +33,8 @@ from app.errors import (
     error_body,
     retry_after_of,
 )
+from app.messages_api import ROUTE as MESSAGES_ROUTE
+from app.messages_api import anthropic_error
 from broker.runner import BACKBONE_DOWN, backbone_unavailable, is_backbone_down
 from web.head_first import SLOW_REQUEST_MESSAGE, SlowBody
 
@@ -46,13 +48,16 @@ def error_response(exc: BaseException) -> Response:
 
     Also notes the error type on ``g`` for the request metrics.
     """
-    status, body = error_body(exc)
+    if request.path.startswith(MESSAGES_ROUTE):  # Anthropic's clients read their shape
+        status, body = anthropic_error(exc)
+    else:
+        status, body = error_body(exc)
+    g.error_type = body["error"]["type"]
     response = jsonify(body)
     response.status_code = status
     retry_after = retry_after_of(exc)
     if retry_after is not None:
         response.headers["Retry-After"] = str(retry_after)
-    g.error_type = body["error"]["type"]
     return response
 
 

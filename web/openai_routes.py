@@ -43,7 +43,7 @@ from app.response_models import ModelList, ModelObject
 from broker import drive
 from broker.run import Run
 from broker.runner import client_error
-from web import auth, sse
+from web import auth, messages_api, sse
 from web.auth import tenant_of
 from web.bodies import json_body
 from web.clients import client_gone_probe
@@ -76,7 +76,9 @@ def _before() -> None:
         keys = settings_of(current_app).api_keys
         view = current_app.view_functions.get(request.endpoint or "")
         if keys and not auth.is_exempt(view):
-            auth.check_key(keys, auth.bearer_key(request.headers.get("Authorization")))
+            # Anthropic's clients send their key as ``x-api-key``.
+            key = auth.bearer_key(request.headers.get("Authorization"))
+            auth.check_key(keys, key or request.headers.get("x-api-key"))
 
 
 @blueprint.after_app_request
@@ -194,13 +196,16 @@ def resume_stream(request_id: str) -> Response:
     cursor = parse_event_id(
         request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
     )
-    tenant = tenant_of(settings_of(current_app), request.headers.get("Authorization"))
+    tenant = tenant_of(settings_of(current_app), messages_api.authorization())
     close = connections_of(current_app).open(tenant.owner)  # a follower holds a thread
     try:
         # Only the key that made a stream may read it: an admin key's reach is files
         # and batches (docs/security.md), not other keys' prompts and outputs.
         run = runner_of(current_app).resume(request_id, cursor, scope=tenant.owner)
-        response = _stream(run, opening=cursor is None)
+        if run.prepared.endpoint is Endpoint.MESSAGES:  # framed as it was made
+            response = messages_api.stream(run, last_seen=cursor)
+        else:
+            response = _stream(run, opening=cursor is None)
     except BaseException:
         close()
         raise

@@ -20,7 +20,7 @@ from web.context import runner_of, settings_of
 blueprint = Blueprint("tokenize", __name__)
 
 
-def _prompts(body: Any) -> PromptBuilder:
+def prompts_for(body: Any) -> PromptBuilder:
     """The prompt builder of the model the body names (the default model without one)."""
     runner = runner_of(current_app)
     asked = body.get("model") if isinstance(body, dict) else None
@@ -42,7 +42,7 @@ def _check_key() -> None:
 def tokenize_route() -> dict[str, Any]:
     _check_key()
     body = json_body(request)
-    return tokenize(body, _prompts(body))
+    return tokenize(body, prompts_for(body))
 
 
 @blueprint.post("/detokenize")
@@ -50,4 +50,4 @@ def tokenize_route() -> dict[str, Any]:
 def detokenize_route() -> dict[str, Any]:
     _check_key()
     body = json_body(request)
-    return detokenize(body, _prompts(body))
+    return detokenize(body, prompts_for(body))

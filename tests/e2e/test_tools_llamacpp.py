@@ -154,3 +154,67 @@ def test_streamed_tool_calls_equal_plain_ones(client: openai.OpenAI, model: str)
         return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
 
     assert calls(plain.message) and calls(streamed.message) == calls(plain.message)
+
+
+def test_anthropic_sdk_over_the_bundled_model(llama_stack: Stack) -> None:
+    """Issue 42: the anthropic SDK against the real model: a text answer, and a tool
+    use forced by ``tool_choice`` (the grammar makes SmolLM2 write a valid call), then
+    the tool's result answered in text."""
+    import anthropic
+
+    model = llama_stack.settings.served_name
+    tool = {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    with anthropic.Anthropic(base_url=llama_stack.base_url, api_key="x", max_retries=0) as c:
+        hello = c.messages.create(
+            model=model,
+            max_tokens=12,
+            extra_body={"temperature": 0},  # a field this SDK no longer has
+            messages=[{"role": "user", "content": "Say hello."}],
+        )
+        assert hello.content[0].type == "text" and hello.content[0].text
+        assert hello.stop_reason in ("end_turn", "max_tokens")
+        question = {"role": "user", "content": "What is the weather in Paris?"}
+        first = c.messages.create(
+            model=model,
+            max_tokens=64,
+            extra_body={"temperature": 0},  # a field this SDK no longer has
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice={"type": "tool", "name": "get_weather"},
+            messages=[question],  # type: ignore[list-item]
+        )
+        (use,) = [b for b in first.content if b.type == "tool_use"]
+        assert use.name == "get_weather" and isinstance(use.input, dict)
+        assert isinstance(use.input.get("city"), str) and first.stop_reason == "tool_use"
+        with c.messages.stream(
+            model=model,
+            max_tokens=64,
+            extra_body={"temperature": 0},  # a field this SDK no longer has
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice={"type": "tool", "name": "get_weather"},
+            messages=[question],  # type: ignore[list-item]
+        ) as stream:
+            streamed = stream.get_final_message()
+
+        def blocks(message: Any) -> list[dict[str, Any]]:
+            return [b.model_dump(exclude={"id"}) for b in message.content]  # ids are new
+
+        assert blocks(streamed) == blocks(first)
+        answer = c.messages.create(
+            model=model,
+            max_tokens=16,
+            extra_body={"temperature": 0},  # a field this SDK no longer has
+            tools=[tool],  # type: ignore[list-item]
+            messages=[
+                question,  # type: ignore[list-item]
+                {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}],
+                },
+            ],
+        )
+        assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")

@@ -1,0 +1,155 @@
+"""Anthropic's Messages API over HTTP: ``POST /v1/messages`` (JSON or SSE) and
+``POST /v1/messages/count_tokens`` (issue 42).
+
+The route only frames: ``Runner.start`` runs the request on the one request path (a
+chat request translated by ``app.messages_api``); this module writes Anthropic's events
+(``event:`` + ``id:`` + ``data:``, ``ping`` while waiting) or the folded message. Keys
+come as ``x-api-key`` (Anthropic's) or ``Authorization: Bearer`` (the app-wide hook
+checks either); ``anthropic-version`` is accepted whatever it says. Errors are in
+Anthropic's shape (``web.errors`` answers every ``/v1/messages`` path so).
+
+Every event carries the output cursor of the event that made it: a client that lost
+its connection sends the last id back to ``GET /v1/streams/<request_id>`` (the
+``request-id`` response header names it) and gets exactly the events after it, framed
+from the message's start again so its content block indexes are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, request
+
+from app.intake import Endpoint
+from app.messages_api import ROUTE, MessageFeed, anthropic_error, count_tokens_body
+from app.tokenize_api import tokenize
+from broker import drive
+from broker.run import Run
+from broker.runner import client_error
+from web import sse
+from web.auth import tenant_of
+from web.bodies import json_body
+from web.clients import client_gone_probe
+from web.context import runner_of, settings_of
+from web.tokenize import prompts_for
+
+logger = logging.getLogger(__name__)
+
+blueprint = Blueprint("messages", __name__)
+
+PING = 'event: ping\ndata: {"type": "ping"}\n\n'
+OPENING_CURSOR = "0/0"  # message_start: before every output event
+
+
+def authorization() -> str | None:
+    """The request's key as a Bearer header: Anthropic's ``x-api-key`` or the header."""
+    header = request.headers.get("Authorization")
+    key = request.headers.get("x-api-key")
+    return header if header or not key else f"Bearer {key}"
+
+
+def _json(value: Any) -> Response:
+    return Response(json.dumps(value, ensure_ascii=False), mimetype="application/json")
+
+
+@blueprint.post(ROUTE)
+def create_message() -> Response:
+    runner = runner_of(current_app)
+    tenant = tenant_of(settings_of(current_app), authorization())
+    run = runner.start(Endpoint.MESSAGES, json_body(request), owner=tenant.owner)
+    if not g.client_request_id:
+        g.request_id = run.request_id
+    try:
+        if run.prepared.stream:
+            return stream(run)
+        return _unary(run)
+    except BaseException as exc:
+        run.close(error=exc)
+        raise
+
+
+@blueprint.post(f"{ROUTE}/count_tokens")
+def count_tokens() -> Response:
+    """``{"input_tokens": N}``: the prompt the same body would be (template, tools)."""
+    chat = count_tokens_body(json_body(request))
+    keep = ("model", "messages", "tools", "chat_template_kwargs")
+    body: dict[str, Any] = {k: chat[k] for k in keep if k in chat}
+    return _json({"input_tokens": tokenize(body, prompts_for(body))["count"]})
+
+
+def feed_for(run: Run) -> MessageFeed:
+    record = run.prepared.record
+    return MessageFeed(
+        message_id=f"msg_{run.request_id}",
+        model=run.shape.model,
+        input_tokens=sum(len(p) for p in record.prompts),
+    )
+
+
+def _unary(run: Run) -> Response:
+    """The whole message; a request that failed before any output is the error's
+    HTTP status."""
+    feed = feed_for(run)
+    if not drive.unary(run, feed.feed, lambda: feed.done, client_gone_probe(request.environ)):
+        return Response(status=499)
+    run.close()
+    if feed.error is not None and not feed.blocks:
+        raise feed.error
+    return _json(feed.message())
+
+
+def _after(cursor: str, seen: tuple[int, int] | None) -> bool:
+    if seen is None:
+        return True
+    a, _, b = cursor.partition("/")
+    return (int(a), int(b)) > seen
+
+
+def stream(run: Run, *, last_seen: str | None = None) -> Response:
+    """Anthropic's event stream of ``run`` (read from its start), less the events up to
+    ``last_seen`` (a resumed stream)."""
+    keepalive_s = max(settings_of(current_app).sse_keepalive_s, 0.001)
+    seen = None
+    if last_seen is not None:
+        a, _, b = last_seen.partition("/")
+        seen = (int(a), int(b))
+    first = drive.opening(run, keepalive_s) if seen is None else []
+    feed = feed_for(run)
+
+    def frames(events: list[dict[str, Any]], cursor: str) -> str:
+        if not _after(cursor, seen):
+            return ""
+        return "".join(
+            f"event: {ev['type']}\nid: {cursor}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
+            for ev in events
+        )
+
+    def body() -> Iterator[str]:
+        try:
+            head = frames(feed.opening(), OPENING_CURSOR)
+            if head:
+                yield head
+            for read in drive.reads(run, keepalive_s, first):
+                if read is None:
+                    yield PING
+                    continue
+                text = "".join(frames(feed.feed(ev), cursor) for cursor, ev in read)
+                if text:
+                    yield text
+                if feed.done:
+                    break
+        except GeneratorExit:
+            raise
+        except Exception as exc:
+            logger.exception("stream of request %s failed", run.request_id)
+            run.close(error=exc)
+            _status, error = anthropic_error(client_error(exc))
+            yield f"event: error\ndata: {json.dumps(error)}\n\n"
+
+    response = Response(body(), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
+    response.headers["request-id"] = run.request_id
+    response.call_on_close(lambda: run.close(disconnected=not run.ended, resumable=True))
+    return response
