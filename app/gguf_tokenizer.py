@@ -2,10 +2,12 @@
 
 transformers' GGUF loader does the same but needs torch just to read a vocabulary; the
 ``gguf`` package reads the tokens, merges, token types and pre-tokenizer name directly.
-Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``, with the pre-tokenizers
-llama.cpp names below) and SentencePiece ones (``"llama"``: llama 2, Mistral, Gemma) are
-supported; anything else is a clear ``ModelError`` rather than a tokenizer that silently
-disagrees with the engine.
+BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) with every ``tokenizer.ggml.pre``
+llama.cpp knows (its table, ported in app.gguf_pretokenizers: gpt-2, llama-bpe, qwen2,
+deepseek-*, gpt-4o, tekken, kimi-k2, ...) and SentencePiece ones (``"llama"``: llama 2,
+Mistral, Gemma) are supported; anything else, and the few pre-tokenizers llama.cpp runs
+in a way ``tokenizers`` cannot (gemma4, whitespace), is a clear ``ModelError`` rather
+than a tokenizer that silently disagrees with the engine.
 """
 
 from __future__ import annotations
@@ -14,38 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from app.errors import ModelError
+from app.gguf_pretokenizers import (
+    SPACE,
+    BPEPre,
+    bpe_pre,
+    known_pre_names,
+    pre_tokenizer,
+    spm_style_normalizer,
+)
 
 # llama.cpp's token types (llama_token_type / gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-
-# The split regexes llama.cpp applies for each `tokenizer.ggml.pre` (llama-vocab.cpp).
-_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt-2", "gpt2"):
-        return byte_level
-    if pre == "smollm":
-        # llama.cpp: "\\p{N}" then the GPT-2 pattern == HF's Digits(individual) + ByteLevel.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    raise ModelError(
-        f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, gpt-2, llama-bpe)"
-    )
 
 
 @dataclass(frozen=True)
@@ -67,18 +51,34 @@ class GGUFVocab:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: BPEPre) -> Tokenizer:
     """A GPT-2-style vocabulary (``tokenizer.ggml.model == "gpt2"``): its merges as they
-    are, byte-level pre-tokenized as llama.cpp does for ``pre``."""
+    are, pre-tokenized as llama.cpp does for ``pre`` (llm_tokenizer_bpe). The decoder is
+    llama.cpp's token pieces joined (what llama-server streams), without
+    llama_detokenize's ``clean_spaces`` pass, which rewrites text already streamed."""
+    if pre.unsupported:
+        raise ModelError(f"unsupported GGUF pre-tokenizer {pre.name!r}: {pre.unsupported}")
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs: list[tuple[str, str]] = []
-    for m in merges:
-        left, _, right = m.partition(" ")
-        pairs.append((left, right))
-    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    # llama.cpp cuts a merge at the first space after its first character (one without
+    # such a space pairs two empty strings: it never applies).
+    cuts = [(m, m.find(" ", 1)) for m in merges]
+    pairs = [(m[:cut], m[cut + 1 :]) for m, cut in cuts if cut > 0]
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=pairs,
+        fuse_unk=False,
+        byte_fallback=pre.spm_style,
+        ignore_merges=pre.ignore_merges,
+    )
     tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.pre_tokenizer = pre_tokenizer(pre, tokens)
+    if pre.spm_style:  # raw UTF-8, spaces as U+2581, <0xNN> for bytes no piece covers
+        tokenizer.normalizer = spm_style_normalizer()
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    else:
+        tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
 
@@ -149,15 +149,15 @@ _FIM_TEXTS = {
 }  # fmt: skip
 
 
-def _end_of_generation_ids(reader: Any, tokens: list[str]) -> tuple[int, ...]:
+def _end_of_generation_ids(fields: dict[str, Any], tokens: list[str]) -> tuple[int, ...]:
     """llama.cpp's EOG set: the EOS, EOT and EOM ids the file names, its FIM pad, repo
     and separator tokens (named, else found by text), and every token whose text is in
     ``_EOG_TEXTS``, less the exceptions llama.cpp makes (``<|end|>`` beside
     ``<|return|>`` and ``<|call|>``; a plain ``</s>`` beside Gemma 4's markers)."""
     index = {t: i for i, t in enumerate(tokens)}
-    named = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    named = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     for key, texts in _FIM_TEXTS.items():
-        found = _field(reader, key)
+        found = fields.get(key)
         if found is None:
             found = next((index[t] for t in texts if t in index), None)
         named.append(found)
@@ -174,35 +174,49 @@ def _end_of_generation_ids(reader: Any, tokens: list[str]) -> tuple[int, ...]:
     return (*first, *sorted(ids - set(first)))
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
-def read_gguf_vocab(path: Path) -> GGUFVocab:
-    """Read a GGUF file's tokenizer and the metadata a model card needs."""
+def read_gguf_fields(path: Path) -> dict[str, Any]:
+    """Every metadata field of a GGUF file, as Python values (the slow part of reading
+    a vocabulary: 100,000 strings take seconds in the ``gguf`` package)."""
     from gguf import GGUFReader  # numpy-backed; only needed when preparing a model
 
     try:
         reader = GGUFReader(str(path))
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read GGUF file {path.name}") from exc
+    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
 
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+
+def read_gguf_vocab(path: Path) -> GGUFVocab:
+    """Read a GGUF file's tokenizer and the metadata a model card needs."""
+    return vocab_from_fields(read_gguf_fields(path))
+
+
+def vocab_from_fields(fields: dict[str, Any]) -> GGUFVocab:
+    """``read_gguf_vocab`` of a file whose fields are ``fields``."""
+    get: Any = fields.get  # the fields' values are whatever the file holds
+    kind = get("tokenizer.ggml.model")
+    tokens: list[str] = get("tokenizer.ggml.tokens")
+    types: list[int] = get("tokenizer.ggml.token_type")
     if kind == "gpt2":
-        merges: list[str] = _field(reader, "tokenizer.ggml.merges") or []
-        pre = _field(reader, "tokenizer.ggml.pre") or "default"
+        merges: list[str] = get("tokenizer.ggml.merges") or []
+        pre_name = get("tokenizer.ggml.pre")
+        pre = bpe_pre(pre_name)
+        if pre is None:  # llama.cpp refuses to load the file
+            raise ModelError(
+                f"unknown GGUF pre-tokenizer {pre_name!r}: llama.cpp knows "
+                + ", ".join(known_pre_names())
+            )
         tokenizer = _byte_level_bpe(tokens, merges, pre)
+        add_bos_default = pre.add_bos
     elif kind == "llama":
-        scores: list[float] = _field(reader, "tokenizer.ggml.scores")
+        scores: list[float] = get("tokenizer.ggml.scores")
         if scores is None:
             raise ModelError("a SentencePiece GGUF vocabulary without tokenizer.ggml.scores")
-        prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
+        prefix = get("tokenizer.ggml.add_space_prefix")
         tokenizer = _sentencepiece_bpe(
             tokens, scores, types, add_space_prefix=True if prefix is None else bool(prefix)
         )
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
     else:
         raise ModelError(
             f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, byte-level BPE; "
@@ -210,7 +224,7 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
         )
 
     specials = {tokens[i]: i for i, t in enumerate(types) if t == _CONTROL}
-    eog = _end_of_generation_ids(reader, tokens)
+    eog = _end_of_generation_ids(fields, tokens)
     for i in eog:  # llama.cpp makes an end-of-generation token a control token
         specials.setdefault(tokens[i], i)
     user_defined = [
@@ -226,28 +240,18 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
     if user_defined:
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 
-    arch = _field(reader, "general.architecture")
-    ctx = _field(reader, f"{arch}.context_length") if arch else None
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    arch = get("general.architecture")
+    ctx = get(f"{arch}.context_length") if arch else None
+    add_bos = get("tokenizer.ggml.add_bos_token")
     return GGUFVocab(
         tokenizer=tokenizer,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(add_bos) if add_bos is not None else False,
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token_id=get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=get("tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(add_bos) if add_bos is not None else add_bos_default,
+        chat_template=get("tokenizer.chat_template"),
         context_length=int(ctx) if ctx is not None else None,
-        name=_field(reader, "general.name"),
+        name=get("general.name"),
         special_tokens=specials,
         eog_token_ids=eog,
-        metadata=_scalar_metadata(reader),
+        metadata={k: v for k, v in fields.items() if not isinstance(v, list)},
     )
-
-
-def _scalar_metadata(reader: Any) -> dict[str, Any]:
-    from gguf import GGUFValueType
-
-    return {
-        key: f.contents()
-        for key, f in reader.fields.items()
-        if not key.startswith("GGUF.") and f.types and f.types[0] != GGUFValueType.ARRAY
-    }
