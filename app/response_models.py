@@ -351,7 +351,10 @@ class ModelObject(_Response):
     # vLLM's field: the served model an alias stands for (itself for a served model).
     root: str | None = None
     engines: list[str] | None = None  # the engines of its live workers
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"root", "engines"})
+    # What its live workers serve (Ollama's word): "completion", and "embedding" when
+    # one of them answers /v1/embeddings.
+    capabilities: list[str] | None = None
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"root", "engines", "capabilities"})
 
 
 class ModelList(_Response):

@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     llamacpp_threads: int | None = Field(
         default=None, ge=1, description="CPU threads for llama.cpp (default: all cores)."
     )
+    embeddings: bool = Field(
+        default=True,
+        description="Workers also serve /v1/embeddings for their model when it is a GGUF "
+        "and llama-cpp-python is installed (llama.cpp's embedding mode, loaded on the "
+        "first embedding request; mean pooling unless the GGUF names one).",
+    )
     llamacpp_extra_buffers: bool | None = Field(
         default=None,
         description="llama.cpp's extra weight buffers (repacked layouts, AMX kernels); "

@@ -72,10 +72,13 @@ def worker_queue(model: str, worker_id: str) -> str:
     return f"tr.worker.{model}.{worker_id}"
 
 
-def worker_queues(model: str, worker_id: str | None = None) -> list[str]:
+def worker_queues(model: str, worker_id: str | None = None, *, embeds: bool = False) -> list[str]:
     """The queues a worker consumes, in the order the 'priority' strategy polls them:
-    its own queue (turns routed to it), then interactive, then batch."""
+    its own queue (turns routed to it), then its model's embeddings (short), then
+    interactive, then batch."""
     shared = [queue_name("interactive", model), queue_name("batch", model)]
+    if embeds:
+        shared.insert(0, f"tr.embed.{model}")
     return shared if worker_id is None else [worker_queue(model, worker_id), *shared]
 
 
@@ -85,6 +88,7 @@ def create_celery(
     *,
     results: bool = True,
     worker_id: str | None = None,
+    embeds: bool = False,
 ) -> Celery:
     """The app for ``model``'s queues.
 
@@ -109,7 +113,7 @@ def create_celery(
     app.conf.update(
         # kombu's Redis transports with one client per channel (broker.kombu_redis).
         broker_transport=transport_for(redis_conn.broker_url),
-        task_queues=[Queue(q) for q in worker_queues(model, worker_id)],  # type: ignore[no-untyped-call]
+        task_queues=[Queue(q) for q in worker_queues(model, worker_id, embeds=embeds)],  # type: ignore[no-untyped-call]
         task_default_queue=queue_name("interactive", model),
         task_serializer="json",
         result_serializer="json",
@@ -247,7 +251,7 @@ def waiting(pipe: Any, queue: str) -> None:
 
 def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:
     """Tasks waiting in each of ``model``'s queues (Celery's queues are Redis lists)."""
-    queues = worker_queues(model)
+    queues = worker_queues(model, embeds=True)
     pipe = client.pipeline(transaction=False)
     for q in queues:
         waiting(pipe, q)

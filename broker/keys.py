@@ -5,6 +5,7 @@
 {p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt t=time d=JSON
 {p}out:{rid}        stream output events (streamer -> web), field e=JSON
 {p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
+{p}emb:{rid}        list   an embedding request's reply (worker -> web), TTL 60 s
 {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
 {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
 {p}pfx:{wid}        set    names of the prompt prefixes a worker's engine holds (8-byte
@@ -78,6 +79,10 @@ class Keys:
 
     def cancel(self, rid: str) -> str:
         return f"{self.prefix}cancel:{rid}"
+
+    def embed_reply(self, rid: str) -> str:
+        """The list an embedding request's worker answers on (broker.embeddings)."""
+        return f"{self.prefix}emb:{rid}"
 
     @property
     def cancel_channel(self) -> str:

@@ -46,6 +46,11 @@ class WorkerInfo(BaseModel):
         description="It consumes its own queue and advertises its cached prefixes "
         "(broker.prefix_routes): the web tier may send it a conversation's next turn.",
     )
+    embeds: bool = Field(
+        default=False,
+        description="It consumes its model's embed queue (broker.embeddings): "
+        "/v1/embeddings for the model is served.",
+    )
 
     @property
     def member_id(self) -> str:

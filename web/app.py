@@ -18,6 +18,7 @@ from broker.response_service import ResponseService
 from broker.runner import Runner
 from web import (
     batch,
+    embeddings,
     errors,
     messages_api,
     metrics,
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.register_blueprint(responses_api.blueprint)
     app.register_blueprint(tokenize.blueprint)
     app.register_blueprint(messages_api.blueprint)
+    app.register_blueprint(embeddings.blueprint)
     ws.register(Sock(app))
     page_headers.register(app)
     return app

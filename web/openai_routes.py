@@ -152,6 +152,11 @@ def _model_objects() -> list[ModelObject]:
             max_model_len=entry.context_length if entry else length,
             root=name,
             engines=sorted({w.engine for w in live[name]}) or None,
+            capabilities=(
+                ["completion", "embedding"] if any(w.embeds for w in live[name]) else ["completion"]
+            )
+            if live[name]
+            else None,
         )
         out.append(served)
         out += [served.model_copy(update={"id": a}) for a in runner.models.aliases_of(name)]

@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         "-c",
         str(settings.worker_slots),
         "-Q",
-        ",".join(worker_queues(settings.served_name, app.tokenrelay_worker_id)),
+        ",".join(
+            worker_queues(
+                settings.served_name, app.tokenrelay_worker_id, embeds=app.tokenrelay_embeds
+            )
+        ),
         "--loglevel",
         args.loglevel,
         "-E",

@@ -19,8 +19,11 @@ from celery.signals import worker_init, worker_shutdown
 from celery.worker.consumer import Consumer
 from vine import promise
 
+from app.model_card import load_model_card
 from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery, requeue_own
+from broker.embeddings import EMBED_TASK
+from workers.embedder import can_embed
 from workers.runtime import WorkerRuntime, new_worker_id
 
 # The exit status of a worker whose engine broke (the circuit breaker): not 0, so every
@@ -143,7 +146,8 @@ def build_app(settings: Settings) -> Celery:
     """The worker's app; ``app.tokenrelay_worker_id`` names the worker (its registry
     entry, step stream and own queue, which the app consumes first)."""
     worker_id = new_worker_id()
-    celery_app = create_celery(settings, worker_id=worker_id)
+    embeds = can_embed(settings, load_model_card(settings.card_path()))
+    celery_app = create_celery(settings, worker_id=worker_id, embeds=embeds)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
     celery_app.steps["consumer"].add(KeepUnackedOnClose)
     state: dict[str, WorkerRuntime] = {}
@@ -155,6 +159,13 @@ def build_app(settings: Settings) -> Celery:
         if runtime is None:
             raise RuntimeError("worker runtime not started (worker_init did not run)")
         return runtime.generate(request_id, attempt).encode()
+
+    @celery_app.task(name=EMBED_TASK)  # type: ignore[untyped-decorator]
+    def embed(request_id: str, inputs: list[list[int]]) -> int:
+        runtime = state.get("runtime")
+        if runtime is None:
+            raise RuntimeError("worker runtime not started (worker_init did not run)")
+        return runtime.embed(request_id, inputs)
 
     def _ours(sender: Any) -> bool:
         # The signals are process-wide: answer only for a worker of this app.
@@ -199,6 +210,7 @@ def build_app(settings: Settings) -> Celery:
     worker_shutdown.connect(_stop, weak=False)
     celery_app.tokenrelay_state = state
     celery_app.tokenrelay_worker_id = worker_id
+    celery_app.tokenrelay_embeds = embeds
     return celery_app
 
 

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -24,6 +25,7 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
+from broker.embeddings import send_reply
 from broker.keys import Keys
 from broker.models import ModelCatalog, ModelEntry
 from broker.prefix_routes import PrefixAdverts
@@ -31,6 +33,7 @@ from broker.publish import lease_value
 from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore
 from workers.backoff import Backoff
+from workers.embedder import Embedder, can_embed
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread
 from workers.engines import load_engine
 from workers.engines.base import ChoiceJob, Engine, EngineJob
@@ -107,6 +110,8 @@ class WorkerRuntime:
         self.on_broken: Callable[[str], None] = lambda _reason: None
         self.started = time.time()
         self.stop_join_s = STOP_JOIN_S
+        # /v1/embeddings for this model, when it can (a GGUF, llama.cpp here).
+        self.embedder = Embedder(card, settings) if can_embed(settings, card) else None
 
     @classmethod
     def from_settings(cls, settings: Settings, *, worker_id: str | None = None) -> WorkerRuntime:
@@ -156,6 +161,8 @@ class WorkerRuntime:
             )
             return
         self.engine.close()
+        if self.embedder is not None:
+            self.embedder.close()
 
     def _watch(self) -> None:
         """When the engine thread broke (``EngineThread.broken``): stop heart-beating
@@ -198,7 +205,25 @@ class WorkerRuntime:
             engine_stats=dict(self.thread.engine_stats),
             beat_at=time.time(),
             routed=self.adverts is not None,
+            embeds=self.embedder is not None,
         )
+
+    def embed(self, request_id: str, inputs: list[list[int]]) -> int:
+        """The ``embed`` task: the vectors of ``inputs`` (token ids), answered on the
+        request's reply list, or the error; how many vectors."""
+        keys = Keys(self.settings.key_prefix)
+        if self.embedder is None:
+            reply: dict[str, Any] = {"error": "This worker does not serve embeddings.", "code": 503}
+        else:
+            try:
+                reply = {"embeddings": self.embedder.embed(inputs)}
+            except ValueError as exc:
+                reply = {"error": str(exc), "code": 400}
+            except Exception:
+                logger.exception("embedding request %s failed", request_id)
+                reply = {"error": "The embedding failed on the worker.", "code": 500}
+        send_reply(self.store.redis, keys, request_id, reply)
+        return len(reply.get("embeddings", ()))
 
     def _beat(self) -> None:
         """Heart-beat every ``HEARTBEAT_S`` whatever Redis does: one warning when it
