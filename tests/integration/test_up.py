@@ -67,6 +67,9 @@ def test_up_serves_stops_and_starts_again_at_once_keeping_its_data(
         )
         text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
         assert text == "one two"
+        # Embeddings out of the box (the bundled GGUF, llama.cpp's embedding mode).
+        vectors = client.embeddings.create(model=MODEL, input=["a cat", "a dog"])
+        assert [len(d.embedding) for d in vectors.data] == [576, 576]
 
         # Flower runs with the basic auth that was printed, and enforces it.
         auth = up.flower_auth()
