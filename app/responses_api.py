@@ -425,7 +425,7 @@ def _text_format(value: Any) -> dict[str, Any]:
         return {"type": "text"}
     if not isinstance(value, dict):
         raise InvalidRequest("'text' must be an object.", param="text")
-    extra = sorted(k for k in value if k != "format")
+    extra = sorted(k for k in value if k not in ("format", "verbosity"))  # verbosity: a hint
     if extra:
         raise unsupported(f"Unsupported parameter 'text.{extra[0]}'.", f"text.{extra[0]}")
     fmt = value.get("format") or {"type": "text"}

@@ -384,3 +384,53 @@ def test_the_object_in_progress_holds_the_text_so_far() -> None:
     snapshot = Response.model_validate(events.response)
     assert snapshot.status == "in_progress" and snapshot.output_text == "Hello"
     assert snapshot.output[0].status == "in_progress"
+
+
+# A valid value of every field of the openai SDK's Responses create-request (issue 42).
+RESPONSES_FIELDS: dict[str, Any] = {
+    "input": "x",
+    "model": "m",
+    "access_programs": {},
+    "background": False,
+    "background_options": {},
+    "context_management": [],
+    "conversation": None,  # any id is a 404 here: test_references_to_objects_...
+    "image": {},
+    "include": ["message.output_text.logprobs"],
+    "instructions": "Be brief.",
+    "max_output_tokens": 16,
+    "max_tool_calls": 2,
+    "metadata": {"team": "a"},
+    "moderation": None,
+    "parallel_tool_calls": True,
+    "previous_response_id": None,  # needs a stored response: tests/e2e
+    "prompt": None,  # as conversation
+    "prompt_cache_key": "k",
+    "prompt_cache_options": {},
+    "prompt_cache_retention": "24h",
+    "reasoning": {"effort": "low", "summary": "auto"},
+    "safety_identifier": "u-1",
+    "service_tier": "auto",
+    "store": True,
+    "stream": False,
+    "stream_options": {"include_obfuscation": False},
+    "temperature": 0.5,
+    "text": {"format": {"type": "text"}, "verbosity": "low"},
+    "tool_choice": "auto",
+    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+    "top_logprobs": 2,
+    "top_p": 0.9,
+    "truncation": "auto",
+    "user": "u-1",
+}
+
+
+def test_every_field_of_the_sdk_s_responses_request_is_accepted() -> None:
+    from openai.types.responses import response_create_params
+
+    sdk = set(response_create_params.ResponseCreateParamsBase.__annotations__) | {"stream"}
+    assert sdk == set(RESPONSES_FIELDS)
+    for name, value in RESPONSES_FIELDS.items():
+        parse_responses_request({"input": "x", name: value})
+    chat = chat_of(RESPONSES_FIELDS)
+    assert chat["reasoning_effort"] == "low" and chat["max_tokens"] == 16
