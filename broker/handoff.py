@@ -90,6 +90,19 @@ class RequestHandoff:
                 self.redis.xack(self.keys.new_requests, GROUP, eid)
         return out
 
+    def release(self, consumer: str, entry_ids: Sequence[str], idle_ms: int) -> None:
+        """A stopping streamer's entries, left for the others to take over at once:
+        still pending for it, but marked idle for ``idle_ms`` (longer than the takeover
+        time), so the next live streamer's takeover claims them instead of waiting for
+        them to age (``XCLAIM ... IDLE``; an entry another streamer took meanwhile is not
+        ours to touch, as in ``touch``)."""
+        owners, _epoch = self.owners(entry_ids)
+        mine: list[Any] = [eid for eid in entry_ids if owners.get(eid) == consumer]
+        if mine:
+            self.redis.xclaim(
+                self.keys.new_requests, GROUP, consumer, 0, mine, idle=idle_ms, justid=True
+            )
+
     def ack(self, entry_id: str) -> None:
         self.redis.xack(self.keys.new_requests, GROUP, entry_id)
 

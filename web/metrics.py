@@ -108,6 +108,62 @@ class ClusterCollector:
         live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
         live.add_metric([], len(streamers))
         yield from (depth, live)
+        yield from model_gauges(svc.models.known(), workers, depths)
+
+
+def model_gauges(
+    models: list[str], workers: list[WorkerInfo], depths: dict[tuple[str, str], int]
+) -> Iterator[Any]:
+    """Per model, what autoscalers and dashboards read (issue 43): requests waiting
+    (in its queues, and accepted by a worker's engine but not running yet), running,
+    live workers and KV cache use; then the same under the names vLLM's dashboards and
+    autoscaling recipes use (``vllm:num_requests_waiting``, ``..._running``,
+    ``vllm:kv_cache_usage_perc``: a fraction, as vLLM's is), labelled ``model_name``."""
+    waiting = GaugeMetricFamily(
+        "tokenrelay_model_requests_waiting",
+        "Requests of a model not running yet: queued, or held by a worker's engine.",
+        labels=["model"],
+    )
+    running = GaugeMetricFamily(
+        "tokenrelay_model_requests_running",
+        "Requests a model's workers generate.",
+        labels=["model"],
+    )
+    live = GaugeMetricFamily(
+        "tokenrelay_model_workers", "Live workers of a model.", labels=["model"]
+    )
+    usage = GaugeMetricFamily(
+        "tokenrelay_model_kv_cache_usage",
+        "Mean fraction of the KV cache in use over a model's live workers.",
+        labels=["model"],
+    )
+    aliases = [
+        GaugeMetricFamily("vllm:num_requests_waiting", "As tokenrelay_model_requests_waiting.",
+                          labels=["model_name"]),
+        GaugeMetricFamily("vllm:num_requests_running", "As tokenrelay_model_requests_running.",
+                          labels=["model_name"]),
+        GaugeMetricFamily("vllm:kv_cache_usage_perc", "As tokenrelay_model_kv_cache_usage.",
+                          labels=["model_name"]),
+    ]  # fmt: skip
+    for model in models:
+        mine = [w for w in workers if w.model == model]
+        held = sum(w.engine_stats.get("engine_waiting", 0.0) for w in mine)
+        queued = sum(n for (m, _q), n in depths.items() if m == model)
+        values = (
+            float(queued + held),
+            float(sum(w.active_jobs for w in mine) - held),
+        )
+        caches = [w.engine_stats["cache_usage"] for w in mine if "cache_usage" in w.engine_stats]
+        waiting.add_metric([model], values[0])
+        running.add_metric([model], max(values[1], 0.0))
+        live.add_metric([model], float(len(mine)))
+        aliases[0].add_metric([model], values[0])
+        aliases[1].add_metric([model], max(values[1], 0.0))
+        if caches:
+            mean = sum(caches) / len(caches)
+            usage.add_metric([model], mean)
+            aliases[2].add_metric([model], mean)
+    yield from (waiting, running, live, usage, *aliases)
 
 
 WORKER_LABELS = ("worker", "model", "engine")

@@ -152,6 +152,13 @@ class Streamer(Relay):
                 logger.info("redis is reachable again; streamer %s resumes", self.consumer)
         with contextlib.suppress(*BACKBONE_ERRORS):
             self._flush()  # the last cycle's outputs: its next read never came
+            # A drain: the other streamers take our requests over at their next look,
+            # not a takeover time from now (they replay each one's tokens to where its
+            # output stands, so nothing is repeated or lost).
+            idle_ms = int(self.settings.streamer_takeover_s * 1000) * 2 + 1000
+            self.handoff.release(
+                self.consumer, [t.entry_id for t in self.tracked.values()], idle_ms
+            )
             self.registry.unregister(self.consumer)
 
     def _set_up_loop(self) -> None:

@@ -215,3 +215,50 @@ def test_two_streamers_share_the_load(
     assert all(r.texts == {0: "a few words to echo back"} for r in results)
     by_streamer = {r.usage["streamer"] for r in results if r.usage}
     assert len(by_streamer) == 2
+
+
+def test_a_streamer_stopped_by_sigterm_hands_its_requests_over_at_once(
+    redis_server: RedisServer, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """A drain (issue 43): the stopping streamer writes what it decoded, exits 0 and
+    marks its hand-off entries idle, so the other streamer takes the request over at its
+    next look instead of a takeover time (5 s here) later; the text is exact."""
+    settings = isolated_settings(
+        redis_server.url, models_dir, echo_tokens_per_second=15.0, streamer_takeover_s=5.0
+    )
+    client = Client(settings)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    record = make_record(settings, [ids], max_tokens=200)
+    with (
+        worker_process(settings, tmp_path),
+        streamer_process(settings, tmp_path, name="s1") as s1,
+        streamer_process(settings, tmp_path, name="s2") as s2,
+    ):
+        client.submit(record)
+        events = client.events(record.request_id, timeout_s=40)
+        seen: list[OutputEvent] = []
+        for ev in events:
+            seen.append(ev)
+            if sum(len(e.text) for e in seen) >= 15:
+                break
+        pending = client.redis.xpending_range(
+            client.store.keys.new_requests, GROUP, min="-", max="+", count=10
+        )
+        owner = pending[0]["consumer"].decode()
+        victim = {s1.pid: s1, s2.pid: s2}[_pid_from_member(owner)]
+        stopped_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGTERM)
+        assert victim.popen.wait(10) == 0
+        # The longest the client waited for text after the SIGTERM: a takeover after
+        # the takeover time would leave a 5 s hole in the stream.
+        gap, last = 0.0, stopped_at
+        rest: list[OutputEvent] = []
+        for ev in events:
+            if ev.text:
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+            rest.append(ev)
+        got = collect(iter(seen + rest))
+    assert got.texts == {0: TEXT}
+    assert got.usage is not None and got.usage["streamer"] != owner
+    assert gap < 3.0, f"the stream stood still {gap:.1f} s after the SIGTERM"
