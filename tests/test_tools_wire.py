@@ -578,7 +578,9 @@ def test_parallel_calls_from_model_text_streamed_equal_plain(builder: RecordBuil
 
 
 def test_malformed_call_is_content_never_an_error(builder: RecordBuilder) -> None:
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    # Malformed before its arguments opened (a call that got that far is streamed, and
+    # stands: tests/test_decoder_tools.py).
+    text = '<tool_call>\n{"name": "get_weather" "arguments": {"city": \n</tool_call>'
     chunks, body = run_pipeline(builder, record(builder, tools=[WEATHER]), text)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop"

@@ -19,6 +19,7 @@ from celery.signals import worker_init, worker_shutdown
 from celery.worker.consumer import Consumer
 from vine import promise
 
+from app.errors import ModelError
 from app.model_card import load_model_card
 from app.settings import Settings
 from broker.celery_app import GENERATE_TASK, create_celery, requeue_own
@@ -146,7 +147,10 @@ def build_app(settings: Settings) -> Celery:
     """The worker's app; ``app.tokenrelay_worker_id`` names the worker (its registry
     entry, step stream and own queue, which the app consumes first)."""
     worker_id = new_worker_id()
-    embeds = can_embed(settings, load_model_card(settings.card_path()))
+    try:
+        embeds = can_embed(settings, load_model_card(settings.card_path()))
+    except ModelError:  # the engine's start says why, and exits (worker_init)
+        embeds = False
     celery_app = create_celery(settings, worker_id=worker_id, embeds=embeds)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
     celery_app.steps["consumer"].add(KeepUnackedOnClose)

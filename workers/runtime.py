@@ -318,6 +318,7 @@ class WorkerRuntime:
                     min_tokens=stop.min_tokens,
                     echo_ids=record.echo_ids[p] if record.echo_ids else None,
                     cache_scope=record.engine_scope,
+                    eos_token_id=self.card.eos_token_ids[0] if eos else None,
                 )
             )
         for job in jobs:  # here, on the task's thread: not a step of the engine's

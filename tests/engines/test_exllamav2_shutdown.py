@@ -74,7 +74,10 @@ def runtime_for(engine: ExLlamaV2Engine) -> WorkerRuntime:
     client = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     settings = Settings(served_model_name="m", worker_slots=4)
     card = cast(
-        ModelCard, types.SimpleNamespace(eos_token_ids=[2], path=Path("m"), context_length=8192)
+        ModelCard,
+        types.SimpleNamespace(
+            eos_token_ids=[2], path=Path("m"), context_length=8192, gguf_file=None
+        ),
     )
     return WorkerRuntime(settings, card, engine, client)
 

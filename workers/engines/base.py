@@ -59,6 +59,9 @@ class EngineJob:
     min_tokens: int = 0
     echo_ids: list[int] | None = None
     cache_scope: str = ""
+    # The model's own EOS (the first of its end-of-generation ids): what the echo engine
+    # ends a choice with.
+    eos_token_id: int | None = None
     # What ``Engine.prepare`` made of the job on the submitting thread (its compiled
     # output grammar, or why it cannot be built), so that ``submit``, on the engine's
     # thread, does not spend a step's time on it.

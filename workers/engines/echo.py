@@ -89,7 +89,9 @@ class EchoEngine(Engine):
         """The token at position ``c.pos`` and whether it ends the choice (EOS/stop id)."""
         job = c.job
         n = len(c.source)
-        eos = min(job.eos_token_ids) if job.eos_token_ids else None
+        eos = job.eos_token_id
+        if eos is None and job.eos_token_ids:
+            eos = min(job.eos_token_ids)
         if eos is not None and c.pos >= job.min_tokens and c.pos >= n:
             return eos, True
         tok = c.source[c.pos % n]
