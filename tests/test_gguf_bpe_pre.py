@@ -21,7 +21,7 @@ import pytest
 from app.errors import ModelError
 from app.gguf_pretokenizers import BPEPre, bpe_pre, known_pre_names
 from app.gguf_tokenizer import GGUFVocab, read_gguf_fields, read_gguf_vocab, vocab_from_fields
-from tests.test_gguf_spm import detokenize
+from tests.test_gguf_spm import detokenize, vocab_only_writer
 from tests.test_tokenizer_agreement import texts
 
 pytestmark = pytest.mark.unit
@@ -125,16 +125,8 @@ def vocabulary() -> tuple[list[str], list[str], list[int]]:
 
 
 def write_bpe_gguf(path: Path, pre: str | None, vocabulary: tuple) -> None:
-    import gguf
-
     tokens, merges, types = vocabulary
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(8)
-    writer.add_head_count(1)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer = vocab_only_writer(path)
     writer.add_tokenizer_model("gpt2")
     if pre is not None:
         writer.add_tokenizer_pre(pre)

@@ -12,6 +12,7 @@ import collections
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,8 @@ def learnt_pieces(size: int) -> list[str]:
     return sorted(chars) + common[:size]
 
 
-def write_spm_gguf(path: Path, *, add_space_prefix: bool) -> list[str]:
+def vocab_only_writer(path: Path) -> Any:
+    """A GGUF writer with the few llama fields llama.cpp needs to load a vocabulary."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -52,6 +54,11 @@ def write_spm_gguf(path: Path, *, add_space_prefix: bool) -> list[str]:
     writer.add_feed_forward_length(8)
     writer.add_head_count(1)
     writer.add_layer_norm_rms_eps(1e-5)
+    return writer
+
+
+def write_spm_gguf(path: Path, *, add_space_prefix: bool) -> list[str]:
+    writer = vocab_only_writer(path)
     tokens = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<mask>"]
     types = [UNKNOWN, CONTROL, CONTROL, CONTROL, USER_DEFINED]
     tokens += [f"<0x{b:02X}>" for b in range(256)]

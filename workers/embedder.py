@@ -52,31 +52,27 @@ class Embedder:
     def _load(self) -> Any:
         import llama_cpp
 
-        llm = llama_cpp.Llama(
+        llm = self._open(llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED)
+        if int(llm.pooling_type()) == llama_cpp.LLAMA_POOLING_TYPE_NONE:
+            # A generative model names no pooling: one vector per input needs one.
+            llm.close()
+            llm = self._open(llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+        logger.info("embedding model loaded from %s (pooling %d)", self.path, llm.pooling_type())
+        return llm
+
+    def _open(self, pooling: int) -> Any:
+        import llama_cpp
+
+        return llama_cpp.Llama(
             str(self.path),
             embedding=True,
             n_ctx=self.n_ctx,
             n_batch=self.n_ctx,
             n_ubatch=self.n_ctx,
             n_threads=self.threads,
-            pooling_type=llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED,
+            pooling_type=pooling,
             verbose=False,
         )
-        if int(llm.pooling_type()) == llama_cpp.LLAMA_POOLING_TYPE_NONE:
-            # A generative model names no pooling: one vector per input needs one.
-            llm.close()
-            llm = llama_cpp.Llama(
-                str(self.path),
-                embedding=True,
-                n_ctx=self.n_ctx,
-                n_batch=self.n_ctx,
-                n_ubatch=self.n_ctx,
-                n_threads=self.threads,
-                pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
-                verbose=False,
-            )
-        logger.info("embedding model loaded from %s (pooling %d)", self.path, llm.pooling_type())
-        return llm
 
     @property
     def dimensions(self) -> int | None:

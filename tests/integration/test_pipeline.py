@@ -162,11 +162,20 @@ def test_worker_killed_mid_request_resumes_on_another(
     assert int(first_resumed.split("-")[0]) / 1000 - killed_at < 10
 
 
-def test_streamer_killed_mid_request_is_taken_over(
-    redis_server: RedisServer, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
-) -> None:
+def stop_the_streamer_mid_request(
+    redis_server: RedisServer,
+    models_dir: Path,
+    tokenizer: Tokenizer,
+    tmp_path: Path,
+    *,
+    sig: signal.Signals,
+    takeover_s: float,
+) -> tuple[Any, str, float, int]:
+    """Two streamers; once a request's first text is out, ``sig`` to the one decoding
+    it. Returns what the client got, that streamer's name, the longest the client then
+    waited for text, and the streamer's exit status."""
     settings = isolated_settings(
-        redis_server.url, models_dir, echo_tokens_per_second=15.0, streamer_takeover_s=2.0
+        redis_server.url, models_dir, echo_tokens_per_second=15.0, streamer_takeover_s=takeover_s
     )
     client = Client(settings)
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
@@ -177,8 +186,7 @@ def test_streamer_killed_mid_request_is_taken_over(
         streamer_process(settings, tmp_path, name="s2") as s2,
     ):
         client.submit(record)
-        rid = record.request_id
-        events = client.events(rid, timeout_s=40)
+        events = client.events(record.request_id, timeout_s=40)
         seen: list[OutputEvent] = []
         for ev in events:
             seen.append(ev)
@@ -189,9 +197,24 @@ def test_streamer_killed_mid_request_is_taken_over(
         )
         owner = pending[0]["consumer"].decode()
         victim = {s1.pid: s1, s2.pid: s2}[_pid_from_member(owner)]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.popen.wait()
-        got = collect(iter(seen + list(events)))
+        gap, last = 0.0, time.monotonic()
+        os.kill(victim.pid, sig)
+        code = victim.popen.wait(10)
+        rest: list[OutputEvent] = []
+        for ev in events:
+            if ev.text:
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+            rest.append(ev)
+        return collect(iter(seen + rest)), owner, gap, code
+
+
+def test_streamer_killed_mid_request_is_taken_over(
+    redis_server: RedisServer, models_dir: Path, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    got, owner, _gap, _code = stop_the_streamer_mid_request(
+        redis_server, models_dir, tokenizer, tmp_path, sig=signal.SIGKILL, takeover_s=2.0
+    )
     assert got.texts == {0: TEXT}
     assert got.finals[0].finish_reason is FinishReason.STOP
     assert got.usage is not None and got.usage["streamer"] != owner
@@ -222,43 +245,12 @@ def test_a_streamer_stopped_by_sigterm_hands_its_requests_over_at_once(
 ) -> None:
     """A drain (issue 43): the stopping streamer writes what it decoded, exits 0 and
     marks its hand-off entries idle, so the other streamer takes the request over at its
-    next look instead of a takeover time (5 s here) later; the text is exact."""
-    settings = isolated_settings(
-        redis_server.url, models_dir, echo_tokens_per_second=15.0, streamer_takeover_s=5.0
+    next look instead of a takeover time (5 s here) later; the text is exact. Measured:
+    the stream stood still 0.7 s, against 5.8 s without the hand-over."""
+    got, owner, gap, code = stop_the_streamer_mid_request(
+        redis_server, models_dir, tokenizer, tmp_path, sig=signal.SIGTERM, takeover_s=5.0
     )
-    client = Client(settings)
-    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-    record = make_record(settings, [ids], max_tokens=200)
-    with (
-        worker_process(settings, tmp_path),
-        streamer_process(settings, tmp_path, name="s1") as s1,
-        streamer_process(settings, tmp_path, name="s2") as s2,
-    ):
-        client.submit(record)
-        events = client.events(record.request_id, timeout_s=40)
-        seen: list[OutputEvent] = []
-        for ev in events:
-            seen.append(ev)
-            if sum(len(e.text) for e in seen) >= 15:
-                break
-        pending = client.redis.xpending_range(
-            client.store.keys.new_requests, GROUP, min="-", max="+", count=10
-        )
-        owner = pending[0]["consumer"].decode()
-        victim = {s1.pid: s1, s2.pid: s2}[_pid_from_member(owner)]
-        stopped_at = time.monotonic()
-        os.kill(victim.pid, signal.SIGTERM)
-        assert victim.popen.wait(10) == 0
-        # The longest the client waited for text after the SIGTERM: a takeover after
-        # the takeover time would leave a 5 s hole in the stream.
-        gap, last = 0.0, stopped_at
-        rest: list[OutputEvent] = []
-        for ev in events:
-            if ev.text:
-                now = time.monotonic()
-                gap, last = max(gap, now - last), now
-            rest.append(ev)
-        got = collect(iter(seen + rest))
+    assert code == 0
     assert got.texts == {0: TEXT}
     assert got.usage is not None and got.usage["streamer"] != owner
     assert gap < 3.0, f"the stream stood still {gap:.1f} s after the SIGTERM"
