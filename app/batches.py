@@ -22,7 +22,7 @@ Results
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Generic, Literal, TypeVar
@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import STATUS_TYPES, InvalidRequest, PayloadTooLarge, error_body
 from app.lenient_json import loads_lenient
+from app.metadata import check_metadata
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -39,10 +40,6 @@ BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/response
 ENDPOINTS: tuple[str, ...] = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RESPONSES_ENDPOINT)
 # OpenAI accepts only "24h"; the window is the batch's deadline (then: expired).
 COMPLETION_WINDOWS: dict[str, int] = {"24h": 24 * 3600}
-
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 
 
 def new_file_id() -> str:
@@ -193,30 +190,6 @@ def check_batch_request(req: BatchCreateRequest) -> dict[str, str] | None:
             param="completion_window",
         )
     return check_metadata(req.metadata)
-
-
-def check_metadata(value: Mapping[str, Any] | None) -> dict[str, str] | None:
-    """OpenAI's metadata rules: at most 16 string pairs, keys <= 64, values <= 512 chars."""
-    if value is None:
-        return None
-    if len(value) > MAX_METADATA_PAIRS:
-        raise InvalidRequest(
-            f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs.", param="metadata"
-        )
-    out: dict[str, str] = {}
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY:
-            raise InvalidRequest(
-                f"'metadata' keys must be at most {MAX_METADATA_KEY} characters.",
-                param="metadata",
-            )
-        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
-            raise InvalidRequest(
-                f"'metadata' values must be strings of at most {MAX_METADATA_VALUE} characters.",
-                param=f"metadata.{key}",
-            )
-        out[key] = item
-    return out
 
 
 # ---------------------------------------------------------------------------------------

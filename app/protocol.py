@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from app.chat_message import ChatMessage
+from app.metadata import check_metadata
 from app.records import OutputConstraint, SamplingParams, StopConditions
 from app.tools import (
     FunctionDefinition,
@@ -86,25 +87,7 @@ class StreamOptions(RequestModel):
     )
 
 
-# OpenAI's request fields that have no meaning for a self-hosted model: accepted (SDK
-# helpers and agent frameworks send them) and ignored. docs/api.md lists what each does.
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
-MAX_METADATA_KEYS = 16
-
-
-def check_metadata(value: Any) -> dict[str, str] | None:
-    """OpenAI's ``metadata``: at most 16 string values, keys of at most 64 characters
-    and values of at most 512."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS:
-        raise invalid(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} entries.")
-    for key, item in value.items():
-        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
-            raise invalid(
-                "'metadata' keys are at most 64 characters and its values strings of at most 512."
-            )
-    return dict(value)
 
 
 class _GenerationRequest(RequestModel):
@@ -143,12 +126,8 @@ class _GenerationRequest(RequestModel):
         default=True,
         description="vLLM's: leave special tokens (e.g. EOS) out of the text and logprobs.",
     )
-    priority: int = Field(
-        default=0,
-        ge=-_INT32_MAX,
-        le=_INT32_MAX,
-        description="vLLM's: lower runs earlier among the same key's waiting requests.",
-    )
+    # vLLM's: lower runs earlier among the same key's waiting requests.
+    priority: int = Field(default=0, ge=-_INT32_MAX, le=_INT32_MAX)
 
     @field_validator("n")
     @classmethod
@@ -312,7 +291,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # OpenAI's fields, honoured where they mean something here (docs/api.md).
+    # OpenAI's fields, honoured where they mean something here, else accepted and
+    # ignored (SDK helpers and agent frameworks send them): docs/api.md says which.
     reasoning_effort: ReasoningEffort | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     metadata: dict[str, str] | None = None

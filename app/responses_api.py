@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import InvalidRequest, NotFound
+from app.metadata import check_metadata
 
 # Fields of a Responses request that are translated (the rest are refused).
 SUPPORTED_FIELDS = frozenset(
@@ -61,9 +62,6 @@ IGNORED_FIELDS = frozenset(
 # Accepted only empty (null, [] or {}: what SDKs may send by default).
 EMPTY_ONLY_FIELDS: frozenset[str] = frozenset()
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-MAX_METADATA_KEYS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 
 # Chat-side parameter names an intake error may carry -> the Responses field they are.
 _PARAM_NAMES = {
@@ -163,7 +161,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         stream=stream,
         store=store,
         previous_response_id=_opt_str(body, "previous_response_id"),
-        metadata=_metadata(body.get("metadata")),
+        metadata=check_metadata(body.get("metadata")) or {},
         background=background,
         user=_opt_str(body, "user"),
         reasoning_effort=_reasoning_effort(body.get("reasoning")),
@@ -233,29 +231,6 @@ def _opt_number(body: dict[str, Any], name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"'{name}' must be a number.", param=name)
     return float(value)
-
-
-def _metadata(value: Any) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS:
-        raise InvalidRequest(
-            f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values.",
-            param="metadata",
-        )
-    for k, v in value.items():
-        if len(k) > MAX_METADATA_KEY_CHARS or not isinstance(v, str):
-            raise InvalidRequest(
-                f"'metadata' keys are at most {MAX_METADATA_KEY_CHARS} characters and "
-                "values must be strings.",
-                param=f"metadata.{k}",
-            )
-        if len(v) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequest(
-                f"'metadata' values are at most {MAX_METADATA_VALUE_CHARS} characters.",
-                param=f"metadata.{k}",
-            )
-    return dict(value)
 
 
 # -- input items --------------------------------------------------------------------------
