@@ -103,30 +103,9 @@ class ChunkStream:
             self.usage = ev.usage
             if not self.shape.include_usage:
                 return []
-            s = self.shape
-            usage, timings = usage_from_event(ev.usage), timings_from_usage(ev.usage)
-            if s.chat:
-                return [
-                    ChatCompletionChunk(
-                        id=s.response_id,
-                        created=s.created,
-                        model=s.model,
-                        choices=[],
-                        service_tier="default" if s.service_tier else None,
-                        usage=usage,
-                        timings=timings,
-                    )
-                ]
-            return [
-                CompletionChunk(
-                    id=s.response_id,
-                    created=s.created,
-                    model=s.model,
-                    choices=[],
-                    usage=usage,
-                    timings=timings,
-                )
-            ]
+            chunk = self._chat([]) if self.shape.chat else self._completion([])
+            chunk.usage, chunk.timings = usage_from_event(ev.usage), timings_from_usage(ev.usage)
+            return [chunk]
         return []
 
     def feed_json(self, ev: OutputEvent) -> list[str]:

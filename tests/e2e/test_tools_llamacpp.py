@@ -178,25 +178,19 @@ def test_anthropic_sdk_over_the_bundled_model(llama_stack: Stack) -> None:
         assert hello.content[0].type == "text" and hello.content[0].text
         assert hello.stop_reason in ("end_turn", "max_tokens")
         question = {"role": "user", "content": "What is the weather in Paris?"}
-        first = c.messages.create(
-            model=model,
-            max_tokens=64,
-            extra_body={"temperature": 0},  # a field this SDK no longer has
-            tools=[tool],  # type: ignore[list-item]
-            tool_choice={"type": "tool", "name": "get_weather"},
-            messages=[question],  # type: ignore[list-item]
-        )
+        forced: Any = {
+            "model": model,
+            "max_tokens": 64,
+            "extra_body": {"temperature": 0},  # a field this SDK no longer has
+            "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [question],
+        }
+        first = c.messages.create(**forced)
         (use,) = [b for b in first.content if b.type == "tool_use"]
         assert use.name == "get_weather" and isinstance(use.input, dict)
         assert isinstance(use.input.get("city"), str) and first.stop_reason == "tool_use"
-        with c.messages.stream(
-            model=model,
-            max_tokens=64,
-            extra_body={"temperature": 0},  # a field this SDK no longer has
-            tools=[tool],  # type: ignore[list-item]
-            tool_choice={"type": "tool", "name": "get_weather"},
-            messages=[question],  # type: ignore[list-item]
-        ) as stream:
+        with c.messages.stream(**forced) as stream:
             streamed = stream.get_final_message()
 
         def blocks(message: Any) -> list[dict[str, Any]]:
