@@ -173,6 +173,15 @@ class Settings(BaseSettings):
     max_attempts: int = Field(
         default=4, ge=1, description="Most times a request is (re)started after losing workers."
     )
+    drain_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="On SIGTERM, the most seconds a process drains before it exits: a "
+        "worker takes no new jobs, finishes what it can, then hands the rest to other "
+        "workers; a web process stops accepting and then ends its open streams for their "
+        "clients to resume elsewhere; a streamer and a batch driver hand over at once. "
+        "Keep a stop grace period (Kubernetes terminationGracePeriodSeconds) above it.",
+    )
     requeue_after_s: float = Field(
         default=30.0,
         gt=0,

@@ -40,6 +40,12 @@ UNARY_TICK_S = 0.25
 WRITE_EVENTS = 256
 
 
+class HandedOver(Exception):
+    """This process hands its streams over (its drain time is up, ``Runner.closing``):
+    the stream ends here without its final event, for the client to resume it on
+    another process (SSE ``Last-Event-ID``, the WebSocket's ``resume``)."""
+
+
 class Pump(Protocol):
     """Something that writes a flowing stream from the hub's thread while the request's
     thread waits (``web.sse_pump.SsePump``)."""
@@ -106,10 +112,13 @@ def reads(
     item each wait brought and every one already behind it (one write per read, not
     one per event), or None for a keep-alive tick, until the run ended. With a pump,
     each wait lets the hub write what flows meanwhile (``pump.settle`` raises what
-    went wrong there)."""
+    went wrong there). Raises ``HandedOver`` when the process hands its streams over.
+    """
     if first:
         yield first
     while not run.ended:
+        if run.runner.closing.is_set():
+            raise HandedOver(run.request_id)
         pumping = pump is not None and pump.start()
         item = run.next(keepalive_s)
         if pumping:

@@ -169,6 +169,13 @@ class OutputHub:
             if not subs:
                 self._subs.pop(sub.key, None)
 
+    def wake_all(self) -> None:
+        """Wake every reader waiting here (the process is handing its streams over)."""
+        with self._lock:
+            subs = [sub for subs in self._subs.values() for sub in subs]
+        for sub in subs:
+            sub.wake()
+
     @property
     def followed(self) -> int:
         return sum(len(subs) for subs in self._subs.values())

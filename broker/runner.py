@@ -143,6 +143,15 @@ class Runner:
         self.metrics = metrics
         self._ready_until: dict[str, float] = {}
         self._start_turn = threading.Semaphore(1)  # FIFO: its waiters wake in order
+        # Set when this process hands its open streams over (``close_streams``).
+        self.closing = threading.Event()
+
+    def close_streams(self) -> None:
+        """The drain time of a stopping process is up: every open stream ends without
+        its final event (``broker.drive.HandedOver``), for its client to resume it on
+        another process, while its generation goes on (``resume_grace_s``)."""
+        self.closing.set()
+        self.hub.wake_all()
 
     # -- starting ------------------------------------------------------------------------
     def start(

@@ -118,6 +118,10 @@ class Subscription:
             self.pump = pump
             return True
 
+    def wake(self) -> None:
+        """Wake the reader from its wait with nothing to read (it looks around)."""
+        self.entries.put(_WAKE)
+
     def stop_pump(self) -> None:
         """No pump call is running or will start once this returns."""
         if self.pump is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import math
 import os
 import shutil
 import sys
@@ -34,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# What a stopping web process gives its handed-over streams to end and its
+# non-streaming answers to be written, after drain_s, before gunicorn kills it.
+STREAMS_END_S = 3.0
 
 
 def prepare_multiprocess_dir() -> str:
@@ -77,6 +81,7 @@ def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, An
 
     HeadFirstWorker.header_timeout_s = settings.web_header_timeout_s
     HeadFirstWorker.body_timeout_s = settings.web_body_timeout_s
+    HeadFirstWorker.drain_s = settings.drain_s
     threads = settings.web_threads
     return {
         "bind": f"{settings.host}:{settings.port}",
@@ -87,7 +92,9 @@ def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, An
         # for the first two.
         "worker_connections": max(settings.web_max_connections, threads),
         "timeout": 60,
-        "graceful_timeout": 30,
+        # SIGTERM: streams end (for their clients to resume elsewhere) after drain_s;
+        # gunicorn's own kill comes a little later, for them to be written out.
+        "graceful_timeout": math.ceil(settings.drain_s + STREAMS_END_S),  # whole seconds
         "keepalive": 5,
         "accesslog": "-" if access_log else None,
         "errorlog": "-",

@@ -38,6 +38,7 @@ import re
 import select
 import selectors
 import socket
+import threading
 import time
 from functools import partial
 from typing import Any
@@ -125,6 +126,8 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
     #: Set by ``web.__main__`` from settings before gunicorn forks the workers.
     header_timeout_s = 10.0
     body_timeout_s = 30.0
+    #: SIGTERM: streams still open this long after it are handed over (``handle_exit``).
+    drain_s = 20.0
     #: The WSGI app: gunicorn's ``load_wsgi`` sets it, ``load_wsgi`` below wraps it.
     wsgi: Any
 
@@ -141,12 +144,32 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
         framed as gunicorn frames its own writes."""
         super().load_wsgi()
         app = self.wsgi
+        self.app = app
 
         def with_response(environ: dict[str, Any], start_response: Any) -> Any:
             environ[RESPONSE_KEY] = getattr(start_response, "__self__", None)
             return app(environ, start_response)
 
         self.wsgi = with_response
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """SIGTERM: gunicorn stops accepting and waits for open connections (at most its
+        ``graceful_timeout``, a little above ``drain_s``); the streams still open after
+        ``drain_s`` are then handed over: they end without their final event and
+        their clients resume on another process (``Runner.close_streams``)."""
+        super().handle_exit(sig, frame)
+        if getattr(self, "draining", None) is None:
+            self.draining = threading.Timer(self.drain_s, self._hand_streams_over)
+            self.draining.daemon = True
+            self.draining.start()
+
+    def _hand_streams_over(self) -> None:
+        from web.context import runner_of
+
+        try:
+            runner_of(self.app).close_streams()
+        except Exception:  # no app (a failed start), or a bug: gunicorn's kill follows
+            self.log.exception("could not hand the open streams over")
 
     def accept(self, listener: socket.socket) -> None:
         if self.cfg.is_ssl:

@@ -141,6 +141,9 @@ def stream(run: Run, *, last_seen: str | None = None) -> Response:
                     yield text
                 if feed.done:
                     break
+        except drive.HandedOver:  # resumed on another process (Last-Event-ID)
+            yield sse.HANDED_OVER
+            return
         except GeneratorExit:
             raise
         except Exception as exc:

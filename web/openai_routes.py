@@ -274,6 +274,9 @@ def _stream(run: Run, *, opening: bool = True) -> Response:
         except GeneratorExit:  # the WSGI server closed us: the client is gone
             ended_by_client = True
             raise
+        except drive.HandedOver:  # resumed on another process (Last-Event-ID)
+            yield sse.HANDED_OVER
+            return
         except ClientGone:  # the pump's write failed: nobody to write to any more
             ended_by_client = True
             return

@@ -111,6 +111,9 @@ def _stream(
                     yield text
                 if feed.done:
                     break
+        except drive.HandedOver:  # resumed on another process (Last-Event-ID)
+            yield sse.HANDED_OVER
+            return
         except GeneratorExit:
             raise
         except Exception as exc:

@@ -14,6 +14,9 @@ import json
 from app.errors import error_body
 
 KEEPALIVE = ": keep-alive\n\n"
+# The last frame of a stream this process hands over (``broker.drive.HandedOver``): no
+# final event follows; the client resumes on another process with ``Last-Event-ID``.
+HANDED_OVER = ": this server is stopping; resume the stream with Last-Event-ID\n\n"
 DONE = "data: [DONE]\n\n"
 HEADERS = {
     "Cache-Control": "no-cache",

@@ -59,6 +59,9 @@ WS_PATH = "/v1/ws"
 READ_BLOCK_S = 1.0
 # Close code for a refused connection (RFC 6455 "policy violation").
 CLOSE_POLICY_VIOLATION = 1008
+# Close code when this process stops and hands its sockets over (RFC 6455 / IANA
+# "service restart"): the client reconnects and sends ``resume`` with its cursor.
+CLOSE_SERVICE_RESTART = 1012
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,6 +166,9 @@ class ChatSocket:
         """Handle messages until the client goes; its runs' readers then close them."""
         try:
             while not self._closed.is_set():
+                if self.runner.closing.is_set():  # drained: resume on another process
+                    self.ws.close(reason=CLOSE_SERVICE_RESTART, message="server stopping")
+                    break
                 raw = self.ws.receive(timeout=READ_BLOCK_S)
                 if raw is not None:
                     self.handle(raw)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from celery import Celery, bootsteps
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 from celery.worker.consumer import Consumer
 from vine import promise
 
@@ -201,6 +202,20 @@ def build_app(settings: Settings) -> Celery:
             runtime.stop()
             hand_back(celery_app, runtime)
 
+    def _drain(sender: Any = None, how: str = "Warm", **_: Any) -> None:
+        # SIGTERM (Celery's warm shutdown): Celery stops taking jobs and waits for the
+        # running ones; the runtime hands them over when ``drain_s`` runs out, so the
+        # wait is bounded. A cold shutdown (SIGQUIT, a second SIGINT) does not drain.
+        # Redis calls do not belong in a signal handler: a thread of its own does them.
+        runtime = state.get("runtime")
+        if runtime is not None and how == "Warm":
+
+            def drain() -> None:
+                runtime.drain(settings.drain_s)
+                hand_back(celery_app, runtime)
+
+            threading.Thread(target=drain, name="drain", daemon=True).start()
+
     def _broken(reason: str) -> None:
         # The engine is unusable (WorkerRuntime._watch has stopped it): a worker that
         # heart-beats on would be sent requests only to fail them. Exit non-zero, for
@@ -212,6 +227,7 @@ def build_app(settings: Settings) -> Celery:
 
     worker_init.connect(_start, weak=False)
     worker_shutdown.connect(_stop, weak=False)
+    worker_shutting_down.connect(_drain, weak=False)
     celery_app.tokenrelay_state = state
     celery_app.tokenrelay_worker_id = worker_id
     celery_app.tokenrelay_embeds = embeds

@@ -161,11 +161,11 @@ class EngineThread(threading.Thread):
         self.lease_keeper.stop()
         with contextlib.suppress(redis.RedisError):
             self._finish_publish()  # what the last step published
-            if self.broken is not None:
-                # Its requests resume on another worker at once, not when their leases
-                # run out: each lease still ours expires now (the streamers' watchdog
-                # sees it within a second).
-                self.store.refresh_leases(self.held_leases(), LEASE_GIVEN_BACK_S)
+            # Broken, or stopped with requests still here (a drain that ran out): they
+            # resume on another worker at once, not when their leases run out. Each
+            # lease still ours expires now (the streamers' watchdog sees it within a
+            # second); the tokens published so far are where the next attempt goes on.
+            self.store.refresh_leases(self.held_leases(), LEASE_GIVEN_BACK_S)
         self._abandon_all(self.broken or "worker shutting down")
         self._direct.close()
         if self.broken is not None:

@@ -110,6 +110,8 @@ class WorkerRuntime:
         self.on_broken: Callable[[str], None] = lambda _reason: None
         self.started = time.time()
         self.stop_join_s = STOP_JOIN_S
+        self.draining = False  # SIGTERM came: see ``drain``
+        self._drain_timer: threading.Timer | None = None
         # /v1/embeddings for this model, when it can (a GGUF, llama.cpp here).
         self.embedder = Embedder(card, settings) if can_embed(settings, card) else None
 
@@ -135,6 +137,36 @@ class WorkerRuntime:
             self.settings.worker_slots,
         )
 
+    def drain(self, drain_s: float) -> None:
+        """SIGTERM: Celery takes no new jobs from now on (its warm shutdown); the jobs
+        running here go on for at most ``drain_s`` and are then handed over
+        (``hand_over``). Until then this worker takes no turns routed by prefix: it says
+        so in its heartbeat at once, and what already waits in its own queue goes to the
+        shared one."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("worker %s draining: at most %.1f s, then the rest is handed over",
+                    self.worker_id, drain_s)  # fmt: skip
+        self._drain_timer = threading.Timer(drain_s, self.hand_over)
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+        try:
+            self.registry.heartbeat(self.info())
+            if self.adverts is not None:
+                self.adverts.remove(self.worker_id)
+        except redis.RedisError as exc:
+            logger.warning("could not announce the drain: %s", exc)
+
+    def hand_over(self) -> None:
+        """End the drain: stop the engine thread, which gives back the leases of the
+        requests still here (they resume on other workers within a second, from the
+        tokens published so far) and lets their tasks return, so the worker can exit."""
+        if self.thread.active_requests:
+            logger.info("worker %s: drain time is up; handing %d requests over",
+                        self.worker_id, self.thread.active_requests)  # fmt: skip
+        self.thread.stop()
+
     def stop(self) -> None:
         """Stop the engine thread, unregister, and close the engine once nothing else
         can touch it.
@@ -144,6 +176,8 @@ class WorkerRuntime:
         pass running in the other thread. It stays open until the process exits (which
         follows a worker's stop), and the log says so."""
         self._stop.set()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
         self.thread.stop()
         self.thread.join(timeout=self.stop_join_s)
         try:
@@ -204,7 +238,7 @@ class WorkerRuntime:
             tokens_total=self.thread.tokens_total,
             engine_stats=dict(self.thread.engine_stats),
             beat_at=time.time(),
-            routed=self.adverts is not None,
+            routed=self.adverts is not None and not self.draining,
             embeds=self.embedder is not None,
         )
 

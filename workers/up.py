@@ -77,6 +77,8 @@ LOCK_FILE = "up.lock"
 REDIS_DIR = "redis"
 DEFAULT_REDIS_PORT = 6379
 POLL_S = 0.2
+# A stopping child's time beyond drain_s (closing its engine, writing its last frames).
+STOP_MARGIN_S = 10.0
 #: ``tokenrelay worker`` exits 3 when its engine cannot start (bad model, missing
 #: weights): the same command would fail again, so it is not restarted.
 WORKER_ENGINE_FAILED = 3
@@ -291,7 +293,12 @@ class Stack:
     def _spawn(self, name: str, args: list[str], env: dict[str, str], *fatal: int) -> None:
         if self.stop_requested.is_set():
             raise Interrupted
-        self.supervisor.start(name, args, env, self.options.stop_timeout, fatal)
+        # By default each process drains as under Kubernetes or compose: drain_s, and
+        # a margin for closing its engine, before it is killed.
+        stop_s = self.options.stop_timeout
+        if stop_s is None:
+            stop_s = self.settings.drain_s + STOP_MARGIN_S
+        self.supervisor.start(name, args, env, stop_s, fatal)
 
     def _wait_ready(self, ready_urls: list[str], flower_url: str) -> None:
         reason = "no answer yet"

@@ -23,7 +23,7 @@ class Options:
     redis_url: str | None
     redis_port: int | None
     ready_timeout: float
-    stop_timeout: float
+    stop_timeout: float | None
     fresh: bool = False
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     workers: int = 1
@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stop-timeout",
         type=float,
-        default=15.0,
-        help="seconds each process gets to stop before it is killed",
+        default=None,
+        help="seconds each process gets to stop before it is killed (default: "
+        "TOKENRELAY_DRAIN_S + 10)",
     )
     default = RestartPolicy()
     parser.add_argument(
