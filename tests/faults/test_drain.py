@@ -240,6 +240,23 @@ def busiest(stack: Stack, kind: str) -> Proc:
     return next(p for p in stack.procs.values() if p.pid == pid)
 
 
+def sigterm_mid_stream(stack: Stack, kind: str) -> tuple[list[SseClient], float]:
+    """``STREAMS`` streams; SIGTERM to the process of ``kind`` holding most of them once
+    all are under way. It must exit 0 within its drain time (and a margin), and every
+    text be exact; the clients and the longest pause between two text events."""
+    clients, threads = run_clients(stack.base_url)
+    wait_streaming(clients)
+    proc = busiest(stack, kind)
+    code, took = sigterm_and_wait(proc, DRAIN_S)
+    join_all(threads)
+    pause = longest_pause(clients)
+    logger.warning("%s stopped in %.2f s (exit %d); longest pause %.2f s", kind, took, code, pause)
+    assert code == 0, proc.output()
+    assert took < DRAIN_S + 5.0
+    assert_exact(clients)
+    return clients, pause
+
+
 # -- the worker ---------------------------------------------------------------------------
 
 
@@ -248,16 +265,7 @@ def test_a_draining_worker_hands_its_requests_over(drain_stack: Stack) -> None:
     """Measured here: the drained worker exits 0 about 1.25 s after SIGTERM (drain 1 s);
     the longest pause in any stream is 0.2-0.6 s, where a lease expiry alone would take
     4 s (``LEASE_TTL_S``) plus the watchdog's look."""
-    clients, threads = run_clients(drain_stack.base_url)
-    wait_streaming(clients)
-    worker = busiest(drain_stack, "worker")
-    code, took = sigterm_and_wait(worker, DRAIN_S)
-    join_all(threads)
-    pause = longest_pause(clients)
-    logger.warning("worker drained in %.2f s (exit %d); longest pause %.2f s", took, code, pause)
-    assert code == 0, worker.output()
-    assert took < DRAIN_S + 5.0
-    assert_exact(clients)
+    clients, pause = sigterm_mid_stream(drain_stack, "worker")
     assert pause < LEASE_TTL_S, f"a stream stood still {pause:.2f} s"
     client = redis_client(drain_stack.settings.redis_url, max_connections=2)
     try:
@@ -274,16 +282,7 @@ def test_a_draining_worker_hands_its_requests_over(drain_stack: Stack) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_draining_streamer_hands_its_requests_over(drain_stack: Stack) -> None:
-    clients, threads = run_clients(drain_stack.base_url)
-    wait_streaming(clients)
-    streamer = busiest(drain_stack, "streamer")
-    code, took = sigterm_and_wait(streamer, DRAIN_S)
-    join_all(threads)
-    pause = longest_pause(clients)
-    logger.warning("streamer stopped in %.2f s (exit %d); longest pause %.2f s", took, code, pause)
-    assert code == 0, streamer.output()
-    assert took < DRAIN_S + 5.0
-    assert_exact(clients)
+    _clients, pause = sigterm_mid_stream(drain_stack, "streamer")
     assert pause < drain_stack.settings.streamer_takeover_s
 
 
