@@ -348,7 +348,8 @@ class WsClient:
             logger.info("WebSocket ended: %r", exc)
             self.close_codes.append(None)
         finally:
-            ws.close()
+            ws.close()  # returns at once when the server closed first: then shutdown
+            ws.shutdown()  # type: ignore[no-untyped-call]  # closes the socket itself
 
 
 def ws_url(base: str) -> str:
