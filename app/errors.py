@@ -80,6 +80,15 @@ class AuthenticationFailed(TokenRelayError):
     public = True
 
 
+class KeyRevoked(AuthenticationFailed):
+    """The stream's API key was revoked while it ran: the stream ends with this."""
+
+    code = "api_key_revoked"
+
+    def __init__(self) -> None:
+        super().__init__("The API key of this request has been revoked.")
+
+
 class NotFound(TokenRelayError):
     status = 404
     type = "not_found_error"
@@ -130,6 +139,13 @@ class QuotaExceeded(TokenRelayError):
     public = True
 
 
+class RateLimited(QueueFull):
+    """One API key is over its requests or tokens per minute (OpenAI's
+    ``rate_limit_exceeded``); Retry-After is when its minute's window ends."""
+
+    code = "rate_limit_exceeded"
+
+
 class NotImplementedFeature(TokenRelayError):
     status = 501
     type = "not_implemented_error"
@@ -176,6 +192,15 @@ class HTTPError(TokenRelayError):
         )
         self.status = status
         self.type = "internal_error" if server_side else "invalid_request_error"
+
+
+class PermissionDenied(TokenRelayError):
+    """The key is valid but may not do this (an admin route without an admin key)."""
+
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+    public = True
 
 
 class OriginNotAllowed(TokenRelayError):

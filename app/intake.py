@@ -505,7 +505,8 @@ class Intake:
         except TokenRelayError as exc:
             exc.param = responses_param(exc.param)
             raise
-        return replace(prepared, endpoint=Endpoint.RESPONSES, responses=responses)
+        record = prepared.record.model_copy(update={"api": Endpoint.RESPONSES.value})
+        return replace(prepared, endpoint=Endpoint.RESPONSES, record=record, responses=responses)
 
     def restore(self, record: RequestRecord) -> PreparedRequest:
         """A stored request again (a client resuming its stream on another process)."""

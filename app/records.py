@@ -124,6 +124,10 @@ class RequestRecord(BaseModel):
     skip_special_tokens: bool = True
     # How its response is framed, so a client can resume the stream on any process.
     endpoint: EndpointPath = "/v1/chat/completions"
+    # The API the client called when its endpoint frames it as another (a Responses API
+    # request runs as a chat): what the usage ledger counts it under (app.usage). "" =
+    # ``endpoint``.
+    api: Literal["", "/v1/responses"] = ""
     include_usage: bool = False
     # Tool calls and reasoning (parsed per choice beside the Decoder, app.toolcalls and
     # app.reasoning): the parsers' names, and whether tool syntax is parsed at all.
@@ -142,6 +146,9 @@ class RequestRecord(BaseModel):
     # vLLM's ``priority``: lower runs earlier among the same key's waiting requests
     # (it shifts the key's fair-share step, ``broker.celery_app.fair_priority``).
     priority: int = 0
+    # Queued in its key's fair-share queue (``broker.fair_queue``): its task takes
+    # whichever request is next by fair share, and a resend puts it back there.
+    fair: bool = False
     # Who may resume or replay the stream: the hash of the API key that made it ("" when
     # no keys are configured), as files and batches record theirs.
     owner: str = ""

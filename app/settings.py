@@ -267,6 +267,27 @@ class Settings(BaseSettings):
         "WebSocket together (429 naming key_max_in_flight above it). Applies only when "
         "api_keys are set. 0 = no limit.",
     )
+    key_requests_per_minute: int = Field(
+        default=0,
+        ge=0,
+        description="Rate limit: requests one API key may start per minute, across every "
+        "web process (429 with x-ratelimit-* headers above it); a managed key's own limit "
+        "wins. Applies only when api_keys are set. 0 = no limit.",
+    )
+    key_tokens_per_minute: int = Field(
+        default=0,
+        ge=0,
+        description="Rate limit: tokens one API key may use per minute (prompt + max "
+        "completion tokens reserved at admission, corrected to the real count at the "
+        "end); a managed key's own limit wins. Applies only when api_keys are set. 0 = "
+        "no limit.",
+    )
+    fair_share: bool = Field(
+        default=True,
+        description="Order the workers' queue between API keys: a key's next request "
+        "waits behind other keys' first ones in proportion to how many it has in flight "
+        "(divided by the key's weight), instead of arrival order.",
+    )
     key_max_connections: int = Field(
         default=48,
         ge=0,
@@ -402,6 +423,13 @@ class Settings(BaseSettings):
         description="Quota: bytes of stored responses (the Responses API's store: true, "
         "their input and output) one API key may keep at once (429 naming "
         "key_max_stored_bytes above it on create). 0 = no limit.",
+    )
+    usage_ledger_days: int = Field(
+        default=90,
+        ge=1,
+        description="Days the usage ledger keeps each UTC day's and hour's counts per key, "
+        "model and API (GET /admin/usage; written once per finished request by the "
+        "streamers). The all-time totals behind the usage metrics are kept for ever.",
     )
     batch_max_requests: int = Field(
         default=50_000, ge=1, description="Most request lines in one batch's input file."

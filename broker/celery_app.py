@@ -175,15 +175,19 @@ def send_generate(
     model: str,
     worker: str | None = None,
     priority: int = 0,
+    fair: bool = False,
 ) -> None:
     """Enqueue ``generate(request_id, attempt)`` without importing worker code; its
     ``task-sent`` event goes out on its own thread (``broker.sent_events``).
 
     ``worker``: to that worker's own queue instead of the model's ``queue``;
-    ``priority``: kombu's Redis priority, 0 (taken first) to 9 (``fair_priority``)."""
+    ``priority``: kombu's Redis priority, 0 (taken first) to 9 (``fair_priority``);
+    ``fair``: the worker runs the model's next request by fair share instead
+    (``broker.fair_queue``; ``request_id`` names the request it was sent for)."""
     app.send_task(
         GENERATE_TASK,
         args=[request_id, attempt],
+        kwargs={"fair": True} if fair else None,
         queue=queue_name(queue, model) if worker is None else worker_queue(model, worker),
         task_id=task_id(request_id, attempt),
         event_dispatcher=sent_events(app),

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from app.errors import KeyRevoked
 from app.messages import OutputEvent, OutputKind
 from broker.run import Item, Run
 
@@ -112,13 +113,16 @@ def reads(
     item each wait brought and every one already behind it (one write per read, not
     one per event), or None for a keep-alive tick, until the run ended. With a pump,
     each wait lets the hub write what flows meanwhile (``pump.settle`` raises what
-    went wrong there). Raises ``HandedOver`` when the process hands its streams over.
+    went wrong there). Raises ``HandedOver`` when the process hands its streams over,
+    ``KeyRevoked`` when the request's API key was revoked meanwhile.
     """
     if first:
         yield first
     while not run.ended:
         if run.runner.closing.is_set():
             raise HandedOver(run.request_id)
+        if run.runner.key_revoked(run.record.owner):
+            raise KeyRevoked()
         pumping = pump is not None and pump.start()
         item = run.next(keepalive_s)
         if pumping:
@@ -142,6 +146,8 @@ def follow(
     """Feed every item (cursor, event) until ``done()``, the run ended, ``stopped()`` or
     ``feed`` returned False (its receiver is gone); whether it got to ``done()``."""
     while not done() and not stopped():
+        if run.runner.key_revoked(run.record.owner):
+            raise KeyRevoked()
         item = run.next(tick_s)
         if item is None:
             if run.ended:

@@ -36,6 +36,21 @@
 {p}batches:active   zset   batches not yet in a terminal state (the drivers' work list)
 {p}resp:{id}        hash   a stored Responses API object: status, owner, request id, JSON
                            (broker.responses); TTL responses_ttl_s
+{p}usage:d:{day}    hash   the usage ledger of one UTC day (YYYY-MM-DD): "owner\x1fmodel\x1f
+                           api\x1fmetric" -> count (app.usage); TTL usage_ledger_days
+{p}usage:h:{hour}   hash   the same per UTC hour (YYYY-MM-DDTHH); TTL usage_ledger_days
+{p}usage:total      hash   the same, all time (the web tier's usage metrics)
+{p}usage:done:{rid} string a request was counted in the ledger (once); TTL 2 x stream_ttl_s
+{p}apikeys          hash   managed API key id -> record JSON (broker.api_keys; no secrets)
+{p}apikeys:secrets  hash   SHA-256 of a managed key's current secret -> its id
+{p}apikeys:revoked  hash   revoked key id -> unix time
+{p}apikeys:version  string counter bumped by every key change (web processes reload)
+{p}rl:{o}:r:{m}     string requests key o was admitted in unix minute m (TTL 120 s)
+{p}rl:{o}:t:{m}     string tokens key o reserved in minute m, corrected at the end
+{p}rl:settled:{rid} string a request's reservation was corrected (once; TTL 120 s)
+{p}fq:{m}           zset   fair share: keys with waiting requests of model m by virtual start
+{p}fq:{m}:s         hash   fair share: virtual clock, each key's weight and last finish
+{p}fq:{m}:o:{o}     zset   fair share: key o's waiting request ids (priority, arrival)
 """
 
 from __future__ import annotations
@@ -194,3 +209,60 @@ class Keys:
     def response(self, response_id: str) -> str:
         """A stored response of the Responses API (``broker.responses``)."""
         return f"{self.prefix}resp:{response_id}"
+
+    # -- the usage ledger (broker.usage_ledger) -------------------------------------------
+    def usage_day(self, day: str) -> str:
+        """One UTC day's usage ledger hash (``day``: YYYY-MM-DD)."""
+        return f"{self.prefix}usage:d:{day}"
+
+    def usage_hour(self, hour: str) -> str:
+        """One UTC hour's usage ledger hash (``hour``: YYYY-MM-DDTHH)."""
+        return f"{self.prefix}usage:h:{hour}"
+
+    @property
+    def usage_total(self) -> str:
+        """The all-time usage ledger hash."""
+        return f"{self.prefix}usage:total"
+
+    def usage_done(self, rid: str) -> str:
+        """Set once a request has been counted in the usage ledger (its guard)."""
+        return f"{self.prefix}usage:done:{rid}"
+
+    # -- API keys managed at run time (broker.api_keys) and rate limits ------------------
+    @property
+    def api_keys(self) -> str:
+        return f"{self.prefix}apikeys"
+
+    @property
+    def api_key_secrets(self) -> str:
+        return f"{self.prefix}apikeys:secrets"
+
+    @property
+    def api_keys_revoked(self) -> str:
+        return f"{self.prefix}apikeys:revoked"
+
+    @property
+    def api_keys_version(self) -> str:
+        return f"{self.prefix}apikeys:version"
+
+    def rate_requests(self, owner: str, window: int) -> str:
+        """Requests one key was admitted in one minute (``window``: unix minute)."""
+        return f"{self.prefix}rl:{owner}:r:{window}"
+
+    def rate_tokens(self, owner: str, window: int) -> str:
+        """Tokens one key reserved (then used) in one minute."""
+        return f"{self.prefix}rl:{owner}:t:{window}"
+
+    def rate_settled(self, rid: str) -> str:
+        """Set once a request's token reservation was corrected to its real count."""
+        return f"{self.prefix}rl:settled:{rid}"
+
+    # -- fair share between keys (broker.fair_queue); one hash tag per model -------------
+    def fair_owners(self, model: str) -> str:
+        return f"{self.prefix}fq:{{{model}}}"
+
+    def fair_state(self, model: str) -> str:
+        return f"{self.prefix}fq:{{{model}}}:s"
+
+    def fair_requests(self, model: str, owner: str) -> str:
+        return f"{self.prefix}fq:{{{model}}}:o:{owner}"

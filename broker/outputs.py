@@ -25,6 +25,7 @@ import orjson
 import redis
 
 from app.messages import OutputEvent, OutputKind
+from app.usage import UsageCount
 from broker import scripts
 from broker.chunks import entry_chunks
 from broker.connection import as_str
@@ -38,6 +39,7 @@ from broker.step_lines import (
     read_checkpointed,
     step_line,
 )
+from broker.usage_ledger import ledger_call
 
 # What a reader gets for an output entry it cannot decode (a bug upstream).
 MALFORMED_OUTPUT = OutputEvent(
@@ -89,6 +91,8 @@ class OutputEntry:
     own output stream too, with ``prior`` (the chunks since the last checkpoint), as the
     streamer's ``ChunkLog`` staged it; ``n`` 0: the next after the stream's last entry,
     as a checkpoint (a writer that keeps no log: tests, a request that cannot be adopted).
+    ``usage``: on the entry that ends the request, what the usage ledger counts for it,
+    in the same write (``broker.usage_ledger``).
     """
 
     request_id: str
@@ -101,6 +105,7 @@ class OutputEntry:
     checkpoint: bool = False
     prior: bytes = b""
     payload: bytes = b""  # ``encode_events(events)``, when the caller has it already
+    usage: UsageCount | None = None
 
     def encoded(self) -> bytes:
         if not self.payload:
@@ -138,10 +143,13 @@ class OutputLog:
 class OutputStreams:
     """Write and read per-request output streams."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int = 3600) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, *, ttl_s: int = 3600, ledger_days: int = 90
+    ) -> None:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
+        self.ledger_days = ledger_days  # how long the usage ledger keeps a period's hash
         self._write_script = client.register_script(scripts.WRITE_OUTPUTS)
         # The hand-off epoch under which the owner last found which of its hand-off
         # entries are its own (``RequestHandoff.owners``); None: check every entry.
@@ -207,16 +215,18 @@ class OutputStreams:
     ) -> tuple[list[str], list[Any], list[int]]:
         """``scripts.WRITE_OUTPUTS``'s keys and arguments, and the entries' indexes in
         the order the script counts them: those written out, then the plain ones (see
-        the script), whose step lines are written here, as the step entry holds them."""
+        the script), whose step lines are written here, as the step entry holds them.
+        An entry with a usage count is always written out (its count names its index)."""
         keys = [self.keys.new_requests, self.keys.handoff_epoch]
         each: list[Any] = []
         lines: list[bytes] = []
         handoffs: list[str] = []
         order: list[int] = []
         plain: list[int] = []
+        counts: list[tuple[int, str, UsageCount]] = []
         prefix = self.keys.output("")  # concatenated, once per request per write
         for i, e in enumerate(entries):
-            if owner and e.n and not (e.first or e.checkpoint):
+            if owner and e.n and not (e.first or e.checkpoint) and e.usage is None:
                 lines.append(step_line(prefix + e.request_id, e.source, e.n, e.encoded()))
                 handoffs.append(e.handoff_id or "-")
                 plain.append(i)
@@ -226,12 +236,19 @@ class OutputStreams:
             each += [e.handoff_id, flags, e.encoded(), e.source]
             each.append(e.published if e.published is not None else "")
             order.append(i)
+            if e.usage is not None:
+                counts.append((len(order), e.request_id, e.usage))
         if owner:
             keys.append(self.keys.output_steps(owner))
         epoch = "" if self.fence_epoch is None else f"e:{self.fence_epoch}"
         args: list[Any] = [GROUP, owner, self.ttl_s, epoch, stamp, len(order)]
         args += [b"\n".join(lines), " ".join(handoffs), *each]
         args += [e.prior for e in entries if e.checkpoint]
+        ledger_keys, ledger_args = ledger_call(
+            self.keys, counts, done_ttl_s=2 * self.ttl_s, days=self.ledger_days
+        )
+        keys += ledger_keys
+        args += ledger_args
         return keys, args, order + plain
 
     @staticmethod

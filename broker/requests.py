@@ -10,7 +10,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from celery import Celery
@@ -43,9 +43,43 @@ class Admission(int, Enum):
     FULL = 0  # the shared in-flight limit
     OWNER_FULL = -1  # the key's own in-flight quota
     MODEL_FULL = -2  # the model's share of the in-flight limit (Settings.model_max_queue)
+    RPM_FULL = -3  # the key's requests per minute
+    TPM_FULL = -4  # the key's tokens per minute
 
     def __bool__(self) -> bool:
         return self is Admission.ADMITTED
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """A key's limits per minute for one admission (0: none) and what it reserves."""
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    reserve_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute)
+
+
+class Admitted(NamedTuple):
+    """``RequestStore.admit``'s answer, how many of the owner's requests were in flight
+    before it, and the owner's requests and tokens counted in this minute (after it,
+    when admitted; 0 without rate limits)."""
+
+    answer: Admission
+    ahead: int
+    used_requests: int = 0
+    used_tokens: int = 0
+
+
+#: How long a minute's rate counters live: past their minute, and the next one's reset.
+RATE_WINDOW_TTL_S = 120
+
+
+def rate_window(now: float) -> int:
+    """The unix minute ``now`` falls in: the rate counters' window."""
+    return int(now // 60)
 
 
 @dataclass(slots=True)
@@ -103,6 +137,7 @@ class RequestStore(TokenPublishing):
         self._resume = client.register_script(scripts.RESUME)
         self._refresh_leases = client.register_script(scripts.REFRESH_LEASES)
         self._admit = client.register_script(scripts.ADMIT)
+        self._settle = client.register_script(scripts.SETTLE_TOKENS)
         self._init_publishing(client)
 
     # -- web tier -----------------------------------------------------------------
@@ -147,6 +182,7 @@ class RequestStore(TokenPublishing):
             model=record.model,
             worker=record.route or None,
             priority=priority,
+            fair=record.fair,
         )
 
     @property
@@ -165,8 +201,10 @@ class RequestStore(TokenPublishing):
         owner_limit: int = 0,
         model: str = "",
         model_limit: int = 0,
+        rate: RateLimit = RateLimit(),
+        rate_at: float | None = None,
         create: RequestRecord | None = None,
-    ) -> tuple[Admission, int]:
+    ) -> Admitted:
         """Count ``rid`` (``weight`` choices) against the shared in-flight limit, one
         request against ``owner``'s ``owner_limit`` (0: none) and ``weight`` choices
         against ``model``'s ``model_limit`` (0: none; a model with nothing in flight is
@@ -176,16 +214,34 @@ class RequestStore(TokenPublishing):
 
         ``create``: ``rid``'s record, written (as ``create`` writes it) in the same
         atomic call when it is admitted, and not at all when it is refused."""
+        window = rate_window(now if rate_at is None else rate_at)
         keys = [self.keys.inflight, self.inflight_weights]
+        keys += [self.keys.rate_requests(owner, window), self.keys.rate_tokens(owner, window)]
         args: list[Any] = [now, limit, rid, deadline, max(weight, 1), owner, owner_limit]
-        args += [model, model_limit]
+        args += [model, model_limit, rate.requests_per_minute, rate.tokens_per_minute]
+        args += [rate.reserve_tokens, RATE_WINDOW_TTL_S]
         if create is not None:
             keys += [self.keys.request(rid), self.keys.new_requests]
             args += [create.encode(), RequestState.QUEUED.value, self.stream_ttl_s]
-        answer = int(self._admit(keys=keys, args=args))
+        answer, used_r, used_t = (int(x) for x in self._admit(keys=keys, args=args))
         if answer >= 1:
-            return Admission.ADMITTED, answer - 1
-        return Admission(answer), 0
+            return Admitted(Admission.ADMITTED, answer - 1, used_r, used_t)
+        return Admitted(Admission(answer), 0, used_r, used_t)
+
+    def settle_tokens(self, rid: str, owner: str, admitted_at: float, unused: int) -> None:
+        """Give back what a finished request reserved and did not use (once)."""
+        if unused <= 0:
+            return
+        keys = [self.keys.rate_tokens(owner, rate_window(admitted_at)), self.keys.rate_settled(rid)]
+        self._settle(keys=keys, args=[unused, RATE_WINDOW_TTL_S])
+
+    def rate_used(self, owner: str, now: float) -> tuple[int, int]:
+        """The owner's requests and tokens counted in this minute."""
+        window = rate_window(now)
+        raw = self.redis.mget(
+            [self.keys.rate_requests(owner, window), self.keys.rate_tokens(owner, window)]
+        )
+        return int(raw[0] or 0), max(int(raw[1] or 0), 0)
 
     def release(self, rid: str) -> None:
         """The request's reader is done with it: free its admission slot. ZREM and

@@ -303,6 +303,7 @@ class Run:
             left = runner.followers(rid, -1)
             if self.ended and not self.ended_here:
                 runner.store.release(rid)
+                runner.settle(self.record, self.usage)
             elif self.ended:
                 runner.cancel(rid)
             elif resumable and disconnected and runner.settings.resume_grace_s > 0:

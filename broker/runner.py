@@ -30,6 +30,7 @@ from app.errors import (
     NotFound,
     QueueFull,
     QuotaExceeded,
+    RateLimited,
     ServiceUnavailable,
 )
 from app.intake import Endpoint, Intake, PreparedRequest, shape_of
@@ -39,6 +40,7 @@ from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import create_celery, fair_priority
 from broker.connection import redis_client
+from broker.fair_queue import FairQueue
 from broker.hub import OutputHub
 from broker.keys import Keys
 from broker.models import MAX_CARDS, ModelCards, catalog_of, settings_directory
@@ -46,8 +48,9 @@ from broker.output_usage import OutputUsage
 from broker.outputs import OutputStreams
 from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
-from broker.requests import Admission, RequestStore
+from broker.requests import Admission, RateLimit, RequestStore
 from broker.run import PAST_EVERY_EVENT, Run, RunObserver, split_cursor
+from broker.tenancy import KeyPolicy, reserved_tokens, unused_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,9 @@ class Runner:
         self.metrics = metrics
         self._ready_until: dict[str, float] = {}
         self._start_turn = threading.Semaphore(1)  # FIFO: its waiters wake in order
+        # Per-key limits and weights (the web tier sets ``policy.cache``: managed keys).
+        self.policy = KeyPolicy(settings)
+        self.fair = FairQueue(self.redis, keys, ttl_s=settings.stream_ttl_s)
         # Set when this process hands its open streams over (``close_streams``).
         self.closing = threading.Event()
 
@@ -370,16 +376,21 @@ class Runner:
         route = router.choose(record) if router is not None else None
         if route is not None:
             record = record.model_copy(update={"route": route})
-            prepared = dataclasses.replace(prepared, record=record)
+        elif settings.fair_share and settings.api_keys and record.queue == "interactive":
+            record = record.model_copy(update={"fair": True})  # broker.fair_queue
+        prepared = dataclasses.replace(prepared, record=record)
         try:
             admitted, ahead = self._admit(record)
             if admitted is Admission.OWNER_FULL:
                 full = QuotaExceeded(
-                    f"This API key already has {settings.key_max_in_flight} requests in "
-                    "flight, its quota (key_max_in_flight); retry when one has finished."
+                    f"This API key already has {self.policy.in_flight_limit(record.owner)} "
+                    "requests in flight, its quota (key_max_in_flight); retry when one has "
+                    "finished."
                 )
                 full.retry_after = RETRY_AFTER_S  # type: ignore[attr-defined]
                 raise full
+            if admitted in (Admission.RPM_FULL, Admission.TPM_FULL):
+                raise self._rate_limited(record, admitted)
             if admitted is Admission.MODEL_FULL:
                 raise QueueFull(
                     f"The model '{record.model}' is at capacity (model_max_queue); please "
@@ -391,7 +402,14 @@ class Runner:
                     "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
                 )
             try:
-                step = fair_priority(max(ahead + record.priority, 0))
+                weight = self.policy.weight(record.owner)
+                if record.fair:
+                    self.fair.push(record.model, record.owner, record.request_id,
+                                   priority=record.priority, weight=weight)  # fmt: skip
+                    step = 0
+                else:  # kombu's priority steps: coarse, but what a routed turn can have
+                    turns = ahead // weight if settings.fair_share else 0
+                    step = fair_priority(max(turns + record.priority, 0))
                 self.store.send(record, self.celery, priority=step)
                 if router is not None and route is not None:
                     router.sent(route)
@@ -425,24 +443,53 @@ class Runner:
             full.retry_after = self.output_usage.frees_in()  # type: ignore[attr-defined]
             raise full
 
+    def key_revoked(self, owner: str) -> bool:
+        """Whether ``owner`` is a managed API key revoked since (its streams end)."""
+        cache = self.policy.cache
+        return cache is not None and bool(owner) and cache.revoked(owner)
+
+    def settle(self, record: RequestRecord, usage: dict[str, Any] | None) -> None:
+        """A request ended with its usage: give back the tokens its key reserved for
+        it and did not use (only a key with a tokens-per-minute limit reserved any)."""
+        owner = record.owner if self.settings.api_keys else ""
+        if owner and record.queue == "interactive" and self.policy.rate(owner)[1]:
+            unused = unused_tokens(record, usage)
+            self.store.settle_tokens(record.request_id, owner, record.created, unused)
+
+    def _rate_limited(self, record: RequestRecord, answer: Admission) -> RateLimited:
+        rpm, tpm = self.policy.rate(record.owner)
+        wait = max(int(60 - record.created % 60) + 1, 1)
+        if answer is Admission.RPM_FULL:
+            what = f"{rpm} requests per minute"
+        elif reserved_tokens(record) > tpm:
+            what = f"{tpm} tokens per minute, less than this request may use "
+            what += f"({reserved_tokens(record)} tokens: prompt + max_tokens x choices)"
+        else:
+            what = f"{tpm} tokens per minute (prompt + max_tokens reserved per request)"
+        return RateLimited(f"Rate limit reached for this API key: {what}.", retry_after=wait)
+
     def _admit(self, record: RequestRecord) -> tuple[Admission, int]:
         """Admit ``record`` and write it, in one call (``RequestStore.admit``); with how
         many of its key's requests were in flight before it."""
         settings = self.settings
+        # Only with keys configured does an owner stand for one client.
+        owner = record.owner if settings.api_keys else ""
         try:
-            return self.store.admit(
+            admitted = self.store.admit(
                 record.request_id,
                 record.deadline,
                 settings.max_queue,
                 self.clock(),
                 weight=record.num_choices,
-                # Only with keys configured does an owner stand for one client.
-                owner=record.owner if settings.api_keys else "",
-                owner_limit=settings.key_max_in_flight,
+                owner=owner,
+                owner_limit=self.policy.in_flight_limit(owner),
                 model=record.model,
                 model_limit=settings.model_max_queue,
+                rate=self.policy.rate_for(record) if owner else RateLimit(),
+                rate_at=record.created,
                 create=record,
             )
+            return admitted.answer, admitted.ahead
         except redis.ResponseError:
             # The script may have counted the request before a command in it failed
             # (a full Redis refuses the record's write): free its slot, which Redis

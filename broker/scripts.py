@@ -249,8 +249,35 @@ redis.call('XADD', KEYS[2], '*', unpack(fields))
 return 1
 """
 
+# The end of WRITE_OUTPUTS: the usage ledger's counts (see there). ``wrote``: the
+# entries written out that were written.
+_COUNT_USAGE = """local counts = tonumber(ARGV[#ARGV])
+if counts > 0 then
+  local a0 = #ARGV - 3 - counts * 6
+  local total = KEYS[#KEYS - counts * 3]
+  local done_ttl, period_ttl = ARGV[#ARGV - 2], ARGV[#ARGV - 1]
+  for j = 0, counts - 1 do
+    local a, k = a0 + j * 6, #KEYS - counts * 3 + j * 3
+    if wrote[tonumber(ARGV[a + 1])]
+      and redis.call('SET', KEYS[k + 1], '1', 'NX', 'EX', done_ttl) then
+      local label = ARGV[a + 2]
+      for _, h in ipairs({KEYS[k + 2], KEYS[k + 3], total}) do
+        redis.call('HINCRBY', h, label .. 'n', 1)
+        for m, code in ipairs({'p', 'k', 'c', 'e'}) do
+          local v = tonumber(ARGV[a + 2 + m])
+          if v ~= 0 then redis.call('HINCRBY', h, label .. code, v) end
+        end
+      end
+      redis.call('EXPIRE', KEYS[k + 2], period_ttl)
+      redis.call('EXPIRE', KEYS[k + 3], period_ttl)
+    end
+  end
+end
+"""
+
 # KEYS: the hand-off stream, the hand-off epoch, then one output stream per entry
-#       written out, then (with a consumer) the streamer's output step stream
+#       written out, then (with a consumer) the streamer's output step stream, then the
+#       usage ledger's (below)
 # ARGV: group, consumer ('' = none: no fence, no step stream), ttl_s, epoch ('' =
 #       unknown; else 'e:' and the epoch the streamer last checked its entries under),
 #       call stamp, the number of entries written out, the plain entries' step lines
@@ -259,7 +286,8 @@ return 1
 #       16 x ordinal (flags: 1 first (set the TTL), 8 checkpoint; ordinal 0: the next
 #       after the stream's last entry, written as a checkpoint), encoded events, source
 #       (the token chunk ordinal they were decoded up to), publish time ('' = none); then
-#       the prior chunks of each entry with flag 8, in order
+#       the prior chunks of each entry with flag 8, in order; then the usage ledger's
+#       (below; the last is the number of counts, 0 = none)
 # A streamer writes a request's output only while it still owns the request's hand-off
 # entry: one that stalled (a pause, SIGSTOP) after it decoded and before this write must
 # not append stale text after the streamer that took the request over (XAUTOCLAIM moves
@@ -288,6 +316,19 @@ return 1
 # checkpoint (p), its own (d, n, s), the streamer (w) and the step entry of its call
 # (i), and the publish time of its tokens (t, for the latency benchmarks). So the output
 # stream plus the step entries after its last entry's i hold every chunk.
+# The usage ledger (``broker.usage_ledger``): the request a terminal entry ends is
+# counted in the same call, so no crash can come between its end and its count. Its
+# arguments come last, read from the end: per count (6 each) the index of its entry
+# among those written out, the fields' label, prompt, cached and completion tokens and
+# errors (0/1), then the guard's TTL, the period hashes' TTL and the number of counts
+# (always there: 0 = none); its keys, after the step stream: the all-time hash, then per
+# count its guard (``Keys.usage_done``), its day's and its hour's hash. A count is added
+# only when its entry was written (not fenced: the streamer that took the request over
+# counts it) and its guard was not set yet (SET NX): a write redone after a lost reply,
+# a takeover that finds the end written, a second terminal entry, none counts twice.
+# It runs after the call's first write, so a Redis at maxmemory that refuses the call
+# refuses all of it, and one that ran the outputs runs the count too (a script's later
+# writes are not refused: Redis does not stop a script half way).
 # -> the 1-based indexes of the entries not written (fenced), counting those written out
 #    first, then the plain ones
 WRITE_OUTPUTS = (
@@ -298,6 +339,7 @@ local steps = nil
 if owner ~= '' then steps = KEYS[n + 3] end
 local check = steps and ARGV[4] ~= 'e:' .. (redis.call('GET', KEYS[2]) or '')
 local fenced = {}
+local wrote = {}  -- the entries written out that were ours (the ledger counts those)
 local lines = {}
 local marks = {}  -- the checkpoints, written once the step entry's id is known
 local prior = 8 + n * 5  -- the last prior chunks argument taken
@@ -317,6 +359,7 @@ for i = 1, n do
     if pend[1] and pend[1][2] ~= owner then ours = false end
   end
   if ours then
+    wrote[i] = true
     local mark = f % 16 >= 8 or seq == 0 or not steps
     if seq == 0 then
       seq = 1
@@ -374,7 +417,9 @@ for _, m in ipairs(marks) do
   redis.call('XADD', m[1], '*', unpack(fields))
   if m[7] == 1 then redis.call('EXPIRE', m[1], ARGV[3]) end
 end
-return fenced
+"""
+    + _COUNT_USAGE
+    + """return fenced
 """
 )
 
@@ -422,8 +467,10 @@ end
 return n
 """
 
-# KEYS: inflight zset, inflight weights hash[, request hash, new-requests stream]
-# ARGV: now, limit, rid, deadline, weight, owner, owner_limit[, body, state, ttl]
+# KEYS: inflight zset, inflight weights hash, the owner's requests and tokens counters
+#       of this minute[, request hash, new-requests stream]
+# ARGV: now, limit, rid, deadline, weight, owner, owner_limit, model, model_limit,
+#       rpm, tpm, tokens to reserve, counter TTL[, body, state, ttl]
 # Admission across every web process: requests in flight (pruned at their deadline,
 # so a crashed web process cannot leak capacity), each weighing its choices (prompts x
 # n) against ``limit``, and counted against its owner's ``owner_limit`` (0 or owner ""
@@ -432,8 +479,12 @@ return n
 # only when nothing else is in flight, so it is never refused forever. With the last two
 # keys an admitted request's record is written and handed to the streamers in the same
 # call (``RequestStore.create``'s commands): a start's one round trip, not two.
-# -> 1 + the owner's requests in flight before this one when admitted (0 without an
-#    owner), 0 full, -1 the owner's quota is full
+# Rate limits (rpm/tpm > 0): the owner's requests and reserved tokens in this minute
+# (fixed one-minute windows: the counters' keys name the minute), counted only for an
+# admitted request; its reservation is corrected at its end (``SETTLE_TOKENS``).
+# -> {answer, requests this minute, tokens this minute}; answer: 1 + the owner's
+#    requests in flight before this one when admitted (0 without an owner), 0 full, -1
+#    the owner's quota is full, -2 the model's, -3 requests per minute, -4 tokens
 ADMIT = """
 local function each_chunk(list, fn)
   for i = 1, #list, 1000 do
@@ -461,16 +512,40 @@ each_chunk(members, function(...)
     end
   end
 end)
-if owner ~= '' and owner_limit > 0 and mine >= owner_limit then return -1 end
+local rpm, tpm, reserve = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local used_r = tonumber(redis.call('GET', KEYS[3]) or '0')
+local used_t = tonumber(redis.call('GET', KEYS[4]) or '0')
+if owner ~= '' and owner_limit > 0 and mine >= owner_limit then return {-1, used_r, used_t} end
+if rpm > 0 and used_r + 1 > rpm then return {-3, used_r, used_t} end
+if tpm > 0 and used_t + reserve > tpm then return {-4, used_r, used_t} end
 local weight = tonumber(ARGV[5])
-if model_limit > 0 and theirs > 0 and theirs + weight > model_limit then return -2 end
-if total > 0 and total + weight > tonumber(ARGV[2]) then return 0 end
+if model_limit > 0 and theirs > 0 and theirs + weight > model_limit then
+  return {-2, used_r, used_t}
+end
+if total > 0 and total + weight > tonumber(ARGV[2]) then return {0, used_r, used_t} end
+if rpm > 0 or tpm > 0 then
+  used_r = redis.call('INCR', KEYS[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[13])
+  used_t = redis.call('INCRBY', KEYS[4], reserve)
+  redis.call('EXPIRE', KEYS[4], ARGV[13])
+end
 redis.call('ZADD', KEYS[1], ARGV[4], ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[5] .. ' ' .. owner .. '\\n' .. model)
-if KEYS[4] then
-  redis.call('HSET', KEYS[3], 'body', ARGV[10], 'state', ARGV[11], 'attempt', 0, 'worker', '')
-  redis.call('EXPIRE', KEYS[3], ARGV[12])
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', 100000, '*', 'r', ARGV[3])
+if KEYS[6] then
+  redis.call('HSET', KEYS[5], 'body', ARGV[14], 'state', ARGV[15], 'attempt', 0, 'worker', '')
+  redis.call('EXPIRE', KEYS[5], ARGV[16])
+  redis.call('XADD', KEYS[6], 'MAXLEN', '~', 100000, '*', 'r', ARGV[3])
 end
-return 1 + mine
+return {1 + mine, used_r, used_t}
+"""
+
+# A finished request's token reservation (``ADMIT``: prompt + max completion tokens)
+# corrected to what it used, once (KEYS[2], a flag): the window's count goes down by
+# the difference, if that minute's counter still exists.
+# KEYS: [tokens counter, settled flag]; ARGV: [reserved - used, flag TTL s]
+SETTLE_TOKENS = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) and redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('DECRBY', KEYS[1], ARGV[1])
+end
+return -1
 """

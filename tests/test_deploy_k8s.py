@@ -710,12 +710,15 @@ def test_each_scaled_object_reads_exactly_its_models_queues(
 def exported() -> dict[str, set[str]]:
     """Every sample name the web tier's /metrics can expose -> its label names: the
     WebMetrics registry with its cluster collector over an empty cluster."""
+    from broker.keys import Keys
     from web.metrics import ClusterCollector, WebMetrics
 
     empty = SimpleNamespace(
         workers=SimpleNamespace(live=list),
         streamers=SimpleNamespace(live=list),
         models=SimpleNamespace(known=list),
+        redis=SimpleNamespace(hgetall=lambda _key: {}),  # an empty usage ledger
+        keys=Keys(),
     )
     metrics = WebMetrics(ClusterCollector(empty))  # type: ignore[arg-type]
     own = {

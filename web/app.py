@@ -14,9 +14,12 @@ from flask import Flask
 from flask_sock import Sock
 
 from app.settings import Settings
+from broker.api_keys import ApiKeyStore, KeyCache
 from broker.response_service import ResponseService
 from broker.runner import Runner
 from web import (
+    admin_keys,
+    admin_usage,
     batch,
     embeddings,
     errors,
@@ -24,6 +27,7 @@ from web import (
     metrics,
     openai_routes,
     page_headers,
+    rate_headers,
     responses_api,
     tokenize,
     ws,
@@ -46,6 +50,8 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.extensions[CONNECTIONS] = KeyConnections(
         settings.key_max_connections if settings.api_keys else 0
     )
+    if settings.api_keys and runner.policy.cache is None:  # keys managed at run time
+        runner.policy.cache = KeyCache(ApiKeyStore(runner.redis, runner.keys))
     errors.register(app)
     metrics.register(app)
     app.register_blueprint(openai_routes.blueprint)
@@ -54,6 +60,9 @@ def create_app(settings: Settings | None = None, *, runner: Runner | None = None
     app.register_blueprint(tokenize.blueprint)
     app.register_blueprint(messages_api.blueprint)
     app.register_blueprint(embeddings.blueprint)
+    app.register_blueprint(admin_keys.blueprint)
+    app.register_blueprint(admin_usage.blueprint)
+    rate_headers.register(app)
     ws.register(Sock(app))
     page_headers.register(app)
     return app

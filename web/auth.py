@@ -14,14 +14,16 @@ no keys are configured, see all.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from flask import g, has_request_context
+
 from app.errors import AuthenticationFailed
 from app.settings import Settings
+from broker.api_keys import KeyCache, secret_hash
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,8 +78,9 @@ def check_key(keys: Iterable[str], key: str | None) -> None:
 
 
 def key_owner(key: str) -> str:
-    """The owner id stored with a key's objects: a hash, so Redis never holds a key."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    """The owner id stored with an environment key's objects: a hash, so Redis never
+    holds a key (a managed key's owner is its id)."""
+    return secret_hash(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +101,33 @@ class Tenant:
 
 
 def tenant_of(settings: Settings, authorization: str | None) -> Tenant:
-    """The tenant of a request whose key the app-wide hook has already accepted."""
-    return tenant_for_key(settings, bearer_key(authorization))
+    """The tenant of a request whose key the app-wide hook has already accepted (and
+    kept: ``g.tenant``, which knows managed keys too)."""
+    found: Tenant | None = g.get("tenant") if has_request_context() else None
+    return found or tenant_for_key(settings, bearer_key(authorization))
 
 
-def tenant_for_key(settings: Settings, key: str | None) -> Tenant:
-    """The tenant of an accepted key (a WebSocket may present it as ``?api_key=``)."""
+def tenant_for_key(settings: Settings, key: str | None, managed: KeyCache | None = None) -> Tenant:
+    """The tenant of an accepted key (a WebSocket may present it as ``?api_key=``): an
+    environment key owns by its hash; a managed key (``broker.api_keys``) by its id, so
+    its objects stay with it through a rotation."""
     if not settings.api_keys:
         return Tenant(owner="", sees_all=True)
     key = key or ""
+    if managed is not None and not key_ok(settings.api_keys, key):
+        found = managed.lookup(key)
+        if found is not None:
+            return Tenant(owner=found.id, sees_all=found.admin)
     admin = key_ok(settings.admin_api_keys, key) if settings.admin_api_keys else False
     return Tenant(owner=key_owner(key), sees_all=admin)
+
+
+def authenticate(settings: Settings, key: str | None, managed: KeyCache | None) -> Tenant:
+    """The tenant of ``key`` if it is an environment key or a live managed key; else
+    ``AuthenticationFailed`` (401), saying so when the key was revoked."""
+    if not settings.api_keys or key_ok(settings.api_keys, key):
+        return tenant_for_key(settings, key)
+    found = managed.lookup(key) if managed is not None and key else None
+    if found is None:
+        check_key(settings.api_keys, key)  # raises: missing or incorrect
+    return tenant_for_key(settings, key, managed)

@@ -42,6 +42,7 @@ from app.errors import error_body
 from app.intake import PreparedRequest
 from broker.celery_app import queue_depths
 from broker.run import RunOutcome
+from web.usage_metrics import usage_families
 
 if TYPE_CHECKING:
     from broker.registry import WorkerInfo
@@ -109,6 +110,7 @@ class ClusterCollector:
         live.add_metric([], len(streamers))
         yield from (depth, live)
         yield from model_gauges(svc.models.known(), workers, depths)
+        yield from usage_families(svc.redis, svc.keys)  # the usage ledger's counters
 
 
 def model_gauges(

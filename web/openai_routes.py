@@ -72,13 +72,14 @@ def _before() -> None:
     client_id = request.headers.get("X-Request-Id", "")
     g.client_request_id = bool(_CLIENT_ID.fullmatch(client_id))
     g.request_id = client_id if g.client_request_id else uuid.uuid4().hex
-    if request.path.startswith("/v1/"):
-        keys = settings_of(current_app).api_keys
+    if request.path.startswith(("/v1/", "/admin/")):
+        settings = settings_of(current_app)
         view = current_app.view_functions.get(request.endpoint or "")
-        if keys and not auth.is_exempt(view):
+        if settings.api_keys and not auth.is_exempt(view):
             # Anthropic's clients send their key as ``x-api-key``.
             key = auth.bearer_key(request.headers.get("Authorization"))
-            auth.check_key(keys, key or request.headers.get("x-api-key"))
+            managed = runner_of(current_app).policy.cache
+            g.tenant = auth.authenticate(settings, key or request.headers.get("x-api-key"), managed)
 
 
 @blueprint.after_app_request

@@ -32,9 +32,10 @@ def prompts_for(body: Any) -> PromptBuilder:
 
 
 def _check_key() -> None:
-    keys = settings_of(current_app).api_keys
-    if keys and not request.path.startswith("/v1/"):  # /v1/ paths: checked for every route
-        auth.check_key(keys, auth.bearer_key(request.headers.get("Authorization")))
+    settings = settings_of(current_app)
+    if settings.api_keys and not request.path.startswith("/v1/"):  # /v1/: checked already
+        key = auth.bearer_key(request.headers.get("Authorization"))
+        auth.authenticate(settings, key, runner_of(current_app).policy.cache)
 
 
 @blueprint.post("/tokenize")

@@ -27,6 +27,7 @@ from simple_websocket import ConnectionClosed
 from app.errors import (
     AuthenticationFailed,
     InvalidRequest,
+    KeyRevoked,
     OriginNotAllowed,
     QuotaExceeded,
     TokenRelayError,
@@ -37,7 +38,7 @@ from broker import drive
 from broker.response_service import ResponseService, StartedResponse
 from broker.run import Run
 from broker.runner import Runner, client_error
-from web.auth import Tenant, bearer_key, exempt, key_ok, tenant_for_key
+from web.auth import Tenant, authenticate, bearer_key, exempt
 from web.context import connections_of, responses_of, runner_of, settings_of
 from web.ws_messages import (
     CancelChat,
@@ -168,6 +169,9 @@ class ChatSocket:
             while not self._closed.is_set():
                 if self.runner.closing.is_set():  # drained: resume on another process
                     self.ws.close(reason=CLOSE_SERVICE_RESTART, message="server stopping")
+                    break
+                if self.runner.key_revoked(self.tenant.owner):
+                    _refuse(self.ws, KeyRevoked(), "api key revoked")
                     break
                 raw = self.ws.receive(timeout=READ_BLOCK_S)
                 if raw is not None:
@@ -337,10 +341,13 @@ def register(sock: Sock) -> None:
             )
             _refuse(ws, forbidden, "origin not allowed")
             return
-        if not key_ok(settings.api_keys, presented_key(request)):
+        try:
+            tenant = authenticate(
+                settings, presented_key(request), runner_of(current_app).policy.cache
+            )
+        except AuthenticationFailed:
             _refuse(ws, AuthenticationFailed("Invalid or missing API key."), "invalid api key")
             return
-        tenant = tenant_for_key(settings, presented_key(request))
         try:
             close = connections_of(current_app).open(tenant.owner)
         except QuotaExceeded as exc:

@@ -159,11 +159,13 @@ def build_app(settings: Settings) -> Celery:
     celery_app.steps["worker"].add(engine_info_step(state))
 
     @celery_app.task(name=GENERATE_TASK, bind=True)  # type: ignore[untyped-decorator]
-    def generate(self: Any, request_id: str, attempt: int = 0) -> dict[str, Any]:
+    def generate(
+        self: Any, request_id: str, attempt: int = 0, fair: bool = False
+    ) -> dict[str, Any]:
         runtime = state.get("runtime")
         if runtime is None:
             raise RuntimeError("worker runtime not started (worker_init did not run)")
-        return runtime.generate(request_id, attempt).encode()
+        return runtime.generate(request_id, attempt, fair=fair).encode()
 
     @celery_app.task(name=EMBED_TASK)  # type: ignore[untyped-decorator]
     def embed(request_id: str, inputs: list[list[int]]) -> int:

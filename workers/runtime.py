@@ -26,6 +26,7 @@ from app.settings import Settings
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
 from broker.embeddings import send_reply
+from broker.fair_queue import FairQueue
 from broker.keys import Keys
 from broker.models import ModelCatalog, ModelEntry
 from broker.prefix_routes import PrefixAdverts
@@ -75,6 +76,7 @@ class WorkerRuntime:
         self.worker_id = worker_id or new_worker_id()
         keys = Keys(settings.key_prefix)
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
+        self.fair = FairQueue(client, keys, ttl_s=settings.stream_ttl_s)
         self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
         self.models = ModelCatalog(client, keys, self.registry, default=self.model_name)
         self.model_entry = ModelEntry(
@@ -282,11 +284,28 @@ class WorkerRuntime:
             self._stop.wait(HEARTBEAT_S)
 
     # -- the task body -----------------------------------------------------------------
-    def generate(self, request_id: str, attempt: int) -> GenerateResult:
-        """Run ``attempt`` of a request to its end here, unless someone else owns it."""
-        claim, record, again = self.store.claim_and_load(
-            request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
-        )
+    def generate(self, request_id: str, attempt: int, *, fair: bool = False) -> GenerateResult:
+        """Run ``attempt`` of a request to its end here, unless someone else owns it.
+        ``fair``: run the model's next request by fair share (``broker.fair_queue``)
+        instead; one that is not waiting any more is skipped for the one after."""
+        while fair:
+            taken = self.fair.pop(self.model_name)
+            if taken is None:
+                logger.info("task for request %s: no fair-share request waits", request_id)
+                skipped = TaskOutcome.SKIPPED
+                return GenerateResult(
+                    request_id=request_id, attempt=0, outcome=skipped, claim="none waiting"
+                )
+            claim, record, again = self.store.claim_and_load(
+                taken, 0, self.worker_id, self.settings.lease_ttl_s, time.time()
+            )
+            if claim is ClaimResult.OK:
+                request_id, attempt = taken, 0
+                break
+        else:
+            claim, record, again = self.store.claim_and_load(
+                request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
+            )
         if claim is not ClaimResult.OK:
             logger.info("request %s attempt %s not run here: %s", request_id, attempt, claim.value)
             return GenerateResult(

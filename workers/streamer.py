@@ -57,6 +57,7 @@ from broker.celery_app import create_celery, send_generate
 from broker.chunks import ChunkLog, entry_ordinal, phase_of
 from broker.connection import as_str, redis_client
 from broker.direct import read_rest, xread_command
+from broker.fair_queue import send_again
 from broker.keys import Keys
 from broker.models import ModelCards, catalog_of, settings_directory
 from broker.outputs import OutputEntry
@@ -352,7 +353,8 @@ class Streamer(Relay):
             self.tracked.pop(rid, None)
             message, code = (str(exc), 503) if isinstance(exc, ModelError) else (REQUEST_FAULT, 500)
             error = OutputEvent(OutputKind.ERROR, error=message, code=code)
-            self._commit([OutputEntry(rid, [error], "0", first=True)])
+            count = self._unadoptable_count(read[0])  # counted in the usage ledger
+            self._commit([OutputEntry(rid, [error], "0", first=True, usage=count)])
             self.store.cancel(rid)
             self.handoff.ack(entry_id)
             return None
@@ -536,9 +538,7 @@ class Streamer(Relay):
             t.route = ""
         if routed_to_the_dead or self._resend_queued or waited > self.settings.requeue_after_s:
             t.last_sent = now
-            send_generate(
-                self.celery, t.record.request_id, attempt, queue=t.record.queue, model=model
-            )
+            send_again(self.celery, self.fair, t.record, attempt)
         return None
 
     def _resume(self, t: Tracked) -> OutputEntry | None:

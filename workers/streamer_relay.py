@@ -27,9 +27,11 @@ from tokenizers import Tokenizer
 
 from app.messages import EngineFinish, OutputEvent, OutputKind, TokenDelta
 from app.settings import Settings
+from app.usage import UsageCount
 from broker.chunks import TokenEntry
 from broker.connection import as_str
 from broker.direct import DirectConnection
+from broker.fair_queue import FairQueue
 from broker.handoff import RequestHandoff
 from broker.keys import Keys
 from broker.models import ModelCards
@@ -76,7 +78,10 @@ class Relay:
         keys = Keys(settings.key_prefix)
         self.keys = keys
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
-        self.outputs = OutputStreams(client, keys, ttl_s=settings.stream_ttl_s)
+        self.fair = FairQueue(client, keys, ttl_s=settings.stream_ttl_s)
+        self.outputs = OutputStreams(
+            client, keys, ttl_s=settings.stream_ttl_s, ledger_days=settings.usage_ledger_days
+        )
         # What each key's output streams hold: its output quota (key_max_output_bytes).
         self.usage = OutputUsage(client, keys, window_s=settings.stream_ttl_s, clock=clock)
         self._count_usage = bool(settings.api_keys and settings.key_max_output_bytes)
@@ -146,12 +151,17 @@ class Relay:
         published: bytes | None = None,
     ) -> OutputEntry:
         """``t``'s events of this cycle as its next output chunk, staged for the next
-        write: a checkpoint when it is this streamer's first for ``t`` or its last."""
+        write: a checkpoint when it is this streamer's first for ``t`` or its last. The
+        last carries the request's usage count: the usage ledger counts it in the same
+        write (``broker.usage_ledger``)."""
         payload = encode_events(events)
         n, mark, prior = t.out.stage(payload, self._writes, t.mark_next or terminal)
         t.mark_next = False
         t.out_source = str(t.n)
-        return t.staged(n, mark, prior, payload, events, first, published)
+        out = t.staged(n, mark, prior, payload, events, first, published)
+        if terminal:
+            out.usage = t.usage_count(events, self.clock())
+        return out
 
     def _commit(
         self,
@@ -379,6 +389,19 @@ class Relay:
         }
         usage["streamer"] = self.consumer  # internal: the web tier drops it
         return OutputEvent(OutputKind.USAGE, usage=usage)
+
+    def _unadoptable_count(self, raw_record: Any) -> UsageCount | None:
+        """The usage count of a request that ends with an error because it cannot be
+        adopted (``raw_record``: its record as read), when its record is readable."""
+        try:
+            loaded = self.store.loaded(raw_record)
+        except Exception:
+            return None
+        if loaded is None:
+            return None
+        record = loaded[0]
+        prompt = {"prompt_tokens": sum(len(p) for p in record.prompts)}
+        return UsageCount.of(record, prompt, error=True, at=self.clock())
 
     def _forget_taken_over(self, rids: set[str]) -> None:
         """Requests whose output another streamer writes now (our write was fenced):

@@ -5,14 +5,16 @@ Split out of ``workers.streamer`` (the loop) so each module reads on its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
 from kombu.exceptions import OperationalError
 
 from app.decoder import Decoder, RequestDecoder
-from app.messages import OutputEvent
+from app.messages import FinishReason, OutputEvent, OutputKind
 from app.records import RequestRecord
+from app.usage import UsageCount
 from broker.chunks import ChunkLog
 from broker.outputs import OutputEntry
 from broker.registry import Registry, WorkerInfo
@@ -100,6 +102,22 @@ class Tracked:
             prior,
             payload,
         )
+
+    def usage_count(self, events: Sequence[OutputEvent], at: float) -> UsageCount:
+        """What the usage ledger counts for this request when ``events`` end it: the
+        usage its client reads, or after a request-level error the tokens so far; an
+        error when it ended with one or a choice did (``finish_reason: "error"``)."""
+        usage = next((e.usage for e in events if e.kind is OutputKind.USAGE and e.usage), None)
+        error = any(e.kind is OutputKind.ERROR and e.choice is None for e in events)
+        try:
+            error = error or any(
+                d.finish_reason is FinishReason.ERROR for d in self.choices.choices
+            )
+            if usage is None:
+                usage = self.choices.usage
+        except Exception:  # a broken decoder: its prompt is still known
+            usage = usage or {"prompt_tokens": sum(len(p) for p in self.record.prompts)}
+        return UsageCount.of(self.record, usage, error=error, at=at)
 
     def restaged(self, index: int) -> OutputEntry:
         """A checkpoint of its output chunks since the last one, with no new chunk, for
