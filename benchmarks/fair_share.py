@@ -36,6 +36,7 @@ from app.prepare import prepare_bundled_model
 from benchmarks.relay import percentile
 from broker.celery_app import priority_lists, queue_name
 from broker.connection import redis_client
+from broker.keys import Keys
 from tests.stack import Stack, full_stack, isolated_settings
 
 KEY_A = "bench-key-a-0123456789"
@@ -88,6 +89,15 @@ def queued(stack: Stack) -> int:
         client.connection_pool.disconnect()
 
 
+def admitted(stack: Stack) -> int:
+    """Requests admitted and not finished (the admission set)."""
+    client = redis_client(stack.settings.redis_url, max_connections=2)
+    try:
+        return int(client.zcard(Keys(stack.settings.key_prefix).inflight))
+    finally:
+        client.connection_pool.disconnect()
+
+
 def b_ttfts(results: list[dict[str, Any]], expected: int) -> list[float]:
     bad = [r for r in results if not r["ok"]]
     if bad or len(results) != expected:
@@ -104,16 +114,23 @@ def round_of(stack: Stack, args: argparse.Namespace, words: str, n: int) -> dict
     flood = burst(
         stack.base_url, KEY_A, [f"a{n}-{i} {words}" for i in range(args.flood)], flood_out
     )
+    # Every one of A's requests admitted (in flight or done): B's arrive behind A's
+    # backlog, not behind A's requests still waiting for the web tier to admit them.
     deadline = time.monotonic() + 60
-    while queued(stack) < args.flood // 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while admitted(stack) + len(flood_out) < args.flood and time.monotonic() < deadline:
+        time.sleep(0.01)
+    backlog = queued(stack)
     flooded: list[dict[str, Any]] = []
     for t in burst(stack.base_url, KEY_B, [f"f{x}" for x in few], flooded):
         t.join()
     for t in flood:
         t.join()
     b_ttfts(flood_out, args.flood)
-    return {"alone": b_ttfts(alone, args.few), "flooded": b_ttfts(flooded, args.few)}
+    return {
+        "alone": b_ttfts(alone, args.few),
+        "flooded": b_ttfts(flooded, args.few),
+        "backlog": [float(backlog)],
+    }
 
 
 def main() -> int:
@@ -153,7 +170,9 @@ def main() -> int:
             alone = [t for r in runs for t in r["alone"]]
             flooded = [t for r in runs for t in r["flooded"]]
             p95 = (percentile(alone, 0.95), percentile(flooded, 0.95))
+            backlog = [int(r["backlog"][0]) for r in runs]
             report[name] = {
+                "a_backlog_when_b_sent": backlog,
                 "b_alone_ttft_ms": {
                     "p50": round(percentile(alone, 0.5) * 1000, 1),
                     "p95": round(p95[0] * 1000, 1),

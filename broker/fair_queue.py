@@ -8,8 +8,10 @@ interactive request is queued twice: its id in its key's own queue here (a sorte
 by ``priority``, then arrival), and a Celery task that says only "take the next fair
 request of this model" (``fair=True``). Whichever worker runs such a task pops from
 here: the key with the smallest virtual start time (start-time fair queuing: each
-request a key takes moves its clock on by ``1 / weight``; a key that was idle starts at
-the current virtual time, so it cannot bank turns), then that key's first request. One
+request a key takes moves its clock on by ``1 / weight``), then that key's first
+request. A key that was idle starts ``BURST_TURNS`` of its turns behind the current
+virtual time (or where its clock stopped, if later): it may take that many turns in a
+row, then it shares; it cannot bank more. One
 task per request keeps the Celery queue's length the number of requests waiting (what
 KEDA and the gauges read); which request a task runs is decided at the last moment.
 
@@ -31,16 +33,18 @@ from broker.celery_app import send_generate
 from broker.keys import Keys
 
 # KEYS: owners zset, state hash, the owner's requests zset
-# ARGV: owner, rid, priority, weight (0: keep the key's), ttl s. A request already
-# queued keeps its place (a resend).
+# ARGV: owner, rid, priority, weight (0: keep the key's), ttl s, burst turns. A request
+# already queued keeps its place (a resend). A key that starts waiting starts its clock
+# ``burst`` of its turns behind the current time, or where it stopped if that is later.
 PUSH = """
 local seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
 redis.call('ZADD', KEYS[3], 'NX', tonumber(ARGV[3]) * 4294967296 + seq, ARGV[2])
 if tonumber(ARGV[4]) > 0 then redis.call('HSET', KEYS[2], 'w:' .. ARGV[1], ARGV[4]) end
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   local v = tonumber(redis.call('HGET', KEYS[2], 'v') or '0')
-  local f = tonumber(redis.call('HGET', KEYS[2], 'f:' .. ARGV[1]) or '0')
-  redis.call('ZADD', KEYS[1], math.max(v, f), ARGV[1])
+  local f = tonumber(redis.call('HGET', KEYS[2], 'f:' .. ARGV[1]) or '-1e18')
+  local w = tonumber(redis.call('HGET', KEYS[2], 'w:' .. ARGV[1]) or '1')
+  redis.call('ZADD', KEYS[1], math.max(v - tonumber(ARGV[6]) / w, f), ARGV[1])
 end
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[5]) end
 return seq
@@ -70,6 +74,11 @@ end
 
 #: Priority is clamped to this range (vLLM's field is any integer; lower runs first).
 MAX_PRIORITY = 1_000_000
+#: Turns a key that was idle may take in a row before it shares with the keys already
+#: waiting: a light user's few requests go ahead of a flood's backlog (its time to first
+#: token stays near what it is alone), but no returning key holds the workers for
+#: more than this many of its requests.
+BURST_TURNS = 16
 
 
 class FairQueue:
@@ -88,7 +97,7 @@ class FairQueue:
         pri = max(-MAX_PRIORITY, min(priority, MAX_PRIORITY))
         keys = [self.keys.fair_owners(model), self.keys.fair_state(model)]
         keys.append(self.keys.fair_requests(model, owner))
-        self._push(keys=keys, args=[owner, rid, pri, max(weight, 0), self.ttl_s])
+        self._push(keys=keys, args=[owner, rid, pri, max(weight, 0), self.ttl_s, BURST_TURNS])
 
     def pop(self, model: str) -> str | None:
         """The next request by fair share, removed from its queue; None: none waits."""
