@@ -133,28 +133,13 @@ class ApiKeyStore:
 
     def revoke(self, key_id: str) -> bool:
         """Delete the key; its secret fails from now on, its open streams end."""
-        while True:
-            with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(self.keys.api_keys)  # type: ignore[no-untyped-call]
-                    raw = pipe.hget(self.keys.api_keys, key_id)
-                    if raw is None:
-                        return False
-                    key = ApiKey.model_validate_json(raw)
-                    pipe.multi()
-                    pipe.hdel(self.keys.api_keys, key_id)
-                    pipe.hdel(self.keys.api_key_secrets, key.secret_sha256)
-                    pipe.hset(self.keys.api_keys_revoked, key_id, str(time.time()))
-                    pipe.incr(self.keys.api_keys_version)
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+        return self._change(key_id, lambda _key: None)[1] is not None
 
     def _change(
-        self, key_id: str, change: Callable[[ApiKey], ApiKey]
+        self, key_id: str, change: Callable[[ApiKey], ApiKey | None]
     ) -> tuple[ApiKey | None, ApiKey | None]:
-        """Apply ``change`` to the key under WATCH; (new, old), (None, None) if absent."""
+        """Apply ``change`` to the key under WATCH (None: revoke it); (new, old), and
+        (None, None) when there is no such key."""
         while True:
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
@@ -165,9 +150,14 @@ class ApiKeyStore:
                     old = ApiKey.model_validate_json(raw)
                     new = change(old)
                     pipe.multi()
-                    pipe.hset(self.keys.api_keys, key_id, new.model_dump_json())
-                    if new.secret_sha256 != old.secret_sha256:
+                    if new is None:
+                        pipe.hdel(self.keys.api_keys, key_id)
+                        pipe.hset(self.keys.api_keys_revoked, key_id, str(time.time()))
+                    else:
+                        pipe.hset(self.keys.api_keys, key_id, new.model_dump_json())
+                    if new is None or new.secret_sha256 != old.secret_sha256:
                         pipe.hdel(self.keys.api_key_secrets, old.secret_sha256)
+                    if new is not None and new.secret_sha256 != old.secret_sha256:
                         pipe.hset(self.keys.api_key_secrets, new.secret_sha256, key_id)
                     pipe.incr(self.keys.api_keys_version)
                     pipe.execute()

@@ -409,3 +409,22 @@ def inject_output_chunk(
         client.xadd(log.steps, {"c": "injected", "d": line}, maxlen=256, approximate=True)
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def busiest(stack: Stack, kind: str, at_least: int) -> Proc:
+    """The process of ``kind`` (worker, streamer) on ``stack`` that holds most requests,
+    as its heartbeat (every 2 s) says, once they hold ``at_least`` between them."""
+    client = redis_client(stack.settings.redis_url, max_connections=2)
+    keys = Keys(stack.settings.key_prefix)
+
+    def load() -> dict[int, int]:
+        if kind == "worker":
+            return {w.pid: w.active_jobs for w in worker_registry(client, keys).live()}
+        return {s.pid: s.active_requests for s in streamer_registry(client, keys).live()}
+
+    try:
+        found: Any = wait_for(lambda: sum(load().values()) >= at_least and load(), 10, kind)
+    finally:
+        client.connection_pool.disconnect()
+    pid = max(found, key=lambda p: found[p])
+    return next(p for p in stack.procs.values() if p.pid == pid)

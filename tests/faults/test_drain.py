@@ -35,13 +35,14 @@ import websocket
 
 from broker.connection import redis_client
 from broker.keys import Keys
-from broker.registry import batcher_registry, streamer_registry, worker_registry
+from broker.registry import batcher_registry
 from broker.requests import RequestStore
 from tests.faults.web_clients import words
 from tests.stack import (
     Proc,
     Stack,
     batcher_process,
+    busiest,
     full_stack,
     isolated_settings,
     wait_for,
@@ -221,32 +222,13 @@ def drain_stack(models_dir: Path, tmp_path: Path) -> Iterator[Stack]:
         yield stack
 
 
-def busiest(stack: Stack, kind: str) -> Proc:
-    """The process of ``kind`` (worker, streamer) that holds most of the streams, as its
-    heartbeat (every 2 s) says."""
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    keys = Keys(stack.settings.key_prefix)
-
-    def load() -> dict[int, int]:
-        if kind == "worker":
-            return {w.pid: w.active_jobs for w in worker_registry(client, keys).live()}
-        return {s.pid: s.active_requests for s in streamer_registry(client, keys).live()}
-
-    try:
-        found: Any = wait_for(lambda: sum(load().values()) >= STREAMS and load(), 10, "heartbeats")
-    finally:
-        client.connection_pool.disconnect()
-    pid = max(found, key=lambda p: found[p])
-    return next(p for p in stack.procs.values() if p.pid == pid)
-
-
 def sigterm_mid_stream(stack: Stack, kind: str) -> tuple[list[SseClient], float]:
     """``STREAMS`` streams; SIGTERM to the process of ``kind`` holding most of them once
     all are under way. It must exit 0 within its drain time (and a margin), and every
     text be exact; the clients and the longest pause between two text events."""
     clients, threads = run_clients(stack.base_url)
     wait_streaming(clients)
-    proc = busiest(stack, kind)
+    proc = busiest(stack, kind, STREAMS)
     code, took = sigterm_and_wait(proc, DRAIN_S)
     join_all(threads)
     pause = longest_pause(clients)

@@ -29,12 +29,12 @@ import requests
 from app.usage import day_of
 from broker.connection import redis_client
 from broker.keys import Keys
-from broker.registry import streamer_registry, worker_registry
 from broker.requests import RequestStore
 from tests.faults.web_clients import words
 from tests.stack import (
     Proc,
     Stack,
+    busiest,
     full_stack,
     isolated_settings,
     wait_for,
@@ -165,24 +165,6 @@ def stack(models_dir: Path, tmp_path: Path) -> Iterator[Stack]:
         yield running
 
 
-def busiest(stack: Stack, kind: str) -> Proc:
-    """The process of ``kind`` holding most requests, as its heartbeat says."""
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    keys = Keys(stack.settings.key_prefix)
-
-    def load() -> dict[int, int]:
-        if kind == "worker":
-            return {w.pid: w.active_jobs for w in worker_registry(client, keys).live()}
-        return {s.pid: s.active_requests for s in streamer_registry(client, keys).live()}
-
-    try:
-        found: Any = wait_for(lambda: sum(load().values()) >= STREAMS // 2 and load(), 10, kind)
-    finally:
-        client.connection_pool.disconnect()
-    pid = max(found, key=lambda p: found[p])
-    return next(p for p in stack.procs.values() if p.pid == pid)
-
-
 def sigkill(proc: Proc, what: str) -> None:
     proc.kill_group()
     logger.warning("SIGKILLed %s (pid %d)", what, proc.pid)
@@ -220,9 +202,9 @@ def test_the_ledger_counts_each_request_exactly_once_through_sigkills(stack: Sta
     for t in threads:
         t.start()
     wait_for(lambda: all(len(c.text) >= 12 for c in clients), WAIT_S, "every stream under way")
-    sigkill(busiest(stack, "worker"), "the busiest worker")
+    sigkill(busiest(stack, "worker", STREAMS // 2), "the busiest worker")
     time.sleep(0.3)
-    streamer = busiest(stack, "streamer")
+    streamer = busiest(stack, "streamer", STREAMS // 2)
     sigkill(streamer, "the busiest streamer")
     time.sleep(0.3)
     sigkill(web_a, "web A")
