@@ -34,9 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.prepare import prepare_bundled_model
 from benchmarks.relay import percentile
-from broker.celery_app import priority_lists, queue_name
-from broker.connection import redis_client
-from broker.keys import Keys
 from tests.stack import Stack, full_stack, isolated_settings
 
 KEY_A = "bench-key-a-0123456789"
@@ -80,24 +77,6 @@ def burst(
     return threads
 
 
-def queued(stack: Stack) -> int:
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    try:
-        lists = priority_lists(queue_name("interactive", stack.settings.served_name))
-        return sum(int(client.llen(k)) for k in lists)
-    finally:
-        client.connection_pool.disconnect()
-
-
-def admitted(stack: Stack) -> int:
-    """Requests admitted and not finished (the admission set)."""
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    try:
-        return int(client.zcard(Keys(stack.settings.key_prefix).inflight))
-    finally:
-        client.connection_pool.disconnect()
-
-
 def b_ttfts(results: list[dict[str, Any]], expected: int) -> list[float]:
     bad = [r for r in results if not r["ok"]]
     if bad or len(results) != expected:
@@ -117,9 +96,9 @@ def round_of(stack: Stack, args: argparse.Namespace, words: str, n: int) -> dict
     # Every one of A's requests admitted (in flight or done): B's arrive behind A's
     # backlog, not behind A's requests still waiting for the web tier to admit them.
     deadline = time.monotonic() + 60
-    while admitted(stack) + len(flood_out) < args.flood and time.monotonic() < deadline:
+    while stack.admitted() + len(flood_out) < args.flood and time.monotonic() < deadline:
         time.sleep(0.01)
-    backlog = queued(stack)
+    backlog = stack.queued()
     flooded: list[dict[str, Any]] = []
     for t in burst(stack.base_url, KEY_B, [f"f{x}" for x in few], flooded):
         t.join()

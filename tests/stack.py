@@ -267,6 +267,26 @@ class Stack:
         self.procs[name] = proc
         return proc
 
+    def queued(self) -> int:
+        """Interactive requests of the served model waiting in its Celery queue (every
+        priority step's list), as the autoscaler's triggers read them."""
+        from broker.celery_app import priority_lists, queue_name
+
+        client = redis_client(self.settings.redis_url, max_connections=2)
+        try:
+            lists = priority_lists(queue_name("interactive", self.settings.served_name))
+            return sum(int(client.llen(k)) for k in lists)
+        finally:
+            client.connection_pool.disconnect()
+
+    def admitted(self) -> int:
+        """Requests admitted and not finished (the admission set)."""
+        client = redis_client(self.settings.redis_url, max_connections=2)
+        try:
+            return int(client.zcard(Keys(self.settings.key_prefix).inflight))
+        finally:
+            client.connection_pool.disconnect()
+
     def callback(self, fn: Callable[[], object]) -> None:
         """Call ``fn`` when the stack ends, before the processes started earlier stop."""
         self._exit.callback(fn)

@@ -21,9 +21,6 @@ from typing import Any
 import pytest
 import requests
 
-from broker.celery_app import priority_lists, queue_name
-from broker.connection import redis_client
-from broker.keys import Keys
 from tests.stack import Stack, full_stack, isolated_settings, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -69,24 +66,6 @@ def chat(base: str, key: str, text: str, out: dict[str, Any]) -> None:
     out["text"] = "".join(got)
 
 
-def queued(stack: Stack) -> int:
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    try:
-        lists = priority_lists(queue_name("interactive", stack.settings.served_name))
-        return sum(int(client.llen(k)) for k in lists)
-    finally:
-        client.connection_pool.disconnect()
-
-
-def admitted(stack: Stack) -> int:
-    """Requests admitted and not finished (the admission set)."""
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    try:
-        return int(client.zcard(Keys(stack.settings.key_prefix).inflight))
-    finally:
-        client.connection_pool.disconnect()
-
-
 def test_a_flooding_key_does_not_hold_back_another(stack: Stack) -> None:
     words = " ".join(f"w{i}" for i in range(20))
     a = [{"sent": f"a{i} {words}"} for i in range(FLOOD)]
@@ -94,8 +73,8 @@ def test_a_flooding_key_does_not_hold_back_another(stack: Stack) -> None:
     threads = []
     for key, outs in ((KEY_A, a), (KEY_B, b)):
         if key == KEY_B:  # once A's are all admitted, and many still queued
-            wait_for(lambda: admitted(stack) + sum("text" in o for o in a) >= FLOOD, 30, "A")
-            assert queued(stack) >= FLOOD // 2
+            wait_for(lambda: stack.admitted() + sum("text" in o for o in a) >= FLOOD, 30, "A")
+            assert stack.queued() >= FLOOD // 2
         for out in outs:
             t = threading.Thread(target=chat, args=(stack.base_url, key, out["sent"], out))
             t.start()

@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from tests.stack import full_stack, isolated_settings, wait_for, web_process, web_settings
+from tests.web.test_managed_keys import bearer, within_one_minute
 
 pytestmark = pytest.mark.e2e
 
@@ -49,18 +50,6 @@ def two_webs(
         b = web_settings(stack.settings)
         with web_process(b, logs, name="web-b"):
             yield stack.base_url, f"http://{b.host}:{b.port}"
-
-
-def within_one_minute(needed_s: float = 10.0) -> None:
-    """Rate limits count per clock minute: start a test that needs ``needed_s`` where
-    the minute will not turn during it."""
-    left = 60 - time.time() % 60
-    if left < needed_s:
-        time.sleep(left + 0.05)
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def new_key(base: str, **fields: Any) -> dict[str, Any]:
@@ -95,7 +84,7 @@ def status_within(base: str, key: str, want: int, within_s: float) -> float:
 def test_tokens_per_minute_hold_across_both_web_processes(two_webs: tuple[str, str]) -> None:
     a, b = two_webs
     key = new_key(a, tokens_per_minute=400)["secret"]
-    within_one_minute()
+    within_one_minute(10.0)
     answers = []
     for i in range(20):  # each reserves its prompt + 50 tokens, keeps what it used
         resp = chat(a if i % 2 == 0 else b, key, f"question {i}")
