@@ -159,6 +159,10 @@ class RequestRecord(BaseModel):
     # (``broker.prefix_routes``); "" for the shared queue. If that worker dies before
     # taking it, the streamers' watchdog sends it to the shared queue.
     route: str = ""
+    # Its W3C trace context (``traceparent``, ``tracestate``: app.tracecontext) when the
+    # web tier traces it: the parent of every span the other processes add to its trace
+    # (``broker.tracing``). Empty when tracing is off.
+    trace: dict[str, str] = Field(default_factory=dict)
 
     @property
     def give_up_at(self) -> float:
