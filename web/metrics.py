@@ -13,8 +13,13 @@ Generation requests are recorded in one place: ``broker.run`` reports each rejec
 SSE, JSON and WebSocket alike, with the seed's labels: ``model``, ``endpoint`` and
 ``mode`` (``stream`` or ``unary``). Latencies are measured here, where the client is:
 time to first token is from the request's arrival to the first text leaving for the
-client, end-to-end to the last event, inter-token latency once per text delta (the gap
-since the previous one). Queue time comes from the streamer's ``timings``.
+client, end-to-end to the last event, inter-token latency once per text delta after
+the first (the gap since the previous one). Queue time (arrival to a worker claiming the
+request) comes from the streamer's ``timings``.
+
+The cluster's families, read from Redis at scrape time, are ``web.cluster_metrics``'s.
+docs/operations.md's table of every metric is generated from both
+(``tokenrelay metrics docs``, ``web.metrics_docs``): a metric's help is its meaning there.
 """
 
 from __future__ import annotations
@@ -22,10 +27,9 @@ from __future__ import annotations
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-import redis
 from flask import Flask, Response, g, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,18 +39,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.errors import error_body
 from app.intake import PreparedRequest
-from broker.celery_app import queue_depths
 from broker.run import RunOutcome
-from web.usage_metrics import usage_families
-
-if TYPE_CHECKING:
-    from broker.registry import WorkerInfo
-    from broker.runner import Runner
+from web.cluster_metrics import ClusterCollector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -64,224 +62,6 @@ def multiprocess_dir() -> str | None:
     return os.environ.get(MULTIPROC_ENV) or os.environ.get(MULTIPROC_ENV.lower())
 
 
-class ClusterCollector:
-    """Worker-side gauges, read from Redis when ``/metrics`` is scraped.
-
-    Workers heart-beat their batch size, token count and engine gauges into the registry
-    (``broker.registry``); Celery's queues are Redis lists. Reading both at scrape time
-    lets one scrape of any web process show the whole cluster, with no port to open on
-    GPU hosts. A Redis error yields no samples rather than a failed scrape.
-    """
-
-    def __init__(self, service: Runner) -> None:
-        self.service = service
-
-    def describe(self) -> list[Any]:
-        return []  # collected lazily: nothing to check at registration
-
-    def collect(self) -> Iterator[Any]:
-        svc = self.service
-        try:
-            workers = svc.workers.live()
-            streamers = svc.streamers.live()
-            depths = {
-                (model, queue): depth
-                for model in svc.models.known()
-                for queue, depth in queue_depths(svc.redis, model).items()
-            }
-        except redis.RedisError:
-            return
-        for kind, name, doc, extra, sample in WORKER_FAMILIES:
-            family = kind(name, doc, labels=[*WORKER_LABELS, *extra])
-            for w in workers:
-                value = sample(w)
-                if value is not None:
-                    labels = [w.worker_id, w.model, w.engine, *(getattr(w, a) for a in extra)]
-                    family.add_metric(labels, float(value))
-            yield family
-        depth = GaugeMetricFamily(
-            "tokenrelay_queue_depth",
-            "Generation tasks waiting in a Celery queue.",
-            labels=["model", "queue"],
-        )
-        for (model, q), n in depths.items():
-            depth.add_metric([model, q], float(n))
-        live = GaugeMetricFamily("tokenrelay_streamers_live", "Streamer processes heart-beating.")
-        live.add_metric([], len(streamers))
-        yield from (depth, live)
-        yield from model_gauges(svc.models.known(), workers, depths)
-        yield from usage_families(svc.redis, svc.keys)  # the usage ledger's counters
-
-
-def model_gauges(
-    models: list[str], workers: list[WorkerInfo], depths: dict[tuple[str, str], int]
-) -> Iterator[Any]:
-    """Per model, what autoscalers and dashboards read (issue 43): requests waiting
-    (in its queues, and accepted by a worker's engine but not running yet), running,
-    live workers and KV cache use; then the same under the names vLLM's dashboards and
-    autoscaling recipes use (``vllm:num_requests_waiting``, ``..._running``,
-    ``vllm:kv_cache_usage_perc``: a fraction, as vLLM's is), labelled ``model_name``."""
-    waiting = GaugeMetricFamily(
-        "tokenrelay_model_requests_waiting",
-        "Requests of a model not running yet: queued, or held by a worker's engine.",
-        labels=["model"],
-    )
-    running = GaugeMetricFamily(
-        "tokenrelay_model_requests_running",
-        "Requests a model's workers generate.",
-        labels=["model"],
-    )
-    live = GaugeMetricFamily(
-        "tokenrelay_model_workers", "Live workers of a model.", labels=["model"]
-    )
-    usage = GaugeMetricFamily(
-        "tokenrelay_model_kv_cache_usage",
-        "Mean fraction of the KV cache in use over a model's live workers.",
-        labels=["model"],
-    )
-    aliases = [
-        GaugeMetricFamily("vllm:num_requests_waiting", "As tokenrelay_model_requests_waiting.",
-                          labels=["model_name"]),
-        GaugeMetricFamily("vllm:num_requests_running", "As tokenrelay_model_requests_running.",
-                          labels=["model_name"]),
-        GaugeMetricFamily("vllm:kv_cache_usage_perc", "As tokenrelay_model_kv_cache_usage.",
-                          labels=["model_name"]),
-    ]  # fmt: skip
-    for model in models:
-        mine = [w for w in workers if w.model == model]
-        held = sum(w.engine_stats.get("engine_waiting", 0.0) for w in mine)
-        queued = sum(n for (m, _q), n in depths.items() if m == model)
-        values = (
-            float(queued + held),
-            float(sum(w.active_jobs for w in mine) - held),
-        )
-        caches = [w.engine_stats["cache_usage"] for w in mine if "cache_usage" in w.engine_stats]
-        waiting.add_metric([model], values[0])
-        running.add_metric([model], max(values[1], 0.0))
-        live.add_metric([model], float(len(mine)))
-        aliases[0].add_metric([model], values[0])
-        aliases[1].add_metric([model], max(values[1], 0.0))
-        if caches:
-            mean = sum(caches) / len(caches)
-            usage.add_metric([model], mean)
-            aliases[2].add_metric([model], mean)
-    yield from (waiting, running, live, usage, *aliases)
-
-
-WORKER_LABELS = ("worker", "model", "engine")
-_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
-# Each worker family: its kind, name, help, labels beyond WORKER_LABELS (attributes of
-# the worker) and its sample from one worker's heartbeat (None: that worker has none).
-WORKER_FAMILIES: tuple[
-    tuple[_Family, str, str, tuple[str, ...], Callable[[WorkerInfo], float | None]], ...
-] = (
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_batch_size",
-        "Choices running in a worker's last step.",
-        (),
-        lambda w: w.batch_size,
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_active_requests",
-        "Requests a worker is generating.",
-        (),
-        lambda w: w.active_jobs,
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_capacity",
-        "Concurrent requests a worker accepts.",
-        (),
-        lambda w: w.capacity,
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_engine_capacity",
-        "Sequences a worker's engine runs at once, by its mode: an unpaged exllamav2 "
-        "worker runs 1 whatever its slots.",
-        ("mode",),
-        # A worker from before modes were reported has none.
-        lambda w: w.engine_capacity if w.mode else None,
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_paged",
-        "1 when an exllamav2 worker runs paged attention (continuous batching), 0 when "
-        "it runs unpaged (one sequence at a time).",
-        (),
-        lambda w: {"paged": 1.0, "unpaged": 0.0}.get(w.mode),
-    ),
-    (
-        CounterMetricFamily,
-        "tokenrelay_worker_tokens",
-        "Token ids a worker produced since it started (rate() gives tokens/s).",
-        (),
-        lambda w: w.tokens_total,
-    ),
-    (
-        CounterMetricFamily,
-        "tokenrelay_worker_steps",
-        "Engine steps a worker ran since it started.",
-        (),
-        lambda w: w.steps_total,
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_cache_usage",
-        "Fraction of the engine's KV cache in use (engines that report it).",
-        (),
-        lambda w: w.engine_stats.get("cache_usage"),
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_engine_waiting",
-        "Jobs waiting inside a worker's engine for cache pages or a batch slot "
-        "(exllamav2): work it accepted but cannot run yet.",
-        (),
-        lambda w: w.engine_stats.get("engine_waiting"),
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_pending_continuations",
-        "Live streams paused inside a worker's engine, their next segment waiting for "
-        "cache pages (exllamav2).",
-        (),
-        lambda w: w.engine_stats.get("pending_continuations"),
-    ),
-    # The prefix cache (engines that have one): hits / queries is the hit rate.
-    (
-        CounterMetricFamily,
-        "tokenrelay_worker_prefix_cache_queries",
-        "Prompt tokens looked up in a worker's prefix cache since it started.",
-        (),
-        lambda w: w.engine_stats.get("prefix_cache_queries"),
-    ),
-    (
-        CounterMetricFamily,
-        "tokenrelay_worker_prefix_cache_hits",
-        "Prompt tokens found in a worker's prefix cache (not computed again).",
-        (),
-        lambda w: w.engine_stats.get("prefix_cache_hits"),
-    ),
-    (
-        CounterMetricFamily,
-        "tokenrelay_worker_prefix_cache_evicted",
-        "KV cells a worker's prefix cache evicted to make room.",
-        (),
-        lambda w: w.engine_stats.get("prefix_cache_evicted"),
-    ),
-    (
-        GaugeMetricFamily,
-        "tokenrelay_worker_prefix_cache_cells",
-        "KV cells that hold only cached prefixes (free to take when needed).",
-        (),
-        lambda w: w.engine_stats.get("prefix_cache_cells"),
-    ),
-)
-
-
 class WebMetrics:
     """The web tier's metrics, registered in a registry of their own."""
 
@@ -293,7 +73,8 @@ class WebMetrics:
             r.register(cluster)
         self.requests = Counter(
             "tokenrelay_requests",
-            "HTTP requests answered, by endpoint, status and error type ('' when none).",
+            "HTTP responses (all but /metrics's), by endpoint, status and error type "
+            "('' when none).",
             ["endpoint", "status", "error_type"],
             registry=r,
         )
@@ -301,7 +82,7 @@ class WebMetrics:
         self.generations = Counter(
             "tokenrelay_generations",
             "Generation requests by outcome: status (499: the client went away) and error "
-            "type, for SSE, JSON and WebSocket alike.",
+            "type, for SSE, JSON and WebSocket alike, rejected ones included.",
             [*gen, "status", "error_type"],
             registry=r,
         )
@@ -325,7 +106,7 @@ class WebMetrics:
         )
         self.in_flight = Gauge(
             "tokenrelay_requests_in_flight",
-            "Generation requests being answered right now.",
+            "Generation requests being answered right now (summed over live gunicorn workers).",
             gen,
             registry=r,
             multiprocess_mode="livesum",
@@ -345,21 +126,23 @@ class WebMetrics:
         )
         self.itl = Histogram(
             "tokenrelay_inter_token_latency_seconds",
-            "Time between consecutive text deltas sent to a client (one sample per delta).",
+            "Gap between consecutive text deltas sent to a client: one sample per delta after "
+            "the first (tallied per stream, added at most 1 s late).",
             gen,
             buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "tokenrelay_e2e_request_latency_seconds",
-            "From the request's arrival to its last event.",
+            "From the request's arrival to its last event, for requests that ran to their end.",
             gen,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue = Histogram(
             "tokenrelay_queue_time_seconds",
-            "From the request's arrival until a worker published its first token.",
+            "From the request's arrival until a worker claimed it (the streamer's "
+            "timings.queue_s), for requests that ran to their end.",
             gen,
             buckets=_LATENCY_BUCKETS,
             registry=r,
