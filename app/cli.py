@@ -5,8 +5,9 @@ Two kinds of subcommands:
 * built in, implemented here on top of ``app/`` alone: ``model prepare``,
   ``model list``, ``config docs``;
 * external, listed in ``EXTERNAL_COMMANDS``: the long-running processes (worker,
-  streamer, web, batcher, up) live in packages that ``app/`` must not import (they pull in
-  Redis, Celery and Flask). ``tokenrelay worker ARGS`` replaces this process with
+  streamer, web, batcher, up) and the tools that read Redis or the web tier's metrics
+  (``models``, ``metrics docs``) live in packages that ``app/`` must not import (they
+  pull in Redis, Celery and Flask). ``tokenrelay worker ARGS`` replaces this process with
   ``python -m workers ARGS``, so signals, exit codes and ``--help`` are the
   component's own. Adding one is a line in the table plus a ``__main__`` module.
 
@@ -57,6 +58,10 @@ EXTERNAL_COMMANDS: dict[str, ExternalCommand] = {
     ),
     "models": ExternalCommand(
         "broker.models_cli", "list the models served on the Redis, or forget one"
+    ),
+    "metrics": ExternalCommand(
+        "web.metrics_docs",
+        "metrics docs: docs/operations.md's table of every metric (python -m web.metrics_docs)",
     ),
 }
 

@@ -111,7 +111,18 @@ def test_external_table_names_the_planned_components() -> None:
         "batcher": "workers.batcher",
         "up": "workers.up",
         "models": "broker.models_cli",
+        "metrics": "web.metrics_docs",
     }
+
+
+def test_metrics_docs_hands_over_to_the_web_package() -> None:
+    """``tokenrelay metrics docs`` runs in ``web.metrics_docs`` (``app/`` must not import
+    ``web/``), with every option as given; tests/test_metrics_docs.py tests it there."""
+    recorder = ExecRecorder()
+    assert cli.main(["metrics", "docs", "--check"], exec_fn=recorder) == 0
+    assert recorder.calls == [
+        (sys.executable, [sys.executable, "-m", "web.metrics_docs", "docs", "--check"])
+    ]
 
 
 def test_model_list_served_runs_the_models_command() -> None:

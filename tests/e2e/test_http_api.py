@@ -19,6 +19,7 @@ from broker.requests import RequestStore
 from tests.e2e.conftest import in_flight
 from tests.e2e.stop_cases import CASES, chat_body, expected
 from tests.stack import Stack, wait_for
+from web.metrics_docs import cluster_metric_docs, metric_docs
 
 pytestmark = pytest.mark.e2e
 
@@ -139,6 +140,11 @@ def test_metrics_count_every_worker(stack: Stack) -> None:
         "tokenrelay_completion_tokens_total",
     ):
         assert name in text, name
+    # Every family of this multiprocess scrape is in docs/operations.md's table with its
+    # type; those read from Redis are in every scrape, the web tier's own once sampled.
+    exposed = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)).items()
+    assert exposed <= {(d.name, d.type) for d in metric_docs()}
+    assert {(d.name, d.type) for d in cluster_metric_docs()} <= exposed
 
 
 def test_ready_and_http_errors_on_the_wire(stack: Stack) -> None:

@@ -1,6 +1,7 @@
 """The per-model gauges autoscalers and dashboards read (issue 43): requests waiting
 (queued, and held in a worker's engine), running, live workers and KV cache use, and
-the same under vLLM's names."""
+the same under vLLM's names; and a scrape exposes exactly the families that
+docs/operations.md's table lists (``web.metrics_docs``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from flask.testing import FlaskClient
 from app.settings import Settings
 from broker.celery_app import queue_name
 from tests.web.conftest import LiveFleet
+from web.metrics_docs import metric_docs
 
 pytestmark = pytest.mark.integration
 
@@ -49,3 +51,15 @@ def test_waiting_running_and_cache_use_per_model(
     assert sample(text, "vllm:num_requests_waiting", vllm) == 5
     assert sample(text, "vllm:num_requests_running", vllm) == 4
     assert sample(text, "vllm:kv_cache_usage_perc", vllm) == 0.5
+
+
+def test_a_scrape_exposes_exactly_the_documented_families(
+    client: FlaskClient, fleet: LiveFleet
+) -> None:
+    """Every family this app's /metrics exposes is in the table with its type, and every
+    row is exposed: in one process, a family shows its TYPE line before its first sample,
+    and the families read from Redis are built at every scrape."""
+    text = client.get("/metrics").get_data(as_text=True)
+    exposed = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert "tokenrelay_worker_capacity" in exposed  # Redis was read
+    assert exposed == {d.name: d.type for d in metric_docs()}
