@@ -464,6 +464,20 @@ class Settings(BaseSettings):
         "web process died and that nobody read before then is settled as failed.",
     )
 
+    # Logs
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="How every process logs: human text, or json: one JSON object a line "
+        "on stderr (time, level, process, pid, logger, message, and request_id, trace_id, "
+        "model, key_id when known; never a key). `tokenrelay up` passes it to its "
+        "children (docs/operations.md, 'Logs').",
+    )
+    log_prompts: bool = Field(
+        default=False,
+        description="Debugging only: the web tier logs each request's body, prompts "
+        "included, at INFO. Off, no prompt or output text is logged.",
+    )
+
     # Flower
     flower_port: int = Field(default=5555, ge=1, le=65535, description="Flower's port.")
     flower_basic_auth: str | None = Field(
