@@ -8,7 +8,8 @@ result backend and their options for a plain Redis and a Sentinel group alike. I
 created at import because that is how ``celery -A`` finds an app; nothing in tokenrelay
 imports this module.
 
-Importing it also puts Flower's ``/metrics`` behind Flower's own authentication: Flower
+Importing it also sets up JSON logs when ``log_format`` asks for them (``flower_logs``),
+and puts Flower's ``/metrics`` behind Flower's own authentication: Flower
 2.x serves its UI and API only with the basic auth (or OAuth) it is started with, but
 ``/metrics`` (task names, worker names, queue and task counts) to anyone.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app import logs
 from app.settings import Settings
 from broker.celery_app import create_celery
 
@@ -49,5 +51,16 @@ def flower_celery(settings: Settings) -> Any:
     return celery
 
 
+def flower_logs(settings: Settings) -> None:
+    """With ``log_format`` json, Flower's lines (its own, tornado's, Celery's) are JSON
+    lines too: the root logger gets ``app.logs``' handler before Flower parses its
+    options, and tornado then adds none of its own (it only does to a bare root).
+    Text: tornado's format, as always."""
+    if settings.log_format == "json":
+        logs.configure("flower", "INFO", "json")
+
+
 require_auth_for_flower_metrics()
-app = flower_celery(Settings())
+_settings = Settings()
+flower_logs(_settings)
+app = flower_celery(_settings)

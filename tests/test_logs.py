@@ -225,3 +225,36 @@ def test_key_label_never_holds_a_key_or_its_hash() -> None:
     owner = secret_hash("env-key-0123456789")
     assert logs.key_label(owner) == f"env-{owner[:8]}"
     assert logs.key_label("") == ""
+
+
+def test_the_web_access_log_never_holds_a_key() -> None:
+    """Whatever access_log_format names (the request line, the query string, the
+    credential headers), gunicorn's access line in ``tokenrelay web`` holds no key: a
+    browser's WebSocket sends its key as ``?api_key=``."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from gunicorn.config import Config
+
+    from web.__main__ import web_log
+
+    log = web_log("text")(Config())
+    try:
+        environ = {
+            "REQUEST_METHOD": "GET",
+            "RAW_URI": "/v1/ws?api_key=k-123&model=m",
+            "QUERY_STRING": "api_key=k-123&model=m",
+            "SERVER_PROTOCOL": "HTTP/1.1",
+            "HTTP_AUTHORIZATION": "Bearer k-123",
+            "HTTP_X_API_KEY": "k-123",
+        }
+        req = SimpleNamespace(headers=[("AUTHORIZATION", "Bearer k-123"), ("X-API-KEY", "k-123")])
+        resp = SimpleNamespace(status="101 Switching Protocols", headers=[], sent=0)
+        atoms = log.atoms(resp, req, environ, timedelta(milliseconds=5))
+        assert "k-123" not in repr(atoms)
+        assert atoms["r"] == "GET /v1/ws?api_key=***&model=m HTTP/1.1"
+        assert atoms["{authorization}i"] == atoms["{x-api-key}i"] == "***"
+    finally:
+        for name in ("gunicorn.error", "gunicorn.access"):
+            for handler in list(logging.getLogger(name).handlers):
+                logging.getLogger(name).removeHandler(handler)

@@ -75,6 +75,59 @@ def raise_open_files_limit(wanted: int) -> int:
     return int(soft)
 
 
+# Access-log atoms that are a credential (masked) or may carry one in a query string
+# (``?api_key=`` on the WebSocket: redacted), whatever access_log_format names.
+_SECRET_ATOMS = ("{authorization}i", "{x-api-key}i", "{cookie}i", "{http_authorization}e",
+                 "{http_x_api_key}e", "{http_cookie}e")  # fmt: skip
+_URI_ATOMS = ("r", "q", "f", "{raw_uri}e", "{query_string}e", "{http_referer}e")
+
+
+def web_log(log_format: str) -> type[Any]:
+    """gunicorn's logger class for ``log_format`` (``Settings.log_format``).
+
+    json: gunicorn's error log (start-up, workers booting and exiting, its errors) and
+    access log go to the root logger, which ``app.logs`` writes as JSON lines, the
+    app's own loggers too; an access line carries the response's ``x-request-id`` as
+    ``request_id``. text: gunicorn's own formats, as always. Either way an access line
+    never holds a key: credential headers are masked and query strings redacted."""
+    from gunicorn.glogging import Logger
+
+    from app import logs
+
+    class WebLog(Logger):  # type: ignore[misc]
+        def setup(self, cfg: Any) -> None:
+            super().setup(cfg)
+            if log_format == "json":
+                logs.configure("web", cfg.loglevel, "json")
+                for log in (self.error_log, self.access_log):
+                    for handler in list(log.handlers):
+                        log.removeHandler(handler)
+                    log.propagate = True
+
+        def atoms(self, resp: Any, req: Any, environ: Any, request_time: Any) -> dict[str, Any]:
+            atoms: dict[str, Any] = super().atoms(resp, req, environ, request_time)
+            for name in _SECRET_ATOMS:
+                if name in atoms:
+                    atoms[name] = "***"
+            for name in _URI_ATOMS:
+                if isinstance(atoms.get(name), str):
+                    atoms[name] = logs.redact(atoms[name])
+            return atoms
+
+        def access(self, resp: Any, req: Any, environ: Any, request_time: Any) -> None:
+            if not self.access_log_enabled:
+                return
+            atoms = self.atoms_wrapper_class(self.atoms(resp, req, environ, request_time))
+            request_id = atoms["{x-request-id}o"]
+            self.access_log.info(
+                self.cfg.access_log_format,
+                atoms,
+                extra={"request_id": "" if request_id == "-" else request_id},
+            )
+
+    return WebLog
+
+
 def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, Any]:
     """gunicorn's settings for ``settings`` (a ``app.settings.Settings``)."""
     from web.head_first import HeadFirstWorker
@@ -98,6 +151,7 @@ def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, An
         "keepalive": 5,
         "accesslog": "-" if access_log else None,
         "errorlog": "-",
+        "logger_class": web_log(settings.log_format),
         "child_exit": _child_exit,
         "proc_name": "tokenrelay-web",
         # gunicorn >= 24 opens a control socket at a fixed path per user, which several

@@ -36,6 +36,7 @@ from typing import Any
 import redis
 from flask import Blueprint, Flask, Response, current_app, g, request
 
+from app import logs
 from app.errors import NotFound, ServiceUnavailable
 from app.fold import ResponseFold
 from app.intake import Endpoint
@@ -69,6 +70,7 @@ def _on_register(state: Any) -> None:
 
 @blueprint.before_app_request
 def _before() -> None:
+    logs.clear()  # this thread's last request's fields must not mark this one's lines
     client_id = request.headers.get("X-Request-Id", "")
     g.client_request_id = bool(_CLIENT_ID.fullmatch(client_id))
     g.request_id = client_id if g.client_request_id else uuid.uuid4().hex
@@ -80,6 +82,7 @@ def _before() -> None:
             key = auth.bearer_key(request.headers.get("Authorization"))
             managed = runner_of(current_app).policy.cache
             g.tenant = auth.authenticate(settings, key or request.headers.get("x-api-key"), managed)
+            logs.bind(key_id=logs.key_label(g.tenant.owner))
 
 
 @blueprint.after_app_request

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loglevel", default="INFO")
     args, rest = parser.parse_known_args(argv)
 
+    from app import logs
     from app.settings import Settings
     from broker.celery_app import worker_queues
     from workers.celery_worker import build_app
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         "worker_slots": args.slots,
     }
     settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    if settings.log_format == "json":  # from here on (build_app keeps Celery to it)
+        logs.configure("worker", args.loglevel, "json")
     app = build_app(settings)
     celery_args = [
         "worker",

@@ -9,6 +9,7 @@ looks up, is built from the environment only when something asks for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -16,10 +17,17 @@ import threading
 from typing import Any
 
 from celery import Celery, bootsteps
-from celery.signals import worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    celeryd_init,
+    setup_logging,
+    worker_init,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from celery.worker.consumer import Consumer
 from vine import promise
 
+from app import logs
 from app.errors import ModelError
 from app.model_card import load_model_card
 from app.settings import Settings
@@ -137,11 +145,52 @@ def hand_back(celery_app: Celery, runtime: WorkerRuntime) -> None:
             logger.info("sent %d queued requests on to the shared queue", moved)
 
 
+def say(message: str) -> None:
+    """A last word before ``os._exit``: on stderr as it is, or as a JSON log line."""
+    if logs.json_enabled():
+        logger.critical("%s", message)
+    else:
+        sys.stderr.write(f"tokenrelay worker: {message}\n")
+        sys.stderr.flush()
+
+
 def exit_broken(reason: str) -> None:
     """End the process with ``EXIT_BROKEN``, saying why on stderr (the log may be gone)."""
-    sys.stderr.write(f"tokenrelay worker: the engine is broken ({reason}); exiting\n")
-    sys.stderr.flush()
+    say(f"the engine is broken ({reason}); exiting")
     os._exit(EXIT_BROKEN)
+
+
+def json_worker_logs(celery_app: Celery) -> None:
+    """With ``log_format`` json, Celery prints nothing but JSON lines: it leaves logging
+    to ``app.logs`` (a ``setup_logging`` receiver, which also keeps it from redirecting
+    stdout and stderr into its loggers), here and under ``celery -A ... worker``, and
+    the notices its signal handlers write straight to stdout ("worker: Warm shutdown")
+    become JSON lines on stderr; its start-up banner (stdout) is not printed."""
+    from celery.apps import worker as celery_worker_program
+
+    def _configure(loglevel: Any = None, **_: Any) -> None:
+        level = loglevel if isinstance(loglevel, (int, str)) and loglevel else logging.INFO
+        logs.configure("worker", level, "json")
+
+    def _before_engine(instance: Any = None, options: Any = None, **_: Any) -> None:
+        # ``celeryd_init`` comes before ``worker_init`` (the engine's start), which
+        # comes before Celery's own logging set-up.
+        if getattr(instance, "app", celery_app) is celery_app:
+            _configure((options or {}).get("loglevel"))
+            instance.quiet = True  # as --quiet: no banner
+
+    def _say_as_json(msg: str, f: Any = None) -> None:
+        # In a signal handler, as Celery's ``safe_say``: one os.write, no logging locks.
+        record = logging.makeLogRecord(
+            {"name": "celery.apps.worker", "levelname": "INFO", "levelno": logging.INFO,
+             "msg": msg.strip()}
+        )  # fmt: skip
+        with contextlib.suppress(OSError):
+            os.write(2, (logs.JsonFormatter("worker").format(record) + "\n").encode())
+
+    setup_logging.connect(_configure, weak=False)
+    celeryd_init.connect(_before_engine, weak=False)
+    celery_worker_program.safe_say = _say_as_json
 
 
 def build_app(settings: Settings) -> Celery:
@@ -153,6 +202,8 @@ def build_app(settings: Settings) -> Celery:
     except ModelError:  # the engine's start says why, and exits (worker_init)
         embeds = False
     celery_app = create_celery(settings, worker_id=worker_id, embeds=embeds)
+    if settings.log_format == "json":
+        json_worker_logs(celery_app)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
     celery_app.steps["consumer"].add(KeepUnackedOnClose)
     state: dict[str, WorkerRuntime] = {}
@@ -187,10 +238,8 @@ def build_app(settings: Settings) -> Celery:
             # Celery would log a signal-handler error and keep consuming tasks it cannot
             # run; a worker without its engine must stop, loudly, so supervisors see it.
             logger.critical("cannot start the %s engine: %s", settings.engine, exc, exc_info=True)
-            sys.stderr.write(
-                f"tokenrelay worker: cannot start the {settings.engine} engine: {exc}\n"
-            )
-            sys.stderr.flush()
+            if not logs.json_enabled():  # else that line is the last word
+                say(f"cannot start the {settings.engine} engine: {exc}")
             os._exit(3)
         runtime.on_broken = _broken
         runtime.start()

@@ -1,7 +1,8 @@
 """The entry point shared by tokenrelay's loop processes (streamer, batch driver).
 
-Parses ``--loglevel``, configures logging once, builds the service from settings read
-from the environment, and turns SIGTERM/SIGINT into a graceful stop of its loop.
+Parses ``--loglevel``, reads the settings from the environment, configures logging
+once (``app.logs``: text or JSON lines), builds the service, and turns SIGTERM/SIGINT
+into a graceful stop of its loop.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from app import logs
 from app.settings import Settings
 
 
@@ -31,10 +33,9 @@ def run_service(
     parser = argparse.ArgumentParser(prog=f"tokenrelay {name}", description=description)
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.loglevel.upper(), format=f"%(asctime)s %(levelname)s {name} %(message)s"
-    )
-    service = build(Settings())
+    settings = Settings()
+    logs.configure(name, args.loglevel, settings.log_format)
+    service = build(settings)
 
     def _stop(_sig: int, _frame: object) -> None:
         service.stopping.set()

@@ -39,6 +39,7 @@ import dataclasses
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -58,6 +59,7 @@ import redis
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from app import logs
 from app.errors import TokenRelayError
 from app.prepare import (
     BUNDLED_MODEL_NAME,
@@ -73,6 +75,7 @@ from workers.supervise import GiveUp, Supervisor
 from workers.up_options import PROG, Options, load_settings, parse_args
 
 STATE_FILE = "up.json"
+FLOWER_AUTH_FILE = "flower-auth"  # Flower's generated user:password, with log_format json
 LOCK_FILE = "up.lock"
 REDIS_DIR = "redis"
 DEFAULT_REDIS_PORT = 6379
@@ -82,6 +85,8 @@ STOP_MARGIN_S = 10.0
 #: ``tokenrelay worker`` exits 3 when its engine cannot start (bad model, missing
 #: weights): the same command would fail again, so it is not restarted.
 WORKER_ENGINE_FAILED = 3
+
+logger = logging.getLogger(__name__)
 
 # Stop phases, in order: the web tier first (no new requests), then what produces work,
 # then the streamer (it relays what the worker published last), Redis last.
@@ -211,18 +216,33 @@ class Stack:
         )
         self.state = "running"
         self.write_state()
-        flower_with_auth = f"http://{user}:{password}@{flower_base}/"
+        flower = f"http://{user}:{password}@{flower_base}/   (user {user!r}, password {password!r})"
+        if logs.json_enabled():  # a log line is no place for a password
+            flower = f"http://{flower_base}/   (user {user!r}, password in {self._password_at()})"
         say(
             "ready\n"
             f"  chat page  {self.urls['chat']}\n"
             f"  API base   {self.urls['api']}   (OpenAI-compatible; model "
             f"{', '.join(repr(m) for m in self.served_models())}, engine "
             f"{self.settings.engine})\n"
-            f"  Flower     {flower_with_auth}   (user {user!r}, password {password!r})\n"
+            f"  Flower     {flower}\n"
             f"  Redis      {redact(self.settings.redis_url)}\n"
             f"  logs       {self.log_dir}/\n"
             "Press Ctrl-C to stop."
         )
+
+    def _password_at(self) -> str:
+        """Where Flower's password is to be read: the setting, or a file only its owner
+        can read holding the one generated here."""
+        if self.settings.flower_basic_auth:
+            return "TOKENRELAY_FLOWER_BASIC_AUTH"
+        path = self.options.run_dir / FLOWER_AUTH_FILE
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(self.flower_auth + "\n")
+        return str(path)
 
     def served_models(self) -> list[str]:
         """The names clients use: the default model's, then each other model's."""
@@ -384,7 +404,19 @@ class Stack:
 
 
 def say(message: str) -> None:
-    print(f"{PROG}: {message}", flush=True)
+    """One of up's own messages: a line on stdout, or with log_format json a log line."""
+    if logs.json_enabled():
+        logger.info("%s", message)
+    else:
+        print(f"{PROG}: {message}", flush=True)
+
+
+def fail(message: str) -> None:
+    """An error of up's own: on stderr, or with log_format json a log line."""
+    if logs.json_enabled():
+        logger.error("%s", message)
+    else:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
 
 
 def own_model(settings: Settings, model: str) -> str:
@@ -465,6 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         settings = load_settings(args)
+        if settings.log_format == "json":  # else up's own lines stay plain text
+            logs.configure("up", "INFO", "json")
         lock = acquire_run_dir(args.run_dir)
         # A .gguf file is prepared into the models directory and served as its name.
         models = [own_model(settings, m) for m in (settings.model, *options.more_models)]
@@ -481,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: invalid settings: {exc}", file=sys.stderr)
         return 2
     except (UpError, TokenRelayError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        fail(str(exc))
         return 1
 
     stack = Stack(settings, options, stop)
@@ -493,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Interrupted:
             pass
         except (UpError, GiveUp, TimeoutError) as exc:
-            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            fail(str(exc))
             if isinstance(exc, GiveUp) and exc.slot.name == "redis":
                 say(redis_hint(options.run_dir / REDIS_DIR))
             code = 1

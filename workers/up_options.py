@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         "holding its prefix); give each a share of the cores with "
         "TOKENRELAY_LLAMACPP_THREADS (default: %(default)s)",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="what every process logs, up included: human text, or one JSON object a "
+        "line (default: TOKENRELAY_LOG_FORMAT, text)",
+    )
     parser.add_argument("--port", type=int, help="web server port (default: TOKENRELAY_PORT)")
     parser.add_argument("--flower-port", type=int, help="Flower port (TOKENRELAY_FLOWER_PORT)")
     parser.add_argument(
@@ -117,6 +123,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
         "model": args.model[0] if args.model else None,
         "port": args.port,
         "flower_port": args.flower_port,
+        "log_format": args.log_format,
     }
     base = Settings()
     values = {**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
