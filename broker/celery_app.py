@@ -51,6 +51,10 @@ class GenerateResult(BaseModel):
     finish_reasons: dict[int, str] = {}
     completion_tokens: dict[int, int] = {}
     run_s: float | None = None
+    # From the engine's start of the request to its first token, and the engine steps
+    # that gave it tokens (its trace's prefill and decode).
+    prefill_s: float | None = None
+    steps: int | None = None
     error: str | None = None
 
     def encode(self) -> dict[str, Any]:
@@ -176,6 +180,7 @@ def send_generate(
     worker: str | None = None,
     priority: int = 0,
     fair: bool = False,
+    trace: dict[str, str] | None = None,
 ) -> None:
     """Enqueue ``generate(request_id, attempt)`` without importing worker code; its
     ``task-sent`` event goes out on its own thread (``broker.sent_events``).
@@ -183,7 +188,9 @@ def send_generate(
     ``worker``: to that worker's own queue instead of the model's ``queue``;
     ``priority``: kombu's Redis priority, 0 (taken first) to 9 (``fair_priority``);
     ``fair``: the worker runs the model's next request by fair share instead
-    (``broker.fair_queue``; ``request_id`` names the request it was sent for)."""
+    (``broker.fair_queue``; ``request_id`` names the request it was sent for);
+    ``trace``: the request's trace context, as the message's headers (``traceparent``:
+    what Celery's OpenTelemetry instrumentation reads; workers read the record's)."""
     app.send_task(
         GENERATE_TASK,
         args=[request_id, attempt],
@@ -192,6 +199,7 @@ def send_generate(
         task_id=task_id(request_id, attempt),
         event_dispatcher=sent_events(app),
         priority=priority,
+        headers=trace or None,
     )
 
 

@@ -120,6 +120,8 @@ def reads(
         yield first
     while not run.ended:
         if run.runner.closing.is_set():
+            if run.trace is not None:
+                run.trace.event("handed_over")
             raise HandedOver(run.request_id)
         if run.runner.key_revoked(run.record.owner):
             raise KeyRevoked()

@@ -122,4 +122,5 @@ def send_again(celery: Celery, fair: FairQueue, record: RequestRecord, attempt: 
         queue=record.queue,
         model=record.model,
         fair=record.fair and attempt == 0,
+        trace=record.trace,
     )

@@ -183,6 +183,7 @@ class RequestStore(TokenPublishing):
             worker=record.route or None,
             priority=priority,
             fair=record.fair,
+            trace=record.trace,
         )
 
     @property

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -150,10 +150,17 @@ class ResponseService:
 
     # -- create ------------------------------------------------------------------------
     def start(
-        self, body: Any, caller: Caller, *, route: str = ROUTE, stream: bool | None = None
+        self,
+        body: Any,
+        caller: Caller,
+        *,
+        route: str = ROUTE,
+        stream: bool | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> StartedResponse:
         """Settle, admit and submit one Responses body; store it when asked. ``stream``
-        overrides the body's (the WebSocket always streams)."""
+        overrides the body's (the WebSocket always streams); ``trace``: the client's
+        trace context headers."""
         if stream is not None and isinstance(body, dict):
             body = {**body, "stream": stream}
         # Parsed here only to find the conversation it continues; ``Runner.start``
@@ -163,8 +170,9 @@ class ResponseService:
             self.store.check_room(caller.owner, len(dumps(body)))
         context = self._previous_items(parsed, caller)
         run = self.runner.start(
-            Endpoint.RESPONSES, body, route=route, owner=caller.owner, context=context
-        )
+            Endpoint.RESPONSES, body, route=route, owner=caller.owner, context=context,
+            trace=trace,
+        )  # fmt: skip
         try:
             req = run.prepared.responses
             assert req is not None

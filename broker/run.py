@@ -37,6 +37,7 @@ from broker.subscription import Pumped
 
 if TYPE_CHECKING:
     from broker.runner import Runner
+    from broker.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Run:
         cursor: str | None = None,
         observer: RunObserver | None = None,
         notify: threading.Event | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.runner = runner
         self.prepared = prepared
@@ -99,6 +101,7 @@ class Run:
         self.cursor = cursor or ""
         chunk, skip = split_cursor(cursor)
         self.observer = observer
+        self.trace = trace  # its web span when traced (also its observer, then)
         self.ended = False  # the terminal event was handed out
         # The terminal event was made here (the guard's deadline/lost/outage error, or
         # the hub's stand-in for an unreadable entry), not by a streamer: generation

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import redis
@@ -25,6 +25,7 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from redis.client import Pipeline
 
+from app import logs
 from app.errors import (
     ModelError,
     NotFound,
@@ -51,6 +52,7 @@ from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RateLimit, RequestStore
 from broker.run import PAST_EVERY_EVENT, Run, RunObserver, split_cursor
 from broker.tenancy import KeyPolicy, reserved_tokens, unused_tokens
+from broker.tracing import RequestTrace, phase, request_trace, traced
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,7 @@ class Runner:
         stream: bool | None = None,
         owner: str = "",
         context: list[Any] | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> Run:
         """Prepare, check, admit and submit one interactive request; its ``Run``.
 
@@ -176,23 +179,32 @@ class Runner:
         503, ...), after reporting it as a rejection. ``route`` labels the metrics
         (the WebSocket's path for its requests; the endpoint's by default); ``owner``
         (the API key's hash, web.auth) is the only tenant that may resume it;
-        ``context`` is a Responses body's settled conversation (``Intake.prepare``).
+        ``context`` is a Responses body's settled conversation (``Intake.prepare``);
+        ``trace``: the client's W3C trace context headers (its trace's parent).
         """
         label = route or endpoint.value
+        span = request_trace(label, trace)  # None unless tracing is on
         # One start at a time in this process, in arrival order (``START_TURN_WAIT_S``).
         turn = self._start_turn.acquire(timeout=START_TURN_WAIT_S)
         try:
-            prepared = self.prepare(endpoint, body, stream=stream, owner=owner, context=context)
+            with phase(span, "parse"):
+                prepared = self.prepare(endpoint, body, stream=stream, owner=owner, context=context)
+            if span is not None:
+                prepared = traced(prepared, span)
+            self._log_start(prepared, body, span)
             self.check_ready(prepared.record.model)
-            prepared = self._admit_and_submit(prepared)
+            with phase(span, "admission"):
+                prepared = self._admit_and_submit(prepared)
         except Exception as exc:
             if self.metrics is not None:
                 self.metrics.rejected(label, _wants_stream(body, stream), exc)
+            if span is not None:
+                span.rejected(exc)
             raise
         finally:
             if turn:
                 self._start_turn.release()
-        return self.follow(prepared, route=label)
+        return self.follow(prepared, route=label, trace=span)
 
     def prepare(self, endpoint: Endpoint, body: Any, **options: Any) -> PreparedRequest:
         """``body`` prepared by the intake of the model it names (``Intake.prepare``'s
@@ -217,6 +229,15 @@ class Runner:
             record = prepared.record.model_copy(update={"model_alias": asked})
             prepared = dataclasses.replace(prepared, record=record, shape=shape_of(record))
         return prepared
+
+    def _log_start(self, prepared: PreparedRequest, body: Any, span: RequestTrace | None) -> None:
+        """Name the request in this thread's log lines (``app.logs``); with the debug
+        setting ``log_prompts``, log its body, prompt and all."""
+        record = prepared.record
+        trace_id = span.trace_id if span is not None else ""
+        logs.bind(request_id=record.request_id, model=record.model, trace_id=trace_id)
+        if self.settings.log_prompts and body is not None:
+            logger.info("request %s body (log_prompts): %s", record.request_id, body)
 
     def intake_for(self, served: str) -> Intake:
         """The intake of a served model, built on first use from its card (the directory
@@ -272,12 +293,16 @@ class Runner:
         cursor: str | None = None,
         route: str | None = None,
         notify: threading.Event | None = None,
+        trace: RequestTrace | None = None,
     ) -> Run:
-        """A run over a request already submitted (a batch line, a resumed stream)."""
-        observer = None
+        """A run over a request already submitted (a batch line, a resumed stream);
+        ``trace``: its web span, told of its delivery (and passing it on to metrics)."""
+        observer: RunObserver | None = None
         if self.metrics is not None:
             observer = self.metrics.observer(prepared, route or prepared.endpoint.value)
-        return Run(self, prepared, cursor=cursor, observer=observer, notify=notify)
+        if trace is not None:
+            trace.inner, observer = observer, trace
+        return Run(self, prepared, cursor=cursor, observer=observer, notify=notify, trace=trace)
 
     def resume(
         self,
@@ -286,6 +311,7 @@ class Runner:
         *,
         route: str | None = None,
         scope: str | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> Run:
         """A run that continues request ``request_id``'s output after ``cursor`` (from
         the start when None): what a client that lost its connection reconnects to, on
@@ -295,7 +321,8 @@ class Runner:
 
         ``scope``: the owner the caller may see (the key that made the stream; None:
         any, for a stored response its caller may see already); another owner's stream
-        is answered as if it did not exist."""
+        is answered as if it did not exist. ``trace``: the client's trace context
+        headers; the resumed run's span continues the request's own trace."""
         try:
             loaded = self.store.load(request_id)
         except redis.RedisError as exc:
@@ -311,7 +338,15 @@ class Runner:
             # Anthropic's events number their content blocks from the message's start:
             # replayed from there, and the route skips what the client has seen.
             cursor = None
-        return self.follow(prepared, cursor=self._within(request_id, cursor), route=route)
+        label = route or prepared.endpoint.value
+        span = request_trace(label, trace, resumed_from=prepared.record.trace)
+        self._log_start(prepared, None, span)
+        if span is not None:
+            span.describe(prepared.record)
+            span.event("resume", **{"tokenrelay.cursor": cursor or ""})
+        return self.follow(
+            prepared, cursor=self._within(request_id, cursor), route=route, trace=span
+        )
 
     def _within(self, rid: str, cursor: str | None) -> str | None:
         """``cursor``, or, past the end of a stream that ended, the end itself: the run

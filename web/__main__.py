@@ -55,6 +55,13 @@ def prepare_multiprocess_dir() -> str:
     return path_str
 
 
+def _worker_exit(_server: Any, _worker: Any) -> None:
+    """A gunicorn worker exits: its last spans go out first (``broker.tracing``)."""
+    from broker import tracing
+
+    tracing.shutdown()
+
+
 def _child_exit(_server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
@@ -153,6 +160,7 @@ def gunicorn_options(settings: Any, *, access_log: bool = False) -> dict[str, An
         "errorlog": "-",
         "logger_class": web_log(settings.log_format),
         "child_exit": _child_exit,
+        "worker_exit": _worker_exit,
         "proc_name": "tokenrelay-web",
         # gunicorn >= 24 opens a control socket at a fixed path per user, which several
         # servers on one machine (tests, one per model) would fight over.
@@ -184,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None
     }
     settings = Settings(**overrides)
+    from broker import tracing
+
+    tracing.set_process("web")  # its spans' resource, set up in each worker (after fork)
     raise_open_files_limit(settings.web_workers * settings.web_max_connections + 256)
     serve(settings, gunicorn_options(settings, access_log=args.access_log))
     return 0

@@ -13,6 +13,7 @@ from flask import Request
 
 from app.errors import UnsupportedMediaType
 from app.lenient_json import loads_lenient
+from app.tracecontext import TRACEPARENT, TRACESTATE
 
 __all__ = ["is_json_mimetype", "json_body", "loads_repaired"]
 
@@ -24,6 +25,12 @@ def is_json_mimetype(mimetype: str) -> bool:
     return mimetype == "application/json" or (
         mimetype.startswith("application/") and mimetype.endswith("+json")
     )
+
+
+def client_trace(req: Request) -> dict[str, str]:
+    """The W3C trace context the client sent (``traceparent``, ``tracestate``): the
+    parent of the request's trace (``broker.tracing``); empty when it sent none."""
+    return {h: v for h in (TRACEPARENT, TRACESTATE) if (v := req.headers.get(h))}
 
 
 def json_body(req: Request) -> Any:

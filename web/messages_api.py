@@ -31,7 +31,7 @@ from broker.run import Run
 from broker.runner import client_error
 from web import sse
 from web.auth import tenant_of
-from web.bodies import json_body
+from web.bodies import client_trace, json_body
 from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
 from web.tokenize import prompts_for
@@ -59,7 +59,9 @@ def _json(value: Any) -> Response:
 def create_message() -> Response:
     runner = runner_of(current_app)
     tenant = tenant_of(settings_of(current_app), authorization())
-    run = runner.start(Endpoint.MESSAGES, json_body(request), owner=tenant.owner)
+    run = runner.start(
+        Endpoint.MESSAGES, json_body(request), owner=tenant.owner, trace=client_trace(request)
+    )
     if not g.client_request_id:
         g.request_id = run.request_id
     try:

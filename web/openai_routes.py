@@ -46,7 +46,7 @@ from broker.run import Run
 from broker.runner import client_error
 from web import auth, messages_api, sse
 from web.auth import tenant_of
-from web.bodies import json_body
+from web.bodies import client_trace, json_body
 from web.clients import client_gone_probe
 from web.context import connections_of, runner_of, settings_of
 from web.responses import ChunkStream
@@ -210,7 +210,9 @@ def resume_stream(request_id: str) -> Response:
     try:
         # Only the key that made a stream may read it: an admin key's reach is files
         # and batches (docs/security.md), not other keys' prompts and outputs.
-        run = runner_of(current_app).resume(request_id, cursor, scope=tenant.owner)
+        run = runner_of(current_app).resume(
+            request_id, cursor, scope=tenant.owner, trace=client_trace(request)
+        )
         if run.prepared.endpoint is Endpoint.MESSAGES:  # framed as it was made
             response = messages_api.stream(run, last_seen=cursor)
         else:
@@ -226,7 +228,9 @@ def _generate(endpoint: Endpoint) -> Response:
     runner = runner_of(current_app)
     tenant = tenant_of(settings_of(current_app), request.headers.get("Authorization"))
     # 4xx/5xx are raised before any output.
-    run = runner.start(endpoint, json_body(request), owner=tenant.owner)
+    run = runner.start(
+        endpoint, json_body(request), owner=tenant.owner, trace=client_trace(request)
+    )
     if not g.client_request_id:
         g.request_id = run.request_id
     try:

@@ -30,7 +30,7 @@ from broker.run import Run
 from broker.runner import client_error
 from web import sse
 from web.auth import Tenant, tenant_of
-from web.bodies import json_body
+from web.bodies import client_trace, json_body
 from web.clients import client_gone_probe
 from web.context import connections_of, responses_of, settings_of
 
@@ -49,7 +49,9 @@ def _json(value: Any, status: int = 200) -> Response:
 
 @blueprint.post(ROUTE)
 def create_response() -> Response:
-    started = responses_of(current_app).start(json_body(request), _tenant())
+    started = responses_of(current_app).start(
+        json_body(request), _tenant(), trace=client_trace(request)
+    )
     if not g.client_request_id:
         g.request_id = started.stored.request_id
     run = started.run

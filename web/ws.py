@@ -39,6 +39,7 @@ from broker.response_service import ResponseService, StartedResponse
 from broker.run import Run
 from broker.runner import Runner, client_error
 from web.auth import Tenant, authenticate, bearer_key, exempt
+from web.bodies import client_trace
 from web.context import connections_of, responses_of, runner_of, settings_of
 from web.ws_messages import (
     CancelChat,
@@ -136,8 +137,11 @@ class ChatSocket:
         responses: ResponseService,
         settings: Settings,
         tenant: Tenant | None = None,
+        trace: dict[str, str] | None = None,
     ) -> None:
         self.ws = ws
+        # The handshake's trace context: the parent of every request on the socket.
+        self.trace = trace
         self.runner = runner
         self.responses = responses
         self.settings = settings
@@ -215,17 +219,21 @@ class ChatSocket:
         started: StartedResponse | None = None
         try:
             if isinstance(msg, ResponseStart):
-                started = self.responses.start(msg.body, self.tenant, route=WS_PATH, stream=True)
+                started = self.responses.start(
+                    msg.body, self.tenant, route=WS_PATH, stream=True, trace=self.trace
+                )
                 assert started.run is not None  # streamed: always watched
                 run = started.run
             elif isinstance(msg, ChatStart):
                 run = self.runner.start(
-                    Endpoint.CHAT, msg.body, route=WS_PATH, stream=True, owner=self.tenant.owner
-                )
+                    Endpoint.CHAT, msg.body, route=WS_PATH, stream=True,
+                    owner=self.tenant.owner, trace=self.trace,
+                )  # fmt: skip
             else:
                 run = self.runner.resume(
-                    msg.request_id, msg.cursor, route=WS_PATH, scope=self.tenant.owner
-                )
+                    msg.request_id, msg.cursor, route=WS_PATH, scope=self.tenant.owner,
+                    trace=self.trace,
+                )  # fmt: skip
         except Exception as exc:
             if not (isinstance(exc, TokenRelayError) and exc.public):
                 logger.exception("WebSocket chat request %r failed to start", msg.id)
@@ -355,8 +363,9 @@ def register(sock: Sock) -> None:
             return
         try:
             ChatSocket(
-                ws, runner_of(current_app), responses_of(current_app), settings, tenant
-            ).serve()
+                ws, runner_of(current_app), responses_of(current_app), settings, tenant,
+                client_trace(request),
+            ).serve()  # fmt: skip
         finally:
             close()
 

@@ -31,6 +31,7 @@ from app import logs
 from app.errors import ModelError
 from app.model_card import load_model_card
 from app.settings import Settings
+from broker import tracing
 from broker.celery_app import GENERATE_TASK, create_celery, requeue_own
 from broker.embeddings import EMBED_TASK
 from workers.embedder import can_embed
@@ -197,6 +198,7 @@ def build_app(settings: Settings) -> Celery:
     """The worker's app; ``app.tokenrelay_worker_id`` names the worker (its registry
     entry, step stream and own queue, which the app consumes first)."""
     worker_id = new_worker_id()
+    tracing.set_process("worker")
     try:
         embeds = can_embed(settings, load_model_card(settings.card_path()))
     except ModelError:  # the engine's start says why, and exits (worker_init)

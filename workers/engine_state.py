@@ -28,6 +28,11 @@ class Active:
     last_publish: float = 0.0
     last_refresh: float = 0.0  # when the last publish that extended the lease was sent
     outcome: TaskOutcome = TaskOutcome.DONE
+    # Its first token's time (the end of its prefill) and the steps that gave it tokens
+    # (the last such step's number in ``step``): its trace's prefill and decode.
+    first_token_at: float | None = None
+    steps: int = 0
+    step: int = -1
     # A publish of this request's tokens whose reply never came: it may have run. Until
     # Redis says whether (``RequestStore.landed``), nothing more is published for it.
     unsure: Unsure | None = None

@@ -313,6 +313,11 @@ class EngineThread(threading.Thread):
         act.unpublished.append(delta)
         act.tokens[delta.choice] = act.tokens.get(delta.choice, 0) + produced
         self.tokens_total += produced
+        if produced and act.step != self.steps:
+            act.step = self.steps
+            act.steps += 1
+            if act.first_token_at is None:
+                act.first_token_at = self.clock()
         if delta.finish is not None:
             act.open_choices.discard(delta.choice)
             act.finishes[delta.choice] = delta.finish.value
@@ -541,6 +546,7 @@ class EngineThread(threading.Thread):
 
     def _release(self, act: Active) -> None:
         item = act.handle.item
+        first = act.first_token_at
         self._active.pop(item.request_id, None)
         for job in item.jobs:
             self._job_owner.pop(job.job_id, None)
@@ -551,6 +557,8 @@ class EngineThread(threading.Thread):
             finish_reasons=dict(sorted(act.finishes.items())),
             completion_tokens=dict(sorted(act.tokens.items())),
             run_s=round(self.clock() - act.started, 4),
+            prefill_s=None if first is None else round(first - act.started, 4),
+            steps=act.steps,
         )
         act.handle.done.set()
 

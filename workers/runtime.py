@@ -20,9 +20,11 @@ from typing import Any
 
 import redis
 
+from app import logs
 from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
+from app.tracecontext import trace_id_of
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.connection import redis_client
 from broker.embeddings import send_reply
@@ -33,6 +35,7 @@ from broker.prefix_routes import PrefixAdverts
 from broker.publish import lease_value
 from broker.registry import WorkerInfo, worker_registry
 from broker.requests import ClaimResult, RequestStore
+from broker.tracing import generation_spans
 from workers.backoff import Backoff
 from workers.embedder import Embedder, can_embed
 from workers.engine_thread import DEADLINE_MESSAGE, EngineThread
@@ -288,6 +291,7 @@ class WorkerRuntime:
         """Run ``attempt`` of a request to its end here, unless someone else owns it.
         ``fair``: run the model's next request by fair share (``broker.fair_queue``)
         instead; one that is not waiting any more is skipped for the one after."""
+        logs.clear()  # this thread's last task named another request
         while fair:
             taken = self.fair.pop(self.model_name)
             if taken is None:
@@ -321,6 +325,10 @@ class WorkerRuntime:
                 outcome=TaskOutcome.SKIPPED,
                 claim=ClaimResult.MISSING.value,
             )
+        claimed = time.time()
+        logs.bind(
+            request_id=request_id, model=record.model, trace_id=trace_id_of(record.trace)
+        )  # this task's log lines name it
         handle = self.thread.submit(self.work_item(record, attempt, resumed=attempt > 0 or again))
         # The engine thread ends every job by its deadline; waking up now and then
         # guards against a stuck engine pinning this thread (and its slot) forever.
@@ -334,7 +342,24 @@ class WorkerRuntime:
                     error=DEADLINE_MESSAGE,
                 )
         assert handle.result is not None  # set before ``done``
+        if record.trace:
+            self._trace(record, handle.result, claimed)
         return handle.result
+
+    def _trace(self, record: RequestRecord, result: GenerateResult, claimed: float) -> None:
+        """This attempt's spans in the request's trace (``broker.tracing``), made from
+        the times the engine thread measured, after the fact: nothing on its steps."""
+        try:
+            generation_spans(
+                record,
+                attempt=result.attempt,
+                worker_id=self.worker_id,
+                claimed=claimed,
+                ended=time.time(),
+                result=result,
+            )
+        except Exception:  # tracing must never fail a request
+            logger.exception("request %s: could not record its trace", record.request_id)
 
     def work_item(self, record: RequestRecord, attempt: int, resumed: bool = True) -> WorkItem:
         """The engine jobs for ``attempt``: when ``resumed`` (claimed before, by this

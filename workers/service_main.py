@@ -16,6 +16,7 @@ from typing import Protocol
 
 from app import logs
 from app.settings import Settings
+from broker import tracing
 
 
 class LoopService(Protocol):
@@ -35,6 +36,7 @@ def run_service(
     args = parser.parse_args(argv)
     settings = Settings()
     logs.configure(name, args.loglevel, settings.log_format)
+    tracing.set_process(name)
     service = build(settings)
 
     def _stop(_sig: int, _frame: object) -> None:

@@ -411,6 +411,7 @@ class Streamer(Relay):
                 seal = t.restaged(self._writes)
                 t.mark_next = False
             t.wrote_output = True
+            t.took_over = True
             logger.info("took over request %s at token chunk %s", rid, source)
         self.tracked[rid] = t
         return seal
@@ -552,7 +553,8 @@ class Streamer(Relay):
         logger.warning("request %s lost its worker; resuming as attempt %d", rid, attempt)
         t.step = None  # the next worker publishes to a step stream of its own
         t.last_sent = self.clock()
-        send_generate(self.celery, rid, attempt, queue=t.record.queue, model=t.record.model)
+        rec = t.record
+        send_generate(self.celery, rid, attempt, queue=rec.queue, model=rec.model, trace=rec.trace)
         return None
 
     def _finish_done(self, t: Tracked) -> OutputEntry:

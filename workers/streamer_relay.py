@@ -40,6 +40,7 @@ from broker.outputs import OutputEntry, OutputStreams, encode_events, encode_tex
 from broker.publish import decode_deltas
 from broker.requests import RequestStore
 from broker.step_lines import below_ms
+from broker.tracing import relay_span
 from workers.streamer_state import (
     BACKBONE_ERRORS,
     DECODE_FAULT,
@@ -161,7 +162,24 @@ class Relay:
         out = t.staged(n, mark, prior, payload, events, first, published)
         if terminal:
             out.usage = t.usage_count(events, self.clock())
+            if t.record.trace:
+                self._trace(t, out.usage)
         return out
+
+    def _trace(self, t: Tracked, count: UsageCount) -> None:
+        """The request's relay span (``broker.tracing``), made as its last chunk is."""
+        try:
+            relay_span(
+                t.record,
+                started=t.adopted_at,
+                first_token_at=t.first_token_at,
+                finish_reasons=t.finish_reasons(),
+                count=count,
+                took_over=t.took_over,
+                consumer=self.consumer,
+            )
+        except Exception:  # tracing must never fail a request
+            logger.exception("request %s: could not record its trace", t.record.request_id)
 
     def _commit(
         self,

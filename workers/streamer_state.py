@@ -5,6 +5,7 @@ Split out of ``workers.streamer`` (the loop) so each module reads on its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,8 @@ class Tracked:
     mark_next: bool = True
     engine_finished: set[int] = field(default_factory=set)
     first_token_at: float | None = None
+    adopted_at: float = field(default_factory=time.time)  # its trace's relay span starts
+    took_over: bool = False  # adopted from another streamer, part-written
     queued_since: float | None = None
     last_sent: float = 0.0
     no_worker_since: float | None = None
@@ -102,6 +105,13 @@ class Tracked:
             prior,
             payload,
         )
+
+    def finish_reasons(self) -> list[str]:
+        """Each choice's finish reason so far ("" while open, or when unreadable)."""
+        try:
+            return [d.finish_reason.value if d.finish_reason else "" for d in self.choices.choices]
+        except Exception:  # a broken decoder: its trace says less
+            return []
 
     def usage_count(self, events: Sequence[OutputEvent], at: float) -> UsageCount:
         """What the usage ledger counts for this request when ``events`` end it: the

@@ -1,0 +1,163 @@
+"""One trace per request across the fleet (issue 45): real processes export to a real
+OTLP/HTTP receiver (``tests.otlp_receiver``, decoding the protobuf).
+
+A redis-server, a Celery worker (echo engine), a streamer and a web server, each its
+own process, export with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set. A streamed request that
+names a parent in its ``traceparent`` yields one trace under that parent, with spans
+from all three processes parented as ``broker.tracing`` says, carrying the model and
+the token counts the client read; a request without one starts a trace of its own.
+(A stream resumed after its web process died: tests/faults/test_tracing_resume.py.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.otlp_receiver import (
+    SERVER,
+    WAIT_S,
+    OtlpReceiver,
+    chat_body,
+    has,
+    one,
+    otlp_receiver,
+    read_stream,
+    traced_stack,
+    traceparent,
+)
+from tests.stack import Stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+WEB_SPAN = "POST /v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with otlp_receiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(
+    receiver: OtlpReceiver, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    with traced_stack(receiver, models_dir, tmp_path_factory.mktemp("tracing")) as running:
+        yield running
+
+
+def whole(model: str) -> tuple[str, ...]:
+    """The spans a finished request's trace has, one per part."""
+    return (WEB_SPAN, "parse", "admission", "queue", f"chat {model}", "prefill", "decode",
+            f"detokenize {model}")  # fmt: skip
+
+
+def test_a_streamed_request_is_one_trace_across_three_processes(
+    stack: Stack, receiver: OtlpReceiver
+) -> None:
+    header, trace_id, client_parent = traceparent()
+    model = stack.settings.served_name
+    with requests.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json=chat_body(stack.settings),
+        headers={"traceparent": header},
+        stream=True,
+        timeout=WAIT_S,
+    ) as resp:
+        assert resp.status_code == 200, resp.text
+        got = read_stream(resp)
+    assert got["done"] and got["text"], got
+    usage = got["usage"]
+
+    spans = receiver.wait_for(has(*whole(model)), WAIT_S, trace_id)
+    assert {s.process for s in spans} == {"web", "worker", "streamer"}, stack.logs()
+    assert len({s.pid for s in spans}) == 3  # three processes, as started
+    assert sorted(s.name for s in spans) == sorted(whole(model))  # nothing twice
+
+    root = one(spans, WEB_SPAN)
+    assert root.kind == SERVER and root.process == "web"
+    assert root.parent_id == client_parent  # the client's traceparent is its parent
+    assert root.attributes["gen_ai.request.model"] == model
+    assert root.attributes["gen_ai.operation.name"] == "chat"
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert root.event_names() == ["first_byte", "last_byte"]
+    for name in ("parse", "admission"):
+        assert one(spans, name).parent_id == root.span_id
+
+    queue, gen = one(spans, "queue"), one(spans, f"chat {model}")
+    assert queue.process == gen.process == "worker"
+    assert queue.parent_id == gen.parent_id == root.span_id
+    assert queue.end_ns == gen.start_ns  # the claim ends the wait and starts the run
+    assert gen.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert gen.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert gen.attributes["tokenrelay.engine.finish_reasons"] == ["eos"]
+    assert gen.attributes["tokenrelay.attempt"] == 0
+    prefill, decode = one(spans, "prefill"), one(spans, "decode")
+    assert prefill.parent_id == decode.parent_id == gen.span_id
+    assert prefill.end_ns == decode.start_ns  # the first token
+    # The echo engine gives each choice one token per step (its EOS ends the last).
+    assert decode.attributes["tokenrelay.steps"] >= usage["completion_tokens"] - 1
+    assert decode.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+
+    relay = one(spans, f"detokenize {model}")
+    assert relay.process == "streamer" and relay.parent_id == root.span_id
+    assert relay.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert relay.attributes["gen_ai.response.finish_reasons"] == ["stop"]
+    assert relay.event_names() == ["first_token"]
+    assert all(s.trace_id == trace_id for s in spans)
+
+
+def test_without_a_traceparent_a_trace_is_started(stack: Stack, receiver: OtlpReceiver) -> None:
+    before = {s.trace_id for s in receiver.spans()}
+    resp = requests.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json={
+            **chat_body(stack.settings),
+            "stream": False,
+            "stream_options": None,
+            "max_tokens": 8,
+        },
+        timeout=WAIT_S,
+    )
+    assert resp.status_code == 200, resp.text
+
+    def new_trace() -> str | None:
+        fresh = [s for s in receiver.spans() if s.trace_id not in before and s.name == WEB_SPAN]
+        return fresh[0].trace_id if fresh else None
+
+    deadline = time.monotonic() + WAIT_S
+    while (trace_id := new_trace()) is None:
+        assert time.monotonic() < deadline, "no web span arrived"
+        time.sleep(0.05)
+    spans = receiver.wait_for(has(*whole(stack.settings.served_name)), WAIT_S, trace_id)
+    assert one(spans, WEB_SPAN).parent_id == ""  # a root: the trace started here
+    relay = one(spans, f"detokenize {stack.settings.served_name}")
+    assert relay.attributes["gen_ai.response.finish_reasons"] == ["length"]
+
+
+def test_a_refused_request_is_one_web_span_with_its_error(
+    stack: Stack, receiver: OtlpReceiver
+) -> None:
+    header, trace_id, client_parent = traceparent()
+    resp = requests.post(
+        f"{stack.base_url}/v1/chat/completions",
+        json={**chat_body(stack.settings), "max_tokens": -1},
+        headers={"traceparent": header},
+        timeout=WAIT_S,
+    )
+    assert resp.status_code == 400, resp.text
+    spans = receiver.wait_for(has(WEB_SPAN, "parse"), WAIT_S, trace_id)
+    root = one(spans, WEB_SPAN)
+    assert root.parent_id == client_parent
+    assert root.attributes["http.response.status_code"] == 400
+    assert root.attributes["error.type"] == "invalid_request_error"
+    assert one(spans, "parse").attributes["error.type"] == "InvalidRequest"
+    time.sleep(0.5)  # nothing else comes: it never reached a queue
+    assert {s.name for s in receiver.spans(trace_id)} == {WEB_SPAN, "parse"}

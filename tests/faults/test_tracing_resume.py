@@ -1,0 +1,105 @@
+"""A stream resumed after its web process died continues the request's trace (issue 45).
+
+A traced stack (``tests.otlp_receiver.traced_stack``: worker, streamer, web B, each its
+own process, exporting to a real OTLP/HTTP receiver) and web A, started for the test.
+A stream with the client's ``traceparent`` starts on A; part of it is read; A's process
+group is SIGKILLed (its request span dies with it, unexported); the client resumes on
+B with ``Last-Event-ID``. B's ``resume`` span is in the same trace, under the request's
+span (the parent A's ``parse`` and ``admission`` spans name), and the worker and the
+streamer add theirs there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.otlp_receiver import (
+    SERVER,
+    WAIT_S,
+    OtlpReceiver,
+    chat_body,
+    has,
+    one,
+    otlp_receiver,
+    read_stream,
+    traced_stack,
+    traceparent,
+)
+from tests.stack import Stack, web_process, web_settings
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with otlp_receiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(
+    receiver: OtlpReceiver, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    log_dir = tmp_path_factory.mktemp("tracing-resume")
+    with traced_stack(receiver, models_dir, log_dir) as running:
+        yield running
+
+
+def test_a_stream_resumed_after_its_web_process_died_continues_its_trace(
+    stack: Stack, receiver: OtlpReceiver
+) -> None:
+    model = stack.settings.served_name
+    a = web_settings(stack.settings)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        web_a = stack.start("web-a", web_process(a, stack.log_dir, name="web-a"))
+    header, trace_id, client_parent = traceparent()
+    resp = requests.post(
+        f"http://{a.host}:{a.port}/v1/chat/completions",
+        json=chat_body(stack.settings),
+        headers={"traceparent": header},
+        stream=True,
+        timeout=WAIT_S,
+    )
+    assert resp.status_code == 200, resp.text
+    rid = resp.headers["x-request-id"]
+    first = read_stream(resp, stop_after=5)
+    assert first["last_id"] and not first["done"], first
+    # A's admission span has arrived: its parent is the request's span, which dies
+    # with A (a span is exported when it ends).
+    spans = receiver.wait_for(has("admission"), WAIT_S, trace_id)
+    request_span = one(spans, "admission").parent_id
+    web_a.kill_group()
+    resp.close()
+
+    with requests.get(
+        f"{stack.base_url}/v1/streams/{rid}",
+        headers={"Last-Event-ID": first["last_id"], "traceparent": traceparent()[0]},
+        stream=True,
+        timeout=WAIT_S,
+    ) as resumed:
+        assert resumed.status_code == 200, resumed.text
+        rest = read_stream(resumed)
+    assert rest["done"], rest
+
+    resume_name = "resume /v1/chat/completions"
+    spans = receiver.wait_for(
+        has(resume_name, f"chat {model}", f"detokenize {model}"), WAIT_S, trace_id
+    )
+    resume = one(spans, resume_name)
+    assert resume.kind == SERVER and resume.process == "web"
+    assert resume.parent_id == request_span != client_parent
+    assert resume.pid != one(spans, "admission").pid  # another web process
+    assert resume.attributes["tokenrelay.resumed"] is True
+    assert len(resume.links) == 1  # the resuming client's own context, as a link
+    assert resume.attributes["http.response.status_code"] == 200
+    assert one(spans, f"chat {model}").parent_id == request_span
+    assert one(spans, f"detokenize {model}").parent_id == request_span
+    assert {s.process for s in spans} == {"web", "worker", "streamer"}
+    assert all(s.trace_id == trace_id for s in spans)
+    assert "POST /v1/chat/completions" not in {s.name for s in spans}  # died with A
