@@ -24,6 +24,7 @@ from flask import Blueprint, Flask, Request, Response, current_app, request
 from flask_sock import Sock
 from simple_websocket import ConnectionClosed
 
+from app import logs
 from app.errors import (
     AuthenticationFailed,
     InvalidRequest,
@@ -356,6 +357,7 @@ def register(sock: Sock) -> None:
         except AuthenticationFailed:
             _refuse(ws, AuthenticationFailed("Invalid or missing API key."), "invalid api key")
             return
+        logs.bind(key_id=logs.key_label(tenant.owner))  # this socket's log lines
         try:
             close = connections_of(current_app).open(tenant.owner)
         except QuotaExceeded as exc:
