@@ -329,9 +329,10 @@ def request_trace(
     *,
     resumed_from: Mapping[str, str] | None = None,
 ) -> RequestTrace | None:
-    """A request's web span (None when tracing is off): ``POST <route>`` under the
-    client's context, or, for a resumed stream (``resumed_from``: its record's
-    context), ``resume <route>`` under the request's own span, linked to the client's."""
+    """A request's web span (None when tracing is off): ``POST <route>`` (a WebSocket's
+    request: its route) under the client's context, or, for a resumed stream
+    (``resumed_from``: its record's context), ``resume <route>`` under the request's own
+    span, linked to the client's."""
     t = tracer()
     if t is None:
         return None
@@ -340,6 +341,8 @@ def request_trace(
             t, f"resume {route}", resumed_from, {"http.route": route, "tokenrelay.resumed": True},
             links=[traceparent] if traceparent else (),
         )  # fmt: skip
+    if route not in OPERATIONS:  # a WebSocket's message: no HTTP request of its own
+        return RequestTrace(t, route, traceparent, {"network.protocol.name": "websocket"})
     return RequestTrace(
         t, f"POST {route}", traceparent, {"http.request.method": "POST", "http.route": route}
     )

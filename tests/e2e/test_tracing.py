@@ -11,12 +11,14 @@ the token counts the client read; a request without one starts a trace of its ow
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
+import websocket
 
 from tests.otlp_receiver import (
     SERVER,
@@ -161,3 +163,29 @@ def test_a_refused_request_is_one_web_span_with_its_error(
     assert one(spans, "parse").attributes["error.type"] == "InvalidRequest"
     time.sleep(0.5)  # nothing else comes: it never reached a queue
     assert {s.name for s in receiver.spans(trace_id)} == {WEB_SPAN, "parse"}
+
+
+def test_a_websocket_request_continues_the_handshake_trace(
+    stack: Stack, receiver: OtlpReceiver
+) -> None:
+    header, trace_id, client_parent = traceparent()
+    url = stack.base_url.replace("http://", "ws://") + "/v1/ws"
+    ws = websocket.create_connection(url, timeout=WAIT_S, header=[f"traceparent: {header}"])
+    try:
+        ws.send(
+            json.dumps(
+                {"type": "chat", "id": "t", "messages": [{"role": "user", "content": "hi there"}]}
+            )
+        )
+        while json.loads(ws.recv())["type"] != "done":
+            pass
+    finally:
+        ws.close()
+        ws.shutdown()
+    model = stack.settings.served_name
+    spans = receiver.wait_for(has("/v1/ws", f"chat {model}", f"detokenize {model}"), WAIT_S,
+                              trace_id)  # fmt: skip
+    root = one(spans, "/v1/ws")
+    assert root.kind == SERVER and root.parent_id == client_parent
+    assert root.attributes["network.protocol.name"] == "websocket"
+    assert one(spans, f"chat {model}").parent_id == root.span_id
