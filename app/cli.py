@@ -148,15 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     docs = config_commands.add_parser(
         "docs", help="print docs/configuration.md, generated from the settings"
     )
-    docs.add_argument(
-        "--path",
-        type=Path,
-        default=DEFAULT_DOCS_PATH,
-        help="file for --write/--check (default: %(default)s)",
-    )
-    mode = docs.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="write the file instead of printing")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
+    add_docs_options(docs, DEFAULT_DOCS_PATH, "write the file instead of printing")
     docs.set_defaults(handler=_config_docs)
 
     for name, command in EXTERNAL_COMMANDS.items():
@@ -256,6 +248,20 @@ def _model_list(args: argparse.Namespace) -> int:
         padded = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         print("  ".join([*padded, row[-1]]))
     return 0
+
+
+def add_docs_options(docs: argparse.ArgumentParser, default: Path, write_help: str) -> None:
+    """A generated document's options, the same for every ``docs`` command (``config
+    docs``, ``metrics docs``): ``--path``, and ``--write`` or ``--check``."""
+    docs.add_argument(
+        "--path",
+        type=Path,
+        default=default,
+        help="file for --write/--check (default: %(default)s)",
+    )
+    mode = docs.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help=write_help)
+    mode.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
 
 
 def _config_docs(args: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import openai
 
     from app.model_card import ModelCard
+    from tests.otlp_receiver import OtlpReceiver
+    from tests.stack import Stack
 
 
 def bundled_gguf() -> Path:
@@ -70,6 +72,27 @@ def smollm_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     read_gguf_vocab(bundled_gguf()).tokenizer.save(str(path))
     return Tokenizer.from_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def otlp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OtlpReceiver]:
+    """A real OTLP/HTTP trace receiver for the module (``tests.otlp_receiver``)."""
+    from tests.otlp_receiver import otlp_receiver
+
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def traced(
+    otlp: OtlpReceiver, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """A stack for the module whose processes export their spans to ``otlp``
+    (``tests.otlp_receiver.traced_stack``)."""
+    from tests.otlp_receiver import traced_stack
+
+    with traced_stack(otlp, models_dir, tmp_path_factory.mktemp("traced")) as running:
+        yield running
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
 
+from app.cli import add_docs_options
 from web.cluster_metrics import CLUSTER_FAMILIES
 from web.metrics import WebMetrics
 
@@ -146,15 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     docs = commands.add_parser(
         "docs", help=f"print the metrics table of {DEFAULT_PATH}, generated from the metrics"
     )
-    docs.add_argument(
-        "--path",
-        type=Path,
-        default=DEFAULT_PATH,
-        help="file for --write/--check (default: %(default)s)",
-    )
-    mode = docs.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="update the file's table")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
+    add_docs_options(docs, DEFAULT_PATH, "update the file's table")
     args = parser.parse_args(argv)
     if args.command != "docs":
         parser.print_help(sys.stderr)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
@@ -27,9 +25,7 @@ from tests.otlp_receiver import (
     chat_body,
     has,
     one,
-    otlp_receiver,
     read_stream,
-    traced_stack,
     traceparent,
 )
 from tests.stack import Stack
@@ -39,20 +35,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 WEB_SPAN = "POST /v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    with otlp_receiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def stack(
-    receiver: OtlpReceiver, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    with traced_stack(receiver, models_dir, tmp_path_factory.mktemp("tracing")) as running:
-        yield running
-
-
 def whole(model: str) -> tuple[str, ...]:
     """The spans a finished request's trace has, one per part."""
     return (WEB_SPAN, "parse", "admission", "queue", f"chat {model}", "prefill", "decode",
@@ -60,13 +42,13 @@ def whole(model: str) -> tuple[str, ...]:
 
 
 def test_a_streamed_request_is_one_trace_across_three_processes(
-    stack: Stack, receiver: OtlpReceiver
+    traced: Stack, otlp: OtlpReceiver
 ) -> None:
     header, trace_id, client_parent = traceparent()
-    model = stack.settings.served_name
+    model = traced.settings.served_name
     with requests.post(
-        f"{stack.base_url}/v1/chat/completions",
-        json=chat_body(stack.settings),
+        f"{traced.base_url}/v1/chat/completions",
+        json=chat_body(traced.settings),
         headers={"traceparent": header},
         stream=True,
         timeout=WAIT_S,
@@ -76,8 +58,8 @@ def test_a_streamed_request_is_one_trace_across_three_processes(
     assert got["done"] and got["text"], got
     usage = got["usage"]
 
-    spans = receiver.wait_for(has(*whole(model)), WAIT_S, trace_id)
-    assert {s.process for s in spans} == {"web", "worker", "streamer"}, stack.logs()
+    spans = otlp.wait_for(has(*whole(model)), WAIT_S, trace_id)
+    assert {s.process for s in spans} == {"web", "worker", "streamer"}, traced.logs()
     assert len({s.pid for s in spans}) == 3  # three processes, as started
     assert sorted(s.name for s in spans) == sorted(whole(model))  # nothing twice
 
@@ -116,12 +98,12 @@ def test_a_streamed_request_is_one_trace_across_three_processes(
     assert all(s.trace_id == trace_id for s in spans)
 
 
-def test_without_a_traceparent_a_trace_is_started(stack: Stack, receiver: OtlpReceiver) -> None:
-    before = {s.trace_id for s in receiver.spans()}
+def test_without_a_traceparent_a_trace_is_started(traced: Stack, otlp: OtlpReceiver) -> None:
+    before = {s.trace_id for s in otlp.spans()}
     resp = requests.post(
-        f"{stack.base_url}/v1/chat/completions",
+        f"{traced.base_url}/v1/chat/completions",
         json={
-            **chat_body(stack.settings),
+            **chat_body(traced.settings),
             "stream": False,
             "stream_options": None,
             "max_tokens": 8,
@@ -131,45 +113,45 @@ def test_without_a_traceparent_a_trace_is_started(stack: Stack, receiver: OtlpRe
     assert resp.status_code == 200, resp.text
 
     def new_trace() -> str | None:
-        fresh = [s for s in receiver.spans() if s.trace_id not in before and s.name == WEB_SPAN]
+        fresh = [s for s in otlp.spans() if s.trace_id not in before and s.name == WEB_SPAN]
         return fresh[0].trace_id if fresh else None
 
     deadline = time.monotonic() + WAIT_S
     while (trace_id := new_trace()) is None:
         assert time.monotonic() < deadline, "no web span arrived"
         time.sleep(0.05)
-    spans = receiver.wait_for(has(*whole(stack.settings.served_name)), WAIT_S, trace_id)
+    spans = otlp.wait_for(has(*whole(traced.settings.served_name)), WAIT_S, trace_id)
     assert one(spans, WEB_SPAN).parent_id == ""  # a root: the trace started here
-    relay = one(spans, f"detokenize {stack.settings.served_name}")
+    relay = one(spans, f"detokenize {traced.settings.served_name}")
     assert relay.attributes["gen_ai.response.finish_reasons"] == ["length"]
 
 
 def test_a_refused_request_is_one_web_span_with_its_error(
-    stack: Stack, receiver: OtlpReceiver
+    traced: Stack, otlp: OtlpReceiver
 ) -> None:
     header, trace_id, client_parent = traceparent()
     resp = requests.post(
-        f"{stack.base_url}/v1/chat/completions",
-        json={**chat_body(stack.settings), "max_tokens": -1},
+        f"{traced.base_url}/v1/chat/completions",
+        json={**chat_body(traced.settings), "max_tokens": -1},
         headers={"traceparent": header},
         timeout=WAIT_S,
     )
     assert resp.status_code == 400, resp.text
-    spans = receiver.wait_for(has(WEB_SPAN, "parse"), WAIT_S, trace_id)
+    spans = otlp.wait_for(has(WEB_SPAN, "parse"), WAIT_S, trace_id)
     root = one(spans, WEB_SPAN)
     assert root.parent_id == client_parent
     assert root.attributes["http.response.status_code"] == 400
     assert root.attributes["error.type"] == "invalid_request_error"
     assert one(spans, "parse").attributes["error.type"] == "InvalidRequest"
     time.sleep(0.5)  # nothing else comes: it never reached a queue
-    assert {s.name for s in receiver.spans(trace_id)} == {WEB_SPAN, "parse"}
+    assert {s.name for s in otlp.spans(trace_id)} == {WEB_SPAN, "parse"}
 
 
 def test_a_websocket_request_continues_the_handshake_trace(
-    stack: Stack, receiver: OtlpReceiver
+    traced: Stack, otlp: OtlpReceiver
 ) -> None:
     header, trace_id, client_parent = traceparent()
-    url = stack.base_url.replace("http://", "ws://") + "/v1/ws"
+    url = traced.base_url.replace("http://", "ws://") + "/v1/ws"
     ws = websocket.create_connection(url, timeout=WAIT_S, header=[f"traceparent: {header}"])
     try:
         ws.send(
@@ -182,8 +164,8 @@ def test_a_websocket_request_continues_the_handshake_trace(
     finally:
         ws.close()
         ws.shutdown()
-    model = stack.settings.served_name
-    spans = receiver.wait_for(has("/v1/ws", f"chat {model}", f"detokenize {model}"), WAIT_S,
+    model = traced.settings.served_name
+    spans = otlp.wait_for(has("/v1/ws", f"chat {model}", f"detokenize {model}"), WAIT_S,
                               trace_id)  # fmt: skip
     root = one(spans, "/v1/ws")
     assert root.kind == SERVER and root.parent_id == client_parent

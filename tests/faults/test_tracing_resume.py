@@ -11,9 +11,6 @@ streamer add theirs there too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import requests
 
@@ -24,9 +21,7 @@ from tests.otlp_receiver import (
     chat_body,
     has,
     one,
-    otlp_receiver,
     read_stream,
-    traced_stack,
     traceparent,
 )
 from tests.stack import Stack, web_process, web_settings
@@ -34,34 +29,19 @@ from tests.stack import Stack, web_process, web_settings
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    with otlp_receiver() as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def stack(
-    receiver: OtlpReceiver, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    log_dir = tmp_path_factory.mktemp("tracing-resume")
-    with traced_stack(receiver, models_dir, log_dir) as running:
-        yield running
-
-
 def test_a_stream_resumed_after_its_web_process_died_continues_its_trace(
-    stack: Stack, receiver: OtlpReceiver
+    traced: Stack, otlp: OtlpReceiver
 ) -> None:
-    model = stack.settings.served_name
-    a = web_settings(stack.settings)
+    model = traced.settings.served_name
+    a = web_settings(traced.settings)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+        mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.url)
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        web_a = stack.start("web-a", web_process(a, stack.log_dir, name="web-a"))
+        web_a = traced.start("web-a", web_process(a, traced.log_dir, name="web-a"))
     header, trace_id, client_parent = traceparent()
     resp = requests.post(
         f"http://{a.host}:{a.port}/v1/chat/completions",
-        json=chat_body(stack.settings),
+        json=chat_body(traced.settings),
         headers={"traceparent": header},
         stream=True,
         timeout=WAIT_S,
@@ -72,13 +52,13 @@ def test_a_stream_resumed_after_its_web_process_died_continues_its_trace(
     assert first["last_id"] and not first["done"], first
     # A's admission span has arrived: its parent is the request's span, which dies
     # with A (a span is exported when it ends).
-    spans = receiver.wait_for(has("admission"), WAIT_S, trace_id)
+    spans = otlp.wait_for(has("admission"), WAIT_S, trace_id)
     request_span = one(spans, "admission").parent_id
     web_a.kill_group()
     resp.close()
 
     with requests.get(
-        f"{stack.base_url}/v1/streams/{rid}",
+        f"{traced.base_url}/v1/streams/{rid}",
         headers={"Last-Event-ID": first["last_id"], "traceparent": traceparent()[0]},
         stream=True,
         timeout=WAIT_S,
@@ -88,7 +68,7 @@ def test_a_stream_resumed_after_its_web_process_died_continues_its_trace(
     assert rest["done"], rest
 
     resume_name = "resume /v1/chat/completions"
-    spans = receiver.wait_for(
+    spans = otlp.wait_for(
         has(resume_name, f"chat {model}", f"detokenize {model}"), WAIT_S, trace_id
     )
     resume = one(spans, resume_name)
