@@ -40,7 +40,37 @@ class Settings(BaseSettings):
         "redis+sentinel://[:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/MASTER_NAME[/DB] "
         "(docs/scaling.md).",
     )
-    key_prefix: str = Field(default="tr:", description="Prefix of every Redis key tokenrelay owns.")
+    key_prefix: str = Field(
+        default="tr:",
+        pattern=r"^[^{}]*$",
+        description="Prefix of every Redis key tokenrelay owns (no braces: on a Redis "
+        "Cluster tokenrelay adds its own hash tags after it).",
+    )
+    redis_cluster: Literal["auto", "yes", "no"] = Field(
+        default="auto",
+        description="Whether TOKENRELAY_REDIS_URL is a Redis Cluster node (any one: the "
+        "others are found from it). auto: asked once at start-up (INFO cluster); set yes "
+        "or no to skip the question. On a cluster, token traffic, requests, leases, "
+        "hand-off and admission are spread over TOKENRELAY_REDIS_SHARDS hash tags, and "
+        "Celery needs TOKENRELAY_CELERY_URL (docs/scaling.md).",
+    )
+    redis_shards: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description="On a Redis Cluster: how many shards (hash tags) requests are spread "
+        "over; each worker step publishes one call per shard it has requests on. 0: the "
+        "number the cluster already records for this key prefix, else its number of "
+        "masters at the first start (then recorded). A number that differs from the "
+        "recorded one is refused at start-up. Ignored without a cluster.",
+    )
+    celery_url: str = Field(
+        default="",
+        description="Redis for Celery's broker and result backend, when it is not "
+        "TOKENRELAY_REDIS_URL: redis://, rediss://, unix:// or redis+sentinel://. Empty: "
+        "TOKENRELAY_REDIS_URL. Required when that is a Redis Cluster (kombu does not "
+        "speak Cluster).",
+    )
     redis_maxmemory: str = Field(
         default="4gb",
         pattern=r"^\d+(b|kb|mb|gb)?$",
