@@ -2,6 +2,12 @@
 
 The web tier sends ``tokenrelay.generate`` by name (``send_generate``) so it never
 imports worker code; ``workers.celery_worker`` registers the task on the same app.
+
+Celery's broker and result backend live on ``celery_redis_url``: ``celery_url`` when it
+is set (a Redis Cluster carries the token traffic and kombu does not speak Cluster),
+else the token traffic's ``redis_url``. Whatever reads Celery's queues directly (their
+lengths for metrics and routing, a stopping worker's own queue) does it through
+``celery_redis``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from kombu import Queue  # type: ignore[attr-defined]
 from pydantic import BaseModel, ConfigDict
 
 from app.settings import Settings
+from broker.connection import redis_client
 from broker.kombu_redis import transport_for
 from broker.sent_events import sent_events
 from broker.sentinel import celery_connection
@@ -65,6 +72,24 @@ class GenerateResult(BaseModel):
         return cls.model_validate(raw)
 
 
+def celery_redis_url(settings: Settings) -> str:
+    """The Redis of Celery's broker and result backend: ``celery_url``, else ``redis_url``."""
+    return settings.celery_url or settings.redis_url
+
+
+def celery_redis(
+    settings: Settings, client: redis.Redis, *, max_connections: int = 4
+) -> redis.Redis:
+    """A client for reading Celery's queues (``queue_depths``, ``waiting``): ``client``
+    (the token traffic's, on ``redis_url``) itself when Celery shares that Redis, so a
+    single-Redis deployment keeps one pool; else a client of its own on ``celery_url``,
+    which connects on its first command."""
+    url = celery_redis_url(settings)
+    if url == settings.redis_url:
+        return client
+    return redis_client(url, max_connections=max_connections)
+
+
 def queue_name(kind: str, model: str) -> str:
     """Queues are per served model, so a worker only takes jobs for its own model."""
     return f"tr.{kind}.{model}"
@@ -108,7 +133,7 @@ def create_celery(
     """
     model = model or settings.served_name
     # redis:// as it is; redis+sentinel:// in kombu's Sentinel form (broker.sentinel)
-    redis_conn = celery_connection(settings.redis_url)
+    redis_conn = celery_connection(celery_redis_url(settings))
     app = Celery(
         "tokenrelay",
         broker=redis_conn.broker_url,
@@ -222,7 +247,8 @@ def task_id(request_id: str, attempt: int) -> str:
 
 def requeue_own(app: Celery, client: redis.Redis, model: str, worker_id: str) -> int:
     """Send the tasks still waiting in a stopping worker's own queue to the shared
-    interactive queue (any worker may run them); how many.
+    interactive queue (any worker may run them); how many. ``client``: on Celery's
+    Redis (``celery_redis``).
 
     Without this they would wait for the streamers' watchdog (``requeue_after_s``).
     Celery's messages on Redis are JSON whose headers carry the task id, which names
@@ -255,14 +281,15 @@ def priority_lists(queue: str) -> list[str]:
 
 
 def waiting(pipe: Any, queue: str) -> None:
-    """Queue on ``pipe`` the LLENs of ``queue``'s lists (``priority_lists``): their sum is
-    how many tasks wait in it."""
+    """Queue on ``pipe`` (of Celery's Redis: ``celery_redis``) the LLENs of ``queue``'s
+    lists (``priority_lists``): their sum is how many tasks wait in it."""
     for key in priority_lists(queue):
         pipe.llen(key)
 
 
 def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:
-    """Tasks waiting in each of ``model``'s queues (Celery's queues are Redis lists)."""
+    """Tasks waiting in each of ``model``'s queues (Celery's queues are Redis lists);
+    ``client`` on Celery's Redis (``celery_redis``)."""
     queues = worker_queues(model, embeds=True)
     pipe = client.pipeline(transaction=False)
     for q in queues:

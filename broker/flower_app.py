@@ -4,7 +4,8 @@
 ``celery --broker URL flower`` can carry a broker URL but no transport options, and a
 Sentinel group needs one (``master_name``, see ``broker.sentinel``). Built from the same
 ``TOKENRELAY_*`` settings as every other process, this app brings the broker URL, the
-result backend and their options for a plain Redis and a Sentinel group alike. It is
+result backend and their options for a plain Redis and a Sentinel group alike, on
+Celery's own Redis when ``TOKENRELAY_CELERY_URL`` names one (``celery_redis_url``). It is
 created at import because that is how ``celery -A`` finds an app; nothing in tokenrelay
 imports this module.
 
