@@ -112,9 +112,12 @@ class PrefixRouter:
         workers: Registry[WorkerInfo],
         model: str,
         *,
+        queues: redis.Redis | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = client
+        # Celery's Redis (``broker.celery_app.celery_redis``): the workers' own queues.
+        self.queues = client if queues is None else queues
         self.keys = keys
         self.workers = workers
         self.model = model
@@ -148,24 +151,29 @@ class PrefixRouter:
         names = block_names(record.engine_scope, record.prompts[0][: MAX_BLOCKS * BLOCK])
         if not names:
             return None, "not_routed"
+        # One round trip when Celery shares the token traffic's Redis, else one to each.
         pipe = self.redis.pipeline(transaction=False)
+        lists = pipe if self.queues is self.redis else self.queues.pipeline(transaction=False)
         for w in workers:
             pipe.smismember(self.keys.prefix_blocks(w.worker_id), names)
             pipe.get(self.keys.prefix_load(w.worker_id))
-            waiting(pipe, worker_queue(self.model, w.worker_id))
-        per = 2 + len(PRIORITY_STEPS)
+        for w in workers:
+            waiting(lists, worker_queue(self.model, w.worker_id))
         replies: list[Any] = pipe.execute()
-        held = [_leading(replies[per * i]) for i in range(len(workers))]
+        if lists is not pipe:
+            replies += lists.execute()
+        held = [_leading(replies[2 * i]) for i in range(len(workers))]
         best = max(held)
         if best == 0:
             return None, "no_match"
         if min(held) == best:
             return None, "tie"  # every worker holds as much: any of them will do
+        steps, queued = len(PRIORITY_STEPS), 2 * len(workers)
         room = [
             (
                 w.capacity
-                - _load(w, replies[per * i + 1])
-                - sum(replies[per * i + 2 : per * (i + 1)]),
+                - _load(w, replies[2 * i + 1])
+                - sum(replies[queued + steps * i : queued + steps * (i + 1)]),
                 w.worker_id,
             )
             for i, w in enumerate(workers)
@@ -187,7 +195,7 @@ class PrefixRouter:
         """After sending to ``worker_id``'s queue: let the queue expire if that worker
         never takes it (it died), so dead workers' queues do not pile up in Redis."""
         with contextlib.suppress(redis.RedisError):
-            self.redis.expire(worker_queue(self.model, worker_id), 600)
+            self.queues.expire(worker_queue(self.model, worker_id), 600)
 
 
 # How ``choose`` decided, for /metrics (``tokenrelay_prefix_routes_total``).

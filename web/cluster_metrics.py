@@ -1,9 +1,10 @@
 """The cluster's metrics: families read from Redis when ``/metrics`` is scraped.
 
 Workers heart-beat their batch size, token count and engine gauges into the registry
-(``broker.registry``); Celery's queues are Redis lists; the usage ledger is Redis
-hashes. Reading them at scrape time lets one scrape of any web process show the whole
-cluster, with no port to open on GPU hosts: every web process reports the same values.
+(``broker.registry``); Celery's queues are Redis lists (on Celery's own Redis when
+``celery_url`` is set); the usage ledger is Redis hashes. Reading them at scrape time
+lets one scrape of any web process show the whole cluster, with no port to open on GPU
+hosts: every web process reports the same values.
 
 Every family is declared here once (``web.metric_family.FamilySpec``) and built only
 from its declaration; ``CLUSTER_FAMILIES`` lists them all, the usage ledger's included:
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import redis
 
-from broker.celery_app import queue_depths
+from broker.celery_app import celery_redis, queue_depths
 from web.metric_family import FamilySpec, ScrapeFamily
 from web.usage_metrics import USAGE_FAMILIES, usage_families
 
@@ -224,6 +225,13 @@ class ClusterCollector:
 
     def __init__(self, service: Runner) -> None:
         self.service = service
+        self._queues: redis.Redis | None = None  # Celery's Redis, on the first scrape
+
+    def queues(self) -> redis.Redis:
+        """Celery's Redis (``broker.celery_app.celery_redis``), where the queues are."""
+        if self._queues is None:
+            self._queues = celery_redis(self.service.settings, self.service.redis)
+        return self._queues
 
     def describe(self) -> list[ScrapeFamily]:
         # The declarations, so the registry refuses a static metric of the same name.
@@ -237,7 +245,7 @@ class ClusterCollector:
             depths = {
                 (model, queue): depth
                 for model in svc.models.known()
-                for queue, depth in queue_depths(svc.redis, model).items()
+                for queue, depth in queue_depths(self.queues(), model).items()
             }
         except redis.RedisError:
             return

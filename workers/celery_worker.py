@@ -32,7 +32,7 @@ from app.errors import ModelError
 from app.model_card import load_model_card
 from app.settings import Settings
 from broker import tracing
-from broker.celery_app import GENERATE_TASK, create_celery, requeue_own
+from broker.celery_app import GENERATE_TASK, celery_redis, create_celery, requeue_own
 from broker.embeddings import EMBED_TASK
 from workers.embedder import can_embed
 from workers.runtime import WorkerRuntime, new_worker_id
@@ -137,13 +137,18 @@ def engine_info_step(state: dict[str, WorkerRuntime]) -> type[bootsteps.Step]:
 
 def hand_back(celery_app: Celery, runtime: WorkerRuntime) -> None:
     """Send the turns routed to this worker that no thread took to the shared queue."""
+    tokens = runtime.store.redis
+    queues = celery_redis(runtime.settings, tokens, max_connections=1)
     try:
-        moved = requeue_own(celery_app, runtime.store.redis, runtime.model_name, runtime.worker_id)
+        moved = requeue_own(celery_app, queues, runtime.model_name, runtime.worker_id)
     except Exception as exc:  # the streamers' watchdog resends them anyway
         logger.warning("could not hand this worker's queue back: %s", exc)
     else:
         if moved:
             logger.info("sent %d queued requests on to the shared queue", moved)
+    finally:
+        if queues is not tokens:
+            queues.connection_pool.disconnect()
 
 
 def say(message: str) -> None:

@@ -3,7 +3,8 @@
 Workers are registered and advertise their cached prefixes exactly as a worker
 process does (``Registry.heartbeat``, ``PrefixAdverts.publish``); the router must send a
 prompt to the worker holding strictly the most of it, with room, and to the shared
-queue otherwise. ``requeue_own`` hands a stopping worker's own queue back.
+queue otherwise. ``requeue_own`` hands a stopping worker's own queue back. With
+``celery_url`` the workers' queues are on Celery's own Redis and are read there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from app.prefix_blocks import BLOCK, block_names
 from app.records import RequestRecord
 from app.settings import Settings
 from broker.celery_app import (
+    celery_redis,
     create_celery,
     priority_lists,
     queue_depths,
@@ -29,6 +31,7 @@ from broker.celery_app import (
 from broker.keys import Keys
 from broker.prefix_routes import PrefixAdverts, PrefixRouter
 from broker.registry import WorkerInfo, worker_registry
+from broker.server import RedisServer
 from tests.stack import make_record
 
 pytestmark = pytest.mark.integration
@@ -39,12 +42,16 @@ B = SYSTEM + list(range(500, 500 + 2 * BLOCK))
 
 
 class Fleet:
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(
+        self, client: redis.Redis, settings: Settings, queues: redis.Redis | None = None
+    ) -> None:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.registry = worker_registry(client, self.keys)
         self.adverts = PrefixAdverts(client, self.keys, ttl_s=10)
-        self.router = PrefixRouter(client, self.keys, self.registry, settings.served_name)
+        self.router = PrefixRouter(
+            client, self.keys, self.registry, settings.served_name, queues=queues
+        )
 
     def worker(
         self,
@@ -128,6 +135,31 @@ def test_queued_turns_count_against_the_room(
     app = create_celery(settings, results=False)
     send_generate(app, "r1", 0, queue="interactive", model=settings.served_name, worker="w1")
     assert fleet.choose(A) is None  # one running + one waiting = its two slots
+
+
+def test_queues_on_celery_s_own_redis_are_read_there(
+    settings: Settings, redis_client: redis.Redis
+) -> None:
+    with RedisServer() as celery_server:
+        settings = settings.model_copy(update={"celery_url": celery_server.url})
+        queues = celery_redis(settings, redis_client)
+        assert queues is not redis_client
+        fleet = Fleet(redis_client, settings, queues)
+        fleet.worker("w1", [A], active=1)
+        fleet.worker("w2", [B])
+        assert fleet.choose(A) == "w1"
+        model = settings.served_name
+        own, shared = worker_queue(model, "w1"), queue_name("interactive", model)
+        app = create_celery(settings, results=False)
+        send_generate(app, "r1", 0, queue="interactive", model=model, worker="w1")
+        fleet.router.sent("w1")
+        assert queues.llen(own) == 1 and not redis_client.exists(own)
+        assert 0 < int(queues.ttl(own)) <= 600  # ``sent`` set it on Celery's Redis
+        assert fleet.choose(A) is None  # one running + one waiting (there) = its two slots
+        assert requeue_own(app, queues, model, "w1") == 1
+        assert queue_depths(queues, model)[shared] == 1
+        assert queue_depths(redis_client, model)[shared] == 0
+        queues.connection_pool.disconnect()
 
 
 def test_scopes_and_queues_are_respected(fleet: Fleet, settings: Settings) -> None:
