@@ -13,7 +13,8 @@ offline (no cluster, no network).
   setting and every container's settings load, every command is a real subcommand, and
   each pod gives its process longer than ``drain_s`` to stop;
 * each ScaledObject reads exactly its model's Celery queue lists
-  (``broker.celery_app.priority_lists``);
+  (``broker.celery_app.priority_lists``), on Celery's Redis (``TOKENRELAY_CELERY_URL``
+  when its worker sets it, else ``TOKENRELAY_REDIS_URL``);
 * the dashboard and the alert rules name only metrics (and labels) that web/metrics.py
   exports, besides redis_exporter's.
 """
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any, get_args
+from urllib.parse import urlsplit
 
 import jsonschema
 import kubernetes_validate
@@ -41,7 +43,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from app.cli import EXTERNAL_COMMANDS, is_runnable_module
 from app.settings import EngineName, Settings
-from broker.celery_app import priority_lists, queue_name
+from broker.celery_app import celery_redis_url, priority_lists, queue_name
 from tests.stack import REPO
 
 Obj = dict[str, Any]
@@ -591,6 +593,17 @@ def tokenrelay_settings(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) ->
         return Settings()
 
 
+def redis_target(built: list[Obj], url: str) -> tuple[str, str]:
+    """A ``redis://`` URL naming a Service of the build and one of its ports: the address
+    KEDA's operator (another namespace) reaches it at, and the database number."""
+    parts = urlsplit(url)
+    assert parts.scheme == "redis" and parts.hostname and parts.port, url
+    service = find(built, "Service", parts.hostname)
+    assert parts.port in {p["port"] for p in service["spec"]["ports"]}, url
+    namespace = service["metadata"]["namespace"]
+    return f"{parts.hostname}.{namespace}.svc:{parts.port}", parts.path.lstrip("/") or "0"
+
+
 def test_every_variable_is_a_real_setting_and_every_container_loads_its_settings(
     built: list[Obj], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -609,9 +622,8 @@ def test_every_variable_is_a_real_setting_and_every_container_loads_its_settings
         assert settings.redis_url.startswith(
             "redis://:" + secret_data(built, "tokenrelay-secrets")["redis-password"]
         )
-        host, port = settings.redis_url.split("@")[1].split("/")[0].split(":")
-        redis = find(built, "Service", host)
-        assert int(port) in {p["port"] for p in redis["spec"]["ports"]}
+        redis_target(built, settings.redis_url)
+        redis_target(built, celery_redis_url(settings))  # Celery's: the same by default
         if template_labels(obj)["app.kubernetes.io/component"] == "web":
             assert (settings.host, settings.port) == ("0.0.0.0", 8000)
             assert settings.api_keys, "the web tier requires API keys"
@@ -668,7 +680,6 @@ def test_each_scaled_object_reads_exactly_its_models_queues(
 ) -> None:
     config = find(built, "ConfigMap", "tokenrelay-config")["data"]
     known = json.loads(config["TOKENRELAY_KNOWN_MODELS"])
-    redis = find(built, "Service", "redis")
     scaled_objects = [o for o in built if o["kind"] == "ScaledObject"]
     assert scaled_objects
     for scaled in scaled_objects:
@@ -695,11 +706,12 @@ def test_each_scaled_object_reads_exactly_its_models_queues(
         modifiers = spec["advanced"]["scalingModifiers"]
         assert set(re.findall(r"[A-Za-z_]\w*", modifiers["formula"])) == set(names)
         assert float(modifiers["target"]) > 0 and float(modifiers["activationTarget"]) == 0
-        address = f"{redis['metadata']['name']}.{redis['metadata']['namespace']}.svc:6379"
+        # The lists are on Celery's Redis, which the worker's settings name.
+        address, db = redis_target(built, celery_redis_url(settings))
         for trigger in triggers:
             assert trigger["type"] == "redis"
             assert trigger["metadata"]["address"] == address
-            assert trigger["metadata"]["databaseIndex"] == settings.redis_url.rsplit("/", 1)[1]
+            assert trigger["metadata"]["databaseIndex"] == db
             find(built, "TriggerAuthentication", trigger["authenticationRef"]["name"])
 
 
