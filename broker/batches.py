@@ -281,6 +281,8 @@ class BatchStore:
         transaction fenced by our lock (WATCH): a driver that lost the batch, or a
         record that already exists, writes nothing. The caller then sends the task."""
         lock = self.keys.batch_lock(bid)
+        if self.keys.clustered:
+            return self._submit_line_apart(bid, driver, index, record, requests)
         with self.redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(lock, self.keys.request(record.request_id))  # type: ignore[no-untyped-call]
@@ -290,6 +292,41 @@ class BatchStore:
                     return False
                 pipe.multi()
                 requests.queue_create(pipe, record)
+                pipe.hset(self.keys.batch(bid), "submitted", index + 1)
+                pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
+
+    def _submit_line_apart(
+        self, bid: str, driver: str, index: int, record: RequestRecord, requests: RequestStore
+    ) -> bool:
+        """``submit_line`` on a Redis Cluster, where the line's record (in its request's
+        shard) and the batch (under the global tag) cannot share a transaction: the
+        record is written first, only if absent (WATCH on it alone), then ``submitted``
+        moves under the lock. A driver that stops between the two leaves a record the
+        next one finds: it moves ``submitted`` and sends the task all the same (a second
+        task for one request is refused by its claim). A driver that lost the batch
+        writes at most the record, which the new owner then submits."""
+        rid = record.request_id
+        lock = self.keys.batch_lock(bid)
+        if as_str(self.redis.get(lock)) != driver:
+            return False
+        with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.keys.request(rid))  # type: ignore[no-untyped-call]
+                if not pipe.exists(self.keys.request(rid)):
+                    pipe.multi()
+                    requests.queue_create(pipe, record)
+                    pipe.execute()
+            except redis.WatchError:
+                pass  # written meanwhile: by a driver that had the batch before us
+        with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(lock)  # type: ignore[no-untyped-call]
+                if as_str(pipe.get(lock)) != driver:
+                    return False
+                pipe.multi()
                 pipe.hset(self.keys.batch(bid), "submitted", index + 1)
                 pipe.execute()
             except redis.WatchError:

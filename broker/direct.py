@@ -24,6 +24,18 @@ from typing import Any
 
 import redis
 from hiredis import pack_command as _pack_command
+from redis.cluster import RedisCluster
+
+from broker.cluster import AWAY, ClusterAway
+
+# A cluster's replies that say the connection's shard is served elsewhere now.
+_MOVING = (
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+)
 
 # A connection unused this long is checked before it is used again: Redis (its
 # ``timeout``) or something on the way may have closed it meanwhile.
@@ -86,9 +98,17 @@ def _pack(conn: Any, commands: Sequence[Sequence[Any]]) -> bytes:
 class DirectConnection:
     """One connection outside the pool, for a single thread's hot loop."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, route: str | None = None) -> None:
         # redis-py's connection layer is untyped.
         self._client: Any = client
+        # On a cluster: a key of the shard this connection serves; it connects to the
+        # master of that key's slot, found again after a failover (``_node_client``).
+        self._route = route
+        self._cluster = isinstance(client, RedisCluster)
+        if self._cluster and route is None:
+            raise ValueError("a direct connection to a cluster needs a route key")
+        self._refresh = False  # read the cluster's slot map before connecting again
+        self._callbacks: Any = client.response_callbacks if not self._cluster else {}
         self._conn: Any = None
         self._used = 0.0  # monotonic time of the last send
         # Sockets used so far: what was learned from Redis over one (the publish's fence
@@ -104,6 +124,7 @@ class DirectConnection:
             conn.send_packed_command(packed)
         except BaseException:
             self.close()
+            self._refresh = self._cluster
             raise
 
     def reply(self, command: str) -> Any:
@@ -114,12 +135,17 @@ class DirectConnection:
             raise redis.ConnectionError("no reply is due: nothing was sent")
         try:
             response = conn.read_response()
-        except redis.ResponseError:
+        except redis.ResponseError as exc:
+            if self._cluster and isinstance(exc, _MOVING):  # the shard moved: find it again
+                self.close()
+                self._refresh = True
+                raise ClusterAway(f"redis cluster: {exc}") from exc
             raise
         except BaseException:  # a reply may still be on its way: never reuse it
             self.close()
+            self._refresh = self._cluster
             raise
-        callback = self._client.response_callbacks.get(command)
+        callback = self._callbacks.get(command)
         return callback(response) if callback is not None else response
 
     def connect(self) -> int:
@@ -154,6 +180,26 @@ class DirectConnection:
             self.call("SCRIPT", "LOAD", script.script)
             return self.call("EVALSHA", script.sha, len(keys), *keys, *args)
 
+    def _pool(self) -> Any:
+        """The pool whose settings a new connection takes: the client's, or on a
+        cluster the pool of the route's master (the slot map read again first when the
+        last connection failed or was told its slot moved)."""
+        if not self._cluster:
+            return self._client.connection_pool
+        if self._refresh:
+            self._client.refresh()
+            self._refresh = False
+        try:
+            node = self._client.get_node_from_key(self._route)
+        except AWAY as exc:
+            self._refresh = True
+            raise ClusterAway(f"redis cluster: {exc}") from exc
+        if node is None or node.redis_connection is None:
+            self._refresh = True
+            raise ClusterAway(f"redis cluster: no master serves {self._route}")
+        self._callbacks = node.redis_connection.response_callbacks
+        return node.redis_connection.connection_pool
+
     def close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
@@ -173,13 +219,17 @@ class DirectConnection:
                 self.close()
         self._used = now
         if self._conn is None:
-            pool = self._client.connection_pool
+            pool = self._pool()
             # No health check: it would reconnect inside redis-py, in the middle of a
             # send, unseen by ``generation``.
             conn = pool.connection_class(**{**pool.connection_kwargs, "health_check_interval": 0})
             # Connect explicitly, as the pool does: sending on an unconnected connection
             # would skip a Sentinel connection's own connect() (the master lookup).
-            conn.connect()
+            try:
+                conn.connect()
+            except BaseException:
+                self._refresh = self._cluster
+                raise
             self._conn = conn
         if self._conn._sock is not self._sock:  # a new socket, however it came about
             self._sock = self._conn._sock

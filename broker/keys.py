@@ -51,218 +51,294 @@
 {p}fq:{m}           zset   fair share: keys with waiting requests of model m by virtual start
 {p}fq:{m}:s         hash   fair share: virtual clock, each key's weight and last finish
 {p}fq:{m}:o:{o}     zset   fair share: key o's waiting request ids (priority, arrival)
+
+On a Redis Cluster (``broker.cluster``) every key carries a hash tag after the prefix:
+a request's keys its shard's (``{p}{<tag>}:req:{rid}``), and so do the keys a script
+uses together with them (fence epoch, hand-off stream and epoch, step and output step
+streams, hub wake-ups, the usage ledger's counts: "shard-scoped", asked of a ``Keys``
+bound to one shard, ``at`` or ``of``); every other key the global tag
+(``{p}{g}:inflight``). On one Redis (``shards=0``) there are no tags: the keys above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from broker.cluster import GLOBAL_TAG, shard_of, shard_tags
 
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """Key builder for one prefix (``Settings.key_prefix``)."""
+    """Key builder for one prefix (``Settings.key_prefix``).
+
+    ``shards``: 0 on one Redis (or a Sentinel group); on a cluster, how many shards
+    requests are spread over. ``shard``: the shard this builder is bound to (its
+    shard-scoped keys), None for a cluster's unbound builder, which refuses them."""
 
     prefix: str = "tr:"
+    shards: int = 0
+    shard: int | None = None
+    _g: str = field(init=False, repr=False, compare=False)  # the global keys' prefix
+    _tagged: tuple[str, ...] = field(init=False, repr=False, compare=False)  # per shard
+    _bound: list[Keys] = field(init=False, repr=False, compare=False)  # at(k), made once
 
+    def __post_init__(self) -> None:
+        tagged = (
+            tuple(f"{self.prefix}{{{t}}}:" for t in shard_tags(self.shards)) if self.shards else ()
+        )
+        object.__setattr__(
+            self, "_g", f"{self.prefix}{{{GLOBAL_TAG}}}:" if self.shards else self.prefix
+        )
+        object.__setattr__(self, "_tagged", tagged)
+        object.__setattr__(self, "_bound", [])
+
+    # -- shards ---------------------------------------------------------------------------
+    @property
+    def clustered(self) -> bool:
+        return self.shards > 0
+
+    def at(self, index: int) -> Keys:
+        """This builder bound to shard ``index`` (itself on one Redis)."""
+        if not self.shards:
+            return self
+        if not self._bound:
+            self._bound.extend(Keys(self.prefix, self.shards, k) for k in range(self.shards))
+        return self._bound[index]
+
+    def of(self, rid: str) -> Keys:
+        """This builder bound to request ``rid``'s shard (itself on one Redis)."""
+        return self.at(shard_of(rid, self.shards)) if self.shards else self
+
+    def index_of(self, rid: str) -> int:
+        """The index of request ``rid``'s shard (0 on one Redis)."""
+        return shard_of(rid, self.shards) if self.shards else 0
+
+    def all_shards(self) -> list[Keys]:
+        """One builder per shard: ``[self]`` on one Redis."""
+        return [self.at(k) for k in range(self.shards)] if self.shards else [self]
+
+    @property
+    def _s(self) -> str:
+        """The prefix of this builder's shard-scoped keys."""
+        if not self.shards:
+            return self.prefix
+        if self.shard is None:
+            raise RuntimeError("a shard-scoped key of a cluster's Keys needs a shard: at() or of()")
+        return self._tagged[self.shard]
+
+    def _r(self, rid: str) -> str:
+        """The prefix of request ``rid``'s keys."""
+        return self._tagged[shard_of(rid, self.shards)] if self.shards else self.prefix
+
+    def tokens_prefix(self) -> str:
+        """``tokens(rid)`` is this + ``rid`` for every request of this builder's shard."""
+        return f"{self._s}tok:"
+
+    def output_prefix(self) -> str:
+        """``output(rid)`` is this + ``rid`` for every request of this builder's shard."""
+        return f"{self._s}out:"
+
+    # -- one request's keys ---------------------------------------------------------------
     def request(self, rid: str) -> str:
-        return f"{self.prefix}req:{rid}"
+        return f"{self._r(rid)}req:{rid}"
 
     def lease(self, rid: str) -> str:
-        return f"{self.prefix}lease:{rid}"
+        return f"{self._r(rid)}lease:{rid}"
 
     def tokens(self, rid: str) -> str:
-        return f"{self.prefix}tok:{rid}"
+        return f"{self._r(rid)}tok:{rid}"
 
     def output(self, rid: str) -> str:
-        return f"{self.prefix}out:{rid}"
+        return f"{self._r(rid)}out:{rid}"
 
     def steps(self, worker_id: str) -> str:
         """A worker's step stream: one entry per publish with every token entry it
-        appended (read by streamers instead of one token stream per request)."""
-        return f"{self.prefix}steps:{worker_id}"
+        appended (read by streamers instead of one token stream per request). One per
+        shard on a cluster."""
+        return f"{self._s}steps:{worker_id}"
 
     def output_steps(self, streamer_id: str) -> str:
         """A streamer's output step stream: one entry per output write with every output
         entry it appended (read by web processes' hubs instead of one stream per
-        request)."""
-        return f"{self.prefix}osteps:{streamer_id}"
+        request). One per shard on a cluster."""
+        return f"{self._s}osteps:{streamer_id}"
 
     def followers(self, rid: str) -> str:
         """Counter of clients following the request's output right now (any process):
         a disconnected stream's generation is cancelled only if nobody resumed it."""
-        return f"{self.prefix}fol:{rid}"
+        return f"{self._r(rid)}fol:{rid}"
 
     def cancel(self, rid: str) -> str:
-        return f"{self.prefix}cancel:{rid}"
+        return f"{self._r(rid)}cancel:{rid}"
 
     def embed_reply(self, rid: str) -> str:
         """The list an embedding request's worker answers on (broker.embeddings)."""
-        return f"{self.prefix}emb:{rid}"
+        return f"{self._r(rid)}emb:{rid}"
 
     @property
     def cancel_channel(self) -> str:
-        return f"{self.prefix}cancels"
+        return f"{self._g}cancels"
 
     def member(self, kind: str, member_id: str) -> str:
         """Registration of one process of ``kind`` ("worker" or "streamer")."""
-        return f"{self.prefix}{kind}:{member_id}"
+        return f"{self._g}{kind}:{member_id}"
 
     def members(self, kind: str) -> str:
-        return f"{self.prefix}{kind}s"
+        return f"{self._g}{kind}s"
 
     def hub_wake(self, hub_id: str) -> str:
         """Wake-up stream of one web process's output hub."""
-        return f"{self.prefix}hub:{hub_id}"
+        return f"{self._s}hub:{hub_id}"
 
     @property
     def inflight(self) -> str:
-        return f"{self.prefix}inflight"
+        return f"{self._g}inflight"
 
     @property
     def models(self) -> str:
         """Hash: served model name -> its entry (``broker.models.ModelEntry``)."""
-        return f"{self.prefix}models"
+        return f"{self._g}models"
 
     def prefix_blocks(self, worker_id: str) -> str:
         """A worker's advertised prefix-block names (``broker.prefix_routes``)."""
-        return f"{self.prefix}pfx:{worker_id}"
+        return f"{self._g}pfx:{worker_id}"
 
     def prefix_load(self, worker_id: str) -> str:
         """Requests running or waiting on a worker, written by its engine thread."""
-        return f"{self.prefix}pfx:{worker_id}:load"
+        return f"{self._g}pfx:{worker_id}:load"
 
     @property
     def inflight_weights(self) -> str:
         """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
-        return f"{self.prefix}inflight:weights"
+        return f"{self._g}inflight:weights"
 
     @property
     def new_requests(self) -> str:
-        return f"{self.prefix}new"
+        return f"{self._s}new"
 
     @property
     def handoff_epoch(self) -> str:
         """Changed (to a new random value) by every takeover of hand-off entries: a
         streamer that saw it unchanged since it last checked which entries are its own
         writes without checking each entry's owner again (``OutputStreams``)."""
-        return f"{self.prefix}new:epoch"
+        return f"{self._s}new:epoch"
 
     @property
     def fence_epoch(self) -> str:
         """Changed (to a value it never had) by everything that can fence a worker's
         publish or cancel a request: a publish under the epoch it last checked
         everything under skips the per-request checks (``scripts.PUBLISH``)."""
-        return f"{self.prefix}fence:epoch"
+        return f"{self._s}fence:epoch"
 
     def file(self, fid: str) -> str:
-        return f"{self.prefix}file:{fid}"
+        return f"{self._g}file:{fid}"
 
     def file_data(self, fid: str) -> str:
-        return f"{self.prefix}file:{fid}:data"
+        return f"{self._g}file:{fid}:data"
 
     @property
     def files(self) -> str:
-        return f"{self.prefix}files"
+        return f"{self._g}files"
 
     def owner_files(self, owner: str) -> str:
         """One owner's (API key hash's) files, for its listing."""
-        return f"{self.prefix}owner:{owner or '-'}:files"
+        return f"{self._g}owner:{owner or '-'}:files"
 
     def owner_file_bytes(self, owner: str) -> str:
         """One owner's file ids -> sizes, what its storage quota counts."""
-        return f"{self.prefix}owner:{owner or '-'}:fbytes"
+        return f"{self._g}owner:{owner or '-'}:fbytes"
 
     def owner_responses(self, owner: str) -> str:
         """One owner's stored responses -> when each expires (unix s): what falls out of
         its storage count (``broker.responses``)."""
-        return f"{self.prefix}owner:{owner or '-'}:resps"
+        return f"{self._g}owner:{owner or '-'}:resps"
 
     def owner_response_bytes(self, owner: str) -> str:
         """One owner's stored responses -> their sizes, and ``#total``: what its stored
         bytes quota counts."""
-        return f"{self.prefix}owner:{owner or '-'}:rbytes"
+        return f"{self._g}owner:{owner or '-'}:rbytes"
 
     def owner_output_bytes(self, owner: str, bucket: int) -> str:
         """Bytes of output one owner's requests wrote in one period (``broker.output_usage``)."""
-        return f"{self.prefix}owner:{owner or '-'}:obytes:{bucket}"
+        return f"{self._g}owner:{owner or '-'}:obytes:{bucket}"
 
     def owner_batches(self, owner: str) -> str:
-        return f"{self.prefix}owner:{owner or '-'}:batches"
+        return f"{self._g}owner:{owner or '-'}:batches"
 
     def batch(self, bid: str) -> str:
-        return f"{self.prefix}batch:{bid}"
+        return f"{self._g}batch:{bid}"
 
     def batch_results(self, bid: str) -> str:
-        return f"{self.prefix}batch:{bid}:res"
+        return f"{self._g}batch:{bid}:res"
 
     def batch_lock(self, bid: str) -> str:
-        return f"{self.prefix}batch:{bid}:lock"
+        return f"{self._g}batch:{bid}:lock"
 
     @property
     def batches(self) -> str:
-        return f"{self.prefix}batches"
+        return f"{self._g}batches"
 
     @property
     def active_batches(self) -> str:
-        return f"{self.prefix}batches:active"
+        return f"{self._g}batches:active"
 
     def response(self, response_id: str) -> str:
         """A stored response of the Responses API (``broker.responses``)."""
-        return f"{self.prefix}resp:{response_id}"
+        return f"{self._g}resp:{response_id}"
 
     # -- the usage ledger (broker.usage_ledger) -------------------------------------------
     def usage_day(self, day: str) -> str:
         """One UTC day's usage ledger hash (``day``: YYYY-MM-DD)."""
-        return f"{self.prefix}usage:d:{day}"
+        return f"{self._s}usage:d:{day}"
 
     def usage_hour(self, hour: str) -> str:
         """One UTC hour's usage ledger hash (``hour``: YYYY-MM-DDTHH)."""
-        return f"{self.prefix}usage:h:{hour}"
+        return f"{self._s}usage:h:{hour}"
 
     @property
     def usage_total(self) -> str:
         """The all-time usage ledger hash."""
-        return f"{self.prefix}usage:total"
+        return f"{self._s}usage:total"
 
     def usage_done(self, rid: str) -> str:
         """Set once a request has been counted in the usage ledger (its guard)."""
-        return f"{self.prefix}usage:done:{rid}"
+        return f"{self._r(rid)}usage:done:{rid}"
 
     # -- API keys managed at run time (broker.api_keys) and rate limits ------------------
     @property
     def api_keys(self) -> str:
-        return f"{self.prefix}apikeys"
+        return f"{self._g}apikeys"
 
     @property
     def api_key_secrets(self) -> str:
-        return f"{self.prefix}apikeys:secrets"
+        return f"{self._g}apikeys:secrets"
 
     @property
     def api_keys_revoked(self) -> str:
-        return f"{self.prefix}apikeys:revoked"
+        return f"{self._g}apikeys:revoked"
 
     @property
     def api_keys_version(self) -> str:
-        return f"{self.prefix}apikeys:version"
+        return f"{self._g}apikeys:version"
 
     def rate_requests(self, owner: str, window: int) -> str:
         """Requests one key was admitted in one minute (``window``: unix minute)."""
-        return f"{self.prefix}rl:{owner}:r:{window}"
+        return f"{self._g}rl:{owner}:r:{window}"
 
     def rate_tokens(self, owner: str, window: int) -> str:
         """Tokens one key reserved (then used) in one minute."""
-        return f"{self.prefix}rl:{owner}:t:{window}"
+        return f"{self._g}rl:{owner}:t:{window}"
 
     def rate_settled(self, rid: str) -> str:
         """Set once a request's token reservation was corrected to its real count."""
-        return f"{self.prefix}rl:settled:{rid}"
+        return f"{self._g}rl:settled:{rid}"
 
     # -- fair share between keys (broker.fair_queue); one hash tag per model -------------
     def fair_owners(self, model: str) -> str:
-        return f"{self.prefix}fq:{{{model}}}"
+        return f"{self._g}fq:{{{model}}}"
 
     def fair_state(self, model: str) -> str:
-        return f"{self.prefix}fq:{{{model}}}:s"
+        return f"{self._g}fq:{{{model}}}:s"
 
     def fair_requests(self, model: str, owner: str) -> str:
-        return f"{self.prefix}fq:{{{model}}}:o:{owner}"
+        return f"{self._g}fq:{{{model}}}:o:{owner}"

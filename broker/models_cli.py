@@ -18,8 +18,7 @@ from collections.abc import Sequence
 import redis
 
 from app.settings import Settings
-from broker.connection import redis_client
-from broker.keys import Keys
+from broker.connection import open_redis
 from broker.models import catalog_of
 from broker.registry import worker_registry
 
@@ -32,8 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     remove.add_argument("name")
     args = parser.parse_args(argv)
     settings = Settings()
-    client = redis_client(settings.redis_url, max_connections=2)
-    keys = Keys(settings.key_prefix)
+    client, keys = open_redis(settings, max_connections=2)
     catalog = catalog_of(client, keys, worker_registry(client, keys), settings)
     try:
         if args.command == "remove":

@@ -167,6 +167,12 @@ class OutputStreams:
         streamer has taken them over."""
         if not entries:
             return set()
+        if self.keys.clustered and self.keys.shard is None:  # a script's keys: one shard
+            shards: dict[int, list[OutputEntry]] = {}
+            for e in entries:
+                shards.setdefault(self.keys.index_of(e.request_id), []).append(e)
+            if len(shards) > 1:
+                return set().union(*(self.write(group, owner, stamp) for group in shards.values()))
         keys, args, order = self._write_args(entries, owner or "", stamp)
         return self._fenced_ids(entries, order, self._write_script(keys=keys, args=args))
 
@@ -217,14 +223,15 @@ class OutputStreams:
         the order the script counts them: those written out, then the plain ones (see
         the script), whose step lines are written here, as the step entry holds them.
         An entry with a usage count is always written out (its count names its index)."""
-        keys = [self.keys.new_requests, self.keys.handoff_epoch]
+        k = self.keys.of(entries[0].request_id)  # their shard (one Redis: the keys)
+        keys = [k.new_requests, k.handoff_epoch]
         each: list[Any] = []
         lines: list[bytes] = []
         handoffs: list[str] = []
         order: list[int] = []
         plain: list[int] = []
         counts: list[tuple[int, str, UsageCount]] = []
-        prefix = self.keys.output("")  # concatenated, once per request per write
+        prefix = k.output_prefix()  # concatenated, once per request per write
         for i, e in enumerate(entries):
             if owner and e.n and not (e.first or e.checkpoint) and e.usage is None:
                 lines.append(step_line(prefix + e.request_id, e.source, e.n, e.encoded()))
@@ -239,13 +246,13 @@ class OutputStreams:
             if e.usage is not None:
                 counts.append((len(order), e.request_id, e.usage))
         if owner:
-            keys.append(self.keys.output_steps(owner))
+            keys.append(k.output_steps(owner))
         epoch = "" if self.fence_epoch is None else f"e:{self.fence_epoch}"
         args: list[Any] = [GROUP, owner, self.ttl_s, epoch, stamp, len(order)]
         args += [b"\n".join(lines), " ".join(handoffs), *each]
         args += [e.prior for e in entries if e.checkpoint]
         ledger_keys, ledger_args = ledger_call(
-            self.keys, counts, done_ttl_s=2 * self.ttl_s, days=self.ledger_days
+            k, counts, done_ttl_s=2 * self.ttl_s, days=self.ledger_days
         )
         keys += ledger_keys
         args += ledger_args
@@ -278,7 +285,7 @@ class OutputStreams:
             last = entries[-1][1]
             log.recorded = int(last[b"n"])
             log.source, log.last_events = as_str(last[b"s"]), last[b"d"]
-            at = named_tail(last, b"i", self.keys.output_steps, log.recorded)
+            at = named_tail(last, b"i", self.keys.of(rid).output_steps, log.recorded)
             if at is not None:
                 log.steps, log.sid, _n = at
             return log, at

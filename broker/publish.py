@@ -162,6 +162,59 @@ class PendingPublish:
         return reply.statuses
 
 
+@dataclass(slots=True)
+class PublishLinks:
+    """A publisher's own connection and known fence epoch per shard (one on one Redis):
+    each shard's publish goes to its master, and trusts what it learned there only."""
+
+    via: list[DirectConnection]
+    known: list[KnownEpoch]
+
+    @classmethod
+    def of(cls, client: Redis, keys: Keys) -> PublishLinks:
+        shards = keys.all_shards()
+        routes = [k.fence_epoch if keys.clustered else None for k in shards]
+        return cls([DirectConnection(client, r) for r in routes], [KnownEpoch() for _ in shards])
+
+    def forget(self, vias: Sequence[DirectConnection] = ()) -> None:
+        """After a call failed: close ``vias`` (their replies are not read) and trust no
+        shard's epoch: the failed call's statuses (a fence) may never have been read."""
+        for via in vias:
+            via.close()
+        for known in self.known:
+            known.generation = -1
+
+    def close(self) -> None:
+        for via in self.via:
+            via.close()
+
+
+@dataclass(slots=True)
+class ShardedPublish:
+    """``PendingPublish`` of one step's publish calls, one per shard."""
+
+    sent: list[tuple[PendingPublish, list[int]]]  # each call and its items' indexes
+    count: int
+    links: PublishLinks
+
+    def statuses(self) -> list[PublishStatus]:
+        """Every call's reply is read (a connection must not keep an unread one); if any
+        failed, its error is raised after, and every shard checks everything next."""
+        statuses = [PublishStatus.OK] * self.count
+        error: BaseException | None = None
+        for pending, indexes in self.sent:
+            try:
+                for i, status in zip(indexes, pending.statuses(), strict=True):
+                    statuses[i] = status
+            except Exception as exc:
+                pending.via.close()
+                error = error or exc
+        if error is not None:
+            self.links.forget()
+            raise error
+        return statuses
+
+
 def publish_stamp() -> str:
     """A publish call's time (unix seconds, full precision), as its entries carry it."""
     return repr(time.time())
@@ -196,6 +249,12 @@ class TokenPublishing:
         their last checkpoint into their token streams, in one round trip
         (``scripts.SEAL`` without a lease: a successor that has written wins).
         Per tail: 1 sealed, -1 a successor wrote first (it read the tail itself)."""
+        if self.keys.clustered:  # a cluster's pipeline would not reload a lost script
+            calls = [
+                seal_call(self.keys, t.request_id, "", t.attempt, t.checkpointed, t.chunks)
+                for t in tails
+            ]
+            return [int(self._seal(keys=keys, args=args)) for keys, args in calls]
         pipe = self.redis.pipeline(transaction=False)
         for t in tails:
             keys, args = seal_call(self.keys, t.request_id, "", t.attempt, t.checkpointed, t.chunks)
@@ -221,7 +280,10 @@ class TokenPublishing:
         """
         if not items:
             return []
-        keys, args, order, plain, _ = self._publish_args(items, lease_ttl_s, worker_id, stamp, "")
+        k = self.keys.of(items[0].request_id)  # one shard's requests (one Redis: all)
+        keys, args, order, plain, _ = self._publish_args(
+            items, lease_ttl_s, worker_id, stamp, "", k
+        )
         return publish_reply(self._publish(keys=keys, args=args), order, plain).statuses
 
     def publish_begin(
@@ -232,6 +294,7 @@ class TokenPublishing:
         worker_id: str | None = None,
         stamp: str | None = None,
         known: KnownEpoch | None = None,
+        keys: Keys | None = None,
     ) -> PendingPublish:
         """``publish``, split in two: send it now, read its statuses later with the
         result's ``statuses()``, so the engine can run its next step meanwhile.
@@ -241,13 +304,49 @@ class TokenPublishing:
         each request's lease and cancel key (``scripts.PUBLISH``)."""
         generation = via.connect()
         epoch = known.argument(generation) if known is not None else ""
-        keys, args, order, plain, plain_keys = self._publish_args(
-            items, lease_ttl_s, worker_id, stamp, epoch
+        ks, args, order, plain, plain_keys = self._publish_args(
+            items, lease_ttl_s, worker_id, stamp, epoch, keys or self.keys
         )
-        via.send_evalsha(self._publish, keys, args)
+        via.send_evalsha(self._publish, ks, args)
         return PendingPublish(
-            via, self._publish, keys, args, order, plain, known, generation, plain_keys
+            via, self._publish, ks, args, order, plain, known, generation, plain_keys
         )
+
+    def publish_shards(
+        self,
+        items: Sequence[PublishItem],
+        lease_ttl_s: float,
+        links: PublishLinks,
+        worker_id: str | None = None,
+        stamp: str | None = None,
+    ) -> PendingPublish | ShardedPublish:
+        """``publish_begin`` for requests of any shard: on one Redis that call itself;
+        on a cluster one call per shard with requests in ``items``, each on its shard's
+        connection (``links``), all sent before any reply is read."""
+        if not self.keys.clustered:
+            return self.publish_begin(
+                items, lease_ttl_s, links.via[0], worker_id, stamp, links.known[0]
+            )
+        groups: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            groups.setdefault(self.keys.index_of(it.request_id), []).append(i)
+        sent: list[tuple[PendingPublish, list[int]]] = []
+        try:
+            for shard, indexes in groups.items():
+                pending = self.publish_begin(
+                    [items[i] for i in indexes],
+                    lease_ttl_s,
+                    links.via[shard],
+                    worker_id,
+                    stamp,
+                    links.known[shard],
+                    self.keys.at(shard),
+                )
+                sent.append((pending, indexes))
+        except BaseException:
+            links.forget([p.via for p, _ in sent])  # replies no one will read
+            raise
+        return ShardedPublish(sent, len(items), links)
 
     def _publish_args(
         self,
@@ -256,14 +355,15 @@ class TokenPublishing:
         worker_id: str | None,
         stamp: str | None,
         epoch: str,
+        k: Keys,
     ) -> tuple[list[str], list[Any], list[int], int, list[str]]:
         """``scripts.PUBLISH``'s keys and arguments, the items' indexes in the order of
         its reply: those written out, then the plain ones (see the script), whose step
         lines are written here, as the step entry holds them; how many are plain; and
         their keys. Those are in the call's keys only without an ``epoch`` expected: under
         one the script needs them only if the epoch changed, and then asks for them
-        (``PendingPublish.statuses`` sends the call again with them)."""
-        k = self.keys
+        (``PendingPublish.statuses`` sends the call again with them). ``k``: the keys
+        of the items' shard."""
         keys: list[str] = [k.fence_epoch]
         plain_keys: list[str] = []
         lines: list[bytes] = []
@@ -341,10 +441,11 @@ class TokenPublishing:
         without, if the last entry of the request's token stream is. A call that ran
         but that Redis lost with its AOF tail counts as not landed, which is what it is
         now."""
-        if worker_id is not None:
-            (last,) = last_entries(self.redis, [self.keys.steps(worker_id)])
-            ran = all(last.get(b"t") == stamp.encode() for _rid, _a, stamp in calls)
-            return [ran] * len(calls)
+        if worker_id is not None:  # one step stream per shard (one on one Redis)
+            shards = sorted({self.keys.index_of(rid) for rid, _a, _s in calls})
+            lasts = last_entries(self.redis, [self.keys.at(i).steps(worker_id) for i in shards])
+            stamps = {shard: last.get(b"t") for shard, last in zip(shards, lasts, strict=True)}
+            return [stamps[self.keys.index_of(rid)] == stamp.encode() for rid, _a, stamp in calls]
         lasts = last_entries(self.redis, [self.keys.tokens(rid) for rid, _a, _s in calls])
         return [
             last.get(b"a") == str(attempt).encode() and last.get(b"t") == stamp.encode()

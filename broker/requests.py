@@ -6,6 +6,7 @@ web tier creates requests, workers claim and publish, streamers read and resume.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -161,9 +162,8 @@ class RequestStore(TokenPublishing):
             },
         )
         pipe.expire(k, self.stream_ttl_s)
-        pipe.xadd(
-            self.keys.new_requests, {"r": record.request_id}, maxlen=100_000, approximate=True
-        )
+        new = self.keys.of(record.request_id).new_requests
+        pipe.xadd(new, {"r": record.request_id}, maxlen=100_000, approximate=True)
 
     def submit(self, record: RequestRecord, celery_app: Celery) -> None:
         """Write the record, hand it to the streamers, and queue ``generate`` for it."""
@@ -221,11 +221,21 @@ class RequestStore(TokenPublishing):
         args: list[Any] = [now, limit, rid, deadline, max(weight, 1), owner, owner_limit]
         args += [model, model_limit, rate.requests_per_minute, rate.tokens_per_minute]
         args += [rate.reserve_tokens, RATE_WINDOW_TTL_S]
-        if create is not None:
-            keys += [self.keys.request(rid), self.keys.new_requests]
+        # On a cluster the record is in its shard, not with the admission's keys: written
+        # after, in a call of its own; if that fails, the admission is given back.
+        together = create is not None and not self.keys.clustered
+        if together and create is not None:
+            keys += [self.keys.request(rid), self.keys.of(rid).new_requests]
             args += [create.encode(), RequestState.QUEUED.value, self.stream_ttl_s]
         answer, used_r, used_t = (int(x) for x in self._admit(keys=keys, args=args))
         if answer >= 1:
+            if create is not None and not together:
+                try:
+                    self.create(create)
+                except BaseException:
+                    with contextlib.suppress(redis.RedisError):
+                        self.release(rid)
+                    raise
             return Admitted(Admission.ADMITTED, answer - 1, used_r, used_t)
         return Admitted(Admission(answer), 0, used_r, used_t)
 
@@ -267,7 +277,7 @@ class RequestStore(TokenPublishing):
         """``cancel(rid)``'s commands, added to ``pipe``."""
         pipe.set(self.keys.cancel(rid), "1", ex=self.stream_ttl_s)
         # After the key: a publish that sees the new epoch sees the cancel too.
-        pipe.set(self.keys.fence_epoch, "x" + secrets.token_hex(8))
+        pipe.set(self.keys.of(rid).fence_epoch, "x" + secrets.token_hex(8))
         pipe.publish(self.keys.cancel_channel, rid)
 
     def is_cancelled(self, rid: str) -> bool:
@@ -347,7 +357,7 @@ class RequestStore(TokenPublishing):
             log = TokenLog(list(expand(entries, after)))
             last = entries[-1][1] if entries else {}
             log.recorded = int(last.get(b"n", 0))
-            at = named_tail(last, b"s", self.keys.steps, log.recorded)
+            at = named_tail(last, b"s", self.keys.of(rid).steps, log.recorded)
             if at is not None:
                 log.steps, log.sid, _n = at
             return log, at
@@ -412,7 +422,7 @@ class RequestStore(TokenPublishing):
                 self.keys.request(rid),
                 self.keys.lease(rid),
                 self.keys.cancel(rid),
-                self.keys.fence_epoch,
+                self.keys.of(rid).fence_epoch,
             ],
             args=[attempt, lease_value(worker_id, attempt), int(lease_ttl_s * 1000), now, load],
         )
@@ -422,6 +432,12 @@ class RequestStore(TokenPublishing):
         how many were. Only the lease: tokens and cancels wait for the next publish."""
         if not leases:
             return 0
+        if self.keys.clustered:  # one call per shard: a script's keys share a slot
+            shards: dict[int, list[tuple[str, str]]] = {}
+            for lease in leases:
+                shards.setdefault(self.keys.index_of(lease[0]), []).append(lease)
+            if len(shards) > 1:
+                return sum(self.refresh_leases(group, lease_ttl_s) for group in shards.values())
         keys = [self.keys.lease(rid) for rid, _ in leases]
         args: list[int | str] = [int(lease_ttl_s * 1000), *(value for _, value in leases)]
         return int(self._refresh_leases(keys=keys, args=args))
@@ -432,6 +448,6 @@ class RequestStore(TokenPublishing):
 
     def resume(self, rid: str) -> int | None:
         """If ``rid`` is running with an expired lease, requeue it; the new attempt."""
-        keys = [self.keys.request(rid), self.keys.lease(rid), self.keys.fence_epoch]
+        keys = [self.keys.request(rid), self.keys.lease(rid), self.keys.of(rid).fence_epoch]
         res = int(self._resume(keys=keys))
         return None if res < 0 else res

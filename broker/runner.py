@@ -39,11 +39,9 @@ from app.lenient_json import loads_lenient
 from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
-from broker.celery_app import create_celery, fair_priority
-from broker.connection import redis_client
+from broker.celery_app import celery_redis, create_celery, fair_priority
+from broker.connection import open_redis
 from broker.fair_queue import FairQueue
-from broker.hub import OutputHub
-from broker.keys import Keys
 from broker.models import MAX_CARDS, ModelCards, catalog_of, settings_directory
 from broker.output_usage import OutputUsage
 from broker.outputs import OutputStreams
@@ -51,6 +49,7 @@ from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RateLimit, RequestStore
 from broker.run import PAST_EVERY_EVENT, Run, RunObserver, split_cursor
+from broker.shard_hub import output_hub
 from broker.tenancy import KeyPolicy, reserved_tokens, unused_tokens
 from broker.tracing import RequestTrace, phase, request_trace, traced
 
@@ -117,22 +116,21 @@ class Runner:
         self.model_name = settings.served_name
         # One hub thread reads every stream; the other connections serve request threads
         # (submit, cancel, ready), at most one each at a time.
-        self.redis = client or redis_client(
-            settings.redis_url, max_connections=max_connections or settings.web_threads + 16
-        )
-        keys = Keys(settings.key_prefix)
+        pool = max_connections or settings.web_threads + 16
+        self.redis, keys = open_redis(settings, max_connections=pool, client=client)
         self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
         self.outputs = OutputStreams(self.redis, keys, ttl_s=settings.stream_ttl_s)
         self.output_usage = OutputUsage(
             self.redis, keys, window_s=settings.stream_ttl_s, clock=lambda: self.clock()
         )
-        self.hub = OutputHub(
+        self.hub = output_hub(
             self.redis,
             keys,
             ttl_s=settings.stream_ttl_s,
             buffer_bytes=settings.stream_buffer_bytes,
             stall_s=settings.stream_stall_s,
         )
+        self.celery_redis = celery_redis(settings, self.redis)  # Celery's queues (lengths)
         self.workers = worker_registry(self.redis, keys)
         self.streamers = streamer_registry(self.redis, keys)
         self.keys = keys
@@ -279,7 +277,14 @@ class Runner:
         with self._models_lock:
             router = self._routers.get(model)
             if router is None:
-                router = PrefixRouter(self.redis, self.keys, self.workers, model, clock=self.clock)
+                router = PrefixRouter(
+                    self.redis,
+                    self.keys,
+                    self.workers,
+                    model,
+                    queues=self.celery_redis,
+                    clock=self.clock,
+                )
                 observe = self.route_observer
                 if observe is not None:
                     router.observe = lambda outcome: observe(model, outcome)

@@ -59,15 +59,37 @@ class UsageLedger:
         self.keys = keys
 
     def read(self, query: UsageQuery) -> list[UsageRow]:
-        """The rows of every period ``query`` names: one HGETALL each, one round trip."""
-        bucket = self.keys.usage_hour if query.granularity == "hour" else self.keys.usage_day
+        """The rows of every period ``query`` names: one HGETALL each (per shard on a
+        Redis Cluster, whose counts are summed), one round trip."""
+        shards = self.keys.all_shards()
         pipe = self.redis.pipeline(transaction=False)
         for period in query.periods:
-            pipe.hgetall(bucket(period))
-        hashes = pipe.execute()
+            for k in shards:
+                pipe.hgetall(
+                    k.usage_hour(period) if query.granularity == "hour" else k.usage_day(period)
+                )
+        raw = pipe.execute()
+        n = len(shards)
+        hashes = [_summed(raw[i * n : (i + 1) * n]) for i in range(len(query.periods))]
         return fold_rows(zip(query.periods, hashes, strict=True), query)
 
     def totals(self) -> dict[tuple[str, str, str], dict[str, int]]:
         """All time: (owner, model, api) -> metric -> count."""
-        raw: Any = self.redis.hgetall(self.keys.usage_total)
-        return fold_totals(raw)
+        if not self.keys.clustered:
+            raw: Any = self.redis.hgetall(self.keys.usage_total)
+            return fold_totals(raw)
+        pipe = self.redis.pipeline(transaction=False)
+        for k in self.keys.all_shards():
+            pipe.hgetall(k.usage_total)
+        return fold_totals(_summed(pipe.execute()))
+
+
+def _summed(hashes: Sequence[Any]) -> Any:
+    """One ledger hash from one per shard (the hash itself on one Redis)."""
+    if len(hashes) == 1:
+        return hashes[0]
+    total: dict[bytes, int] = {}
+    for h in hashes:
+        for field, value in h.items():
+            total[field] = total.get(field, 0) + int(value)
+    return {field: str(v).encode() for field, v in total.items()}

@@ -270,9 +270,9 @@ class Stack:
     def queued(self) -> int:
         """Interactive requests of the served model waiting in its Celery queue (every
         priority step's list), as the autoscaler's triggers read them."""
-        from broker.celery_app import priority_lists, queue_name
+        from broker.celery_app import celery_redis_url, priority_lists, queue_name
 
-        client = redis_client(self.settings.redis_url, max_connections=2)
+        client = redis_client(celery_redis_url(self.settings), max_connections=2)
         try:
             lists = priority_lists(queue_name("interactive", self.settings.served_name))
             return sum(int(client.llen(k)) for k in lists)

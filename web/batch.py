@@ -40,7 +40,6 @@ from app.protocol import validation_error_to_invalid_request
 from app.settings import Settings
 from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileQuota, FileStore
-from broker.keys import Keys
 from web.auth import Tenant, tenant_of
 from web.bodies import json_body
 from web.context import runner_of, settings_of
@@ -67,7 +66,7 @@ def _on_register(state: Any) -> None:
     app: Flask = state.app
     settings = settings_of(app)
     runner = runner_of(app)
-    keys = Keys(settings.key_prefix)
+    keys = runner.keys
     app.extensions["tokenrelay.batches"] = BatchApi(
         settings,
         FileStore(

@@ -69,7 +69,6 @@ from app.settings import Settings
 from broker import drive
 from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileQuota, FileStore
-from broker.keys import Keys
 from broker.registry import BatcherInfo, batcher_registry
 from broker.runner import Runner
 from workers.batch_state import (
@@ -111,7 +110,7 @@ class BatchDriver:
         client = runner.redis
         self.clock = clock
         self.driver_id = driver_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        keys = Keys(settings.key_prefix)
+        keys = runner.keys
         self.batches = BatchStore(client, keys, ttl_s=settings.batch_ttl_s)
         self.files = FileStore(
             client,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from app.messages import TokenDelta
 from broker.celery_app import TaskOutcome
 from broker.chunks import ChunkLog
-from broker.publish import PendingPublish, PublishItem
+from broker.publish import PendingPublish, PublishItem, ShardedPublish
 from workers.work_items import JobHandle
 
 
@@ -53,7 +53,7 @@ class Unsure:
 class InFlight:
     """A publish sent whose reply is still to be read: what it carried, per request."""
 
-    pending: PendingPublish
+    pending: PendingPublish | ShardedPublish
     items: list[tuple[Active, PublishItem, list[TokenDelta]]]
     sent_at: float
     stamp: str

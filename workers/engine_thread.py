@@ -37,11 +37,10 @@ import redis
 from app.messages import EngineFinish, TokenDelta
 from broker.celery_app import GenerateResult, TaskOutcome
 from broker.chunks import ChunkLog, phase_of
-from broker.direct import DirectConnection
 from broker.publish import (
     FencedTail,
-    KnownEpoch,
     PublishItem,
+    PublishLinks,
     PublishStatus,
     encode_deltas,
     publish_stamp,
@@ -104,12 +103,12 @@ class EngineThread(threading.Thread):
         # keeper refreshes leases while a step outlasts a third of a lease.
         self.step_started: float | None = None
         self.lease_keeper = LeaseKeeper(self, store, lease_ttl_s=lease_ttl_s)
-        # This thread publishes once per step: on a connection of its own (broker/direct.py).
-        self._direct = DirectConnection(store.redis)
+        # This thread publishes once per step: on a connection of its own (broker/direct.py;
+        # one per shard on a Redis Cluster), with the fence epoch the last publish on it
+        # ran under: while it stays the same, the publish skips checking each request's
+        # lease and cancel key.
+        self._links = PublishLinks.of(store.redis, store.keys)
         self._in_flight: InFlight | None = None  # sent, reply not read yet
-        # The fence epoch the last publish on ``_direct`` ran under: while it stays the
-        # same, the publish skips checking each request's lease and cancel key.
-        self._epoch = KnownEpoch()
         self._unsure = False  # some request has a failed publish that may have run
         self._publishes = 0  # publish calls sent (``ChunkLog``'s clock)
         # Tails of fenced attempts not sealed yet (``_seal_fenced``): sealed in one round
@@ -167,7 +166,7 @@ class EngineThread(threading.Thread):
             # second); the tokens published so far are where the next attempt goes on.
             self.store.refresh_leases(self.held_leases(), LEASE_GIVEN_BACK_S)
         self._abandon_all(self.broken or "worker shutting down")
-        self._direct.close()
+        self._links.close()
         if self.broken is not None:
             self.broke.set()
 
@@ -369,13 +368,8 @@ class EngineThread(threading.Thread):
         self._publishes += 1
         stamp = publish_stamp()
         try:
-            pending = self.store.publish_begin(
-                [p for _, p, _ in items],
-                self.lease_ttl_s,
-                self._direct,
-                self.worker_id,
-                stamp,
-                known=self._epoch,
+            pending = self.store.publish_shards(
+                [p for _, p, _ in items], self.lease_ttl_s, self._links, self.worker_id, stamp
             )
         except redis.RedisError as exc:
             self._publish_failed(items, now, stamp, exc)

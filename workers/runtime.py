@@ -26,10 +26,9 @@ from app.records import RequestRecord
 from app.settings import Settings
 from app.tracecontext import trace_id_of
 from broker.celery_app import GenerateResult, TaskOutcome
-from broker.connection import redis_client
+from broker.connection import keys_for, open_redis
 from broker.embeddings import send_reply
 from broker.fair_queue import FairQueue
-from broker.keys import Keys
 from broker.models import ModelCatalog, ModelEntry
 from broker.prefix_routes import PrefixAdverts
 from broker.publish import lease_value
@@ -77,7 +76,7 @@ class WorkerRuntime:
         self.engine_capacity = engine.capacity
         self.model_name = settings.served_name
         self.worker_id = worker_id or new_worker_id()
-        keys = Keys(settings.key_prefix)
+        keys = keys_for(client, settings)
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.fair = FairQueue(client, keys, ttl_s=settings.stream_ttl_s)
         self.registry = worker_registry(client, keys, ttl_s=5 * HEARTBEAT_S)
@@ -125,7 +124,7 @@ class WorkerRuntime:
         card = load_model_card(settings.card_path())
         engine = load_engine(settings, card)
         # Task threads (claims, loads), the engine thread and the heartbeat.
-        client = redis_client(settings.redis_url, max_connections=settings.worker_slots + 16)
+        client, _keys = open_redis(settings, max_connections=settings.worker_slots + 16)
         return cls(settings, card, engine, client, worker_id=worker_id)
 
     def start(self) -> None:
@@ -250,7 +249,7 @@ class WorkerRuntime:
     def embed(self, request_id: str, inputs: list[list[int]]) -> int:
         """The ``embed`` task: the vectors of ``inputs`` (token ids), answered on the
         request's reply list, or the error; how many vectors."""
-        keys = Keys(self.settings.key_prefix)
+        keys = self.store.keys
         if self.embedder is None:
             reply: dict[str, Any] = {"error": "This worker does not serve embeddings.", "code": 503}
         else:

@@ -55,7 +55,7 @@ from app.records import RequestRecord, RequestState
 from app.settings import Settings
 from broker.celery_app import create_celery, send_generate
 from broker.chunks import ChunkLog, entry_ordinal, phase_of
-from broker.connection import as_str, redis_client
+from broker.connection import as_str, open_redis
 from broker.direct import read_rest, xread_command
 from broker.fair_queue import send_again
 from broker.keys import Keys
@@ -68,6 +68,7 @@ from broker.step_lines import below_ms, step_entry_columns
 from workers.backoff import Backoff
 from workers.service_main import run_service
 from workers.streamer_relay import Relay
+from workers.streamer_shards import ShardedStreamer
 from workers.streamer_state import (
     BACKBONE_ERRORS,
     DEADLINE_MESSAGE,
@@ -108,9 +109,17 @@ class Streamer(Relay):
         consumer: str | None = None,
         clock: Callable[[], float] = time.time,
         cards: ModelCards | None = None,
+        keys: Keys | None = None,
     ) -> None:
         super().__init__(
-            settings, client, tokenizer, celery_app, consumer=consumer, clock=clock, cards=cards
+            settings,
+            client,
+            tokenizer,
+            celery_app,
+            consumer=consumer,
+            clock=clock,
+            cards=cards,
+            keys=keys,
         )
         self.workers = worker_registry(client, self.keys)
         self.registry = streamer_registry(client, self.keys, ttl_s=5 * HEARTBEAT_S)
@@ -209,7 +218,7 @@ class Streamer(Relay):
         # Token stream key (bytes, as replies hold it) -> its request.
         by_key: dict[bytes, Tracked] = {}
         steps: dict[str, str] = {}
-        prefix = self.keys.tokens("")  # once per request per cycle: no method call each
+        prefix = self.keys.tokens_prefix()  # once per request per cycle: no method call each
         for rid, t in self.tracked.items():
             key = prefix + rid
             by_key[key.encode()] = t
@@ -571,15 +580,16 @@ class Streamer(Relay):
         return self._output(t, events, first=not t.wrote_output, terminal=True)
 
 
-def build_streamer(settings: Settings) -> Streamer:
+def build_streamer(settings: Settings) -> Streamer | ShardedStreamer:
     card = load_model_card(settings.card_path())
     tokenizer = load_tokenizer(card)
-    client = redis_client(settings.redis_url, max_connections=16)
-    keys = Keys(settings.key_prefix)
+    client, keys = open_redis(settings, max_connections=16)
     catalog = catalog_of(client, keys, worker_registry(client, keys), settings)
     cards = ModelCards(catalog, card, fallback=settings_directory(settings))
     celery = create_celery(settings, results=False)
-    return Streamer(settings, client, tokenizer, celery, cards=cards)
+    shards = keys.all_shards()  # a Redis Cluster's: a relay loop each (workers.streamer_shards)
+    loops = [Streamer(settings, client, tokenizer, celery, cards=cards, keys=k) for k in shards]
+    return loops[0] if len(loops) == 1 else ShardedStreamer(loops)
 
 
 def main(argv: list[str] | None = None) -> int:

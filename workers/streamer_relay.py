@@ -67,6 +67,7 @@ class Relay:
         consumer: str | None = None,
         clock: Callable[[], float] = time.time,
         cards: ModelCards | None = None,
+        keys: Keys | None = None,
     ) -> None:
         self.settings = settings
         self.redis = client
@@ -76,7 +77,8 @@ class Relay:
         self.celery = celery_app
         self.clock = clock
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        keys = Keys(settings.key_prefix)
+        # On a Redis Cluster: bound to the one shard this relay serves (``ShardedStreamer``).
+        keys = keys or Keys(settings.key_prefix)
         self.keys = keys
         self.store = RequestStore(client, keys, stream_ttl_s=settings.stream_ttl_s)
         self.fair = FairQueue(client, keys, ttl_s=settings.stream_ttl_s)
@@ -88,7 +90,7 @@ class Relay:
         self._count_usage = bool(settings.api_keys and settings.key_max_output_bytes)
         self.handoff = RequestHandoff(client, keys)
         # The loop's read (and the write it carries) go on a connection of their own.
-        self.direct = DirectConnection(client)
+        self.direct = DirectConnection(client, keys.new_requests if keys.clustered else None)
         self.tracked: dict[str, Tracked] = {}
         self._step_cursors: dict[str, str] = {}  # worker step stream -> read position
         self._commits: deque[Commit] = deque()

@@ -286,7 +286,9 @@ def test_the_publish_keeps_each_attempts_plain_parts(redis_client: redis.Redis) 
         return PublishItem("r1", lease, attempt, b"[5]", refresh=False, ordinal=ordinal, done=done)
 
     def plain_lines(items: list[PublishItem], worker: str = "w1") -> tuple[list[bytes], list[str]]:
-        key_list, args, _order, plain, _keys = store._publish_args(items, 30.0, worker, "1.5", "")
+        key_list, args, _order, plain, _keys = store._publish_args(
+            items, 30.0, worker, "1.5", "", keys
+        )
         return (args[6].split(b"\n") if plain else []), key_list
 
     lines, key_list = plain_lines([item(0, 7)])
