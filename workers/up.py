@@ -21,6 +21,9 @@ Supervision rules, and why:
 * The private Redis keeps its data in an append-only file under the run directory, so
   stopping and starting ``up`` (or a crash of redis-server) loses no uploaded file,
   batch or queued request; ``--fresh`` starts empty.
+* ``--redis-cluster N``: the relay's Redis is a private Redis Cluster (``broker.
+  cluster_server``), Celery's a private redis-server. A node that dies is restarted like
+  any child; a master back after its replica took its slots rejoins as that one's replica.
 * Ports are probed the way the servers bind them (``SO_REUSEADDR``), so a restart right
   after a run whose connections are still in TIME_WAIT works.
 * Children also get SIGTERM if this supervisor is killed outright (Linux
@@ -68,6 +71,7 @@ from app.prepare import (
     prepare_model_file,
 )
 from app.settings import Settings
+from broker.cluster_server import LAYOUT_FILE, ClusterError, LocalCluster
 from broker.connection import redis_client
 from broker.sentinel import redact
 from broker.server import free_port, port_is_free, redis_server_args
@@ -78,6 +82,9 @@ STATE_FILE = "up.json"
 FLOWER_AUTH_FILE = "flower-auth"  # Flower's generated user:password, with log_format json
 LOCK_FILE = "up.lock"
 REDIS_DIR = "redis"
+CLUSTER_DIR = "redis-cluster"
+#: Long enough that a node busy on a machine whose cores run a model is not failed over.
+CLUSTER_NODE_TIMEOUT_MS = 5000
 DEFAULT_REDIS_PORT = 6379
 POLL_S = 0.2
 # A stopping child's time beyond drain_s (closing its engine, writing its last frames).
@@ -165,6 +172,8 @@ class Stack:
         self.urls: dict[str, str] = {}
         self.flower_auth = settings.flower_basic_auth or f"admin:{secrets.token_urlsafe(12)}"
         self.state = "starting"
+        self.redis_names = ["redis"]  # with --redis-cluster, every node's too
+        self.cluster: LocalCluster | None = None
         # "worker", then "worker-2" ... with ``--workers``; then each other model's.
         self.worker_names = ["worker"] + [f"worker-{i}" for i in range(2, options.workers + 1)]
         self.model_workers: dict[str, str] = {}  # worker name -> the other model it serves
@@ -180,7 +189,7 @@ class Stack:
         """Start everything and wait for readiness; raises UpError / GiveUp / Interrupted."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._check_ports()
-        self.settings = self.settings.model_copy(update={"redis_url": self._redis()})
+        self.settings = self.settings.model_copy(update=self.start_redis())
         env = self._child_env()
         py = sys.executable
         loglevel = ["--loglevel", "INFO"]
@@ -209,6 +218,8 @@ class Stack:
             "flower": f"http://{flower_base}/",
             "redis": self.settings.redis_url,
         }
+        if self.settings.celery_url:
+            self.urls["celery"] = self.settings.celery_url
         self.write_state()
         self._wait_ready(
             [f"{web}/ready?model={quote(m, safe='')}" for m in self.served_models()],
@@ -217,6 +228,11 @@ class Stack:
         self.state = "running"
         self.write_state()
         flower = f"http://{user}:{password}@{flower_base}/   (user {user!r}, password {password!r})"
+        redis_line = redact(self.settings.redis_url)
+        if self.cluster:
+            redis_line += f"   (Redis Cluster: {self.cluster.masters} masters, a replica each)"
+        if self.settings.celery_url:  # Celery's Redis, where it is another
+            redis_line += f"\n  Celery     {redact(self.settings.celery_url)}"
         if logs.json_enabled():  # a log line is no place for a password
             flower = f"http://{flower_base}/   (user {user!r}, password in {self._password_at()})"
         say(
@@ -226,7 +242,7 @@ class Stack:
             f"{', '.join(repr(m) for m in self.served_models())}, engine "
             f"{self.settings.engine})\n"
             f"  Flower     {flower}\n"
-            f"  Redis      {redact(self.settings.redis_url)}\n"
+            f"  Redis      {redis_line}\n"
             f"  logs       {self.log_dir}/\n"
             "Press Ctrl-C to stop."
         )
@@ -257,8 +273,12 @@ class Stack:
             if not port_is_free(host, port):
                 raise UpError(f"port {port} for the {what} is in use; choose another with {var}")
 
-    def _redis(self) -> str:
-        """The Redis URL to use: the one given (checked), else a private redis-server."""
+    def start_redis(self) -> dict[str, str]:
+        """The settings saying where Redis is: the URL given (checked), else a private
+        redis-server's; with --redis-cluster a private cluster's, and Celery's own."""
+        if self.options.redis_cluster:
+            celery = self._private_redis()
+            return {"redis_url": self._cluster(), "redis_cluster": "yes", "celery_url": celery}
         url = self.options.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")
         if url:
             try:
@@ -268,7 +288,10 @@ class Stack:
             except (redis.RedisError, ValueError) as exc:  # ValueError: a malformed URL
                 raise UpError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
             say(f"using Redis at {redact(url)}")
-            return url
+            return {"redis_url": url}
+        return {"redis_url": self._private_redis()}
+
+    def _private_redis(self) -> str:
         port = self.options.redis_port
         if port is None:
             port = (
@@ -302,6 +325,35 @@ class Stack:
         finally:
             client.close()
         return url
+
+    def _cluster(self) -> str:
+        """Start the private Redis Cluster (again, where the run directory holds one)."""
+        data_dir = self.options.run_dir / CLUSTER_DIR
+        if self.options.fresh and data_dir.exists():
+            say(f"--fresh: emptying {data_dir}/")
+            shutil.rmtree(data_dir)
+        elif (data_dir / LAYOUT_FILE).exists():
+            say(f"the cluster keeps the data of earlier runs in {data_dir}/ (--fresh starts empty)")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+
+        def launch(name: str, args: list[str]) -> None:
+            self.redis_names.append(name)
+            self._spawn(name, args, env)
+
+        self.cluster = LocalCluster(
+            self.options.redis_cluster,
+            data_dir=data_dir,
+            node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS,
+            appendonly=True,
+            maxmemory=self.settings.redis_maxmemory,
+            launch=launch,
+            wait=self._wait_for,
+        )
+        try:
+            self.cluster.start(timeout=60)
+        except ClusterError as exc:
+            raise UpError(f"{exc} (--fresh starts a new cluster)") from exc
+        return self.cluster.url
 
     def _child_env(self) -> dict[str, str]:
         """The environment of every child: ours, with the TOKENRELAY_* set replaced."""
@@ -367,10 +419,10 @@ class Stack:
         """Stop every child, phase by phase; SIGKILL what outlives its grace period."""
         self.state = "stopping"
         self.write_state()
-        # Every worker where STOP_PHASES names "worker".
+        # Every worker where STOP_PHASES names "worker", every cluster node with "redis".
+        groups = {"worker": self.worker_names, "redis": self.redis_names}
         phases = [
-            tuple(n for name in phase for n in (self.worker_names if name == "worker" else [name]))
-            for phase in STOP_PHASES
+            tuple(n for name in phase for n in groups.get(name, [name])) for phase in STOP_PHASES
         ]
         self.supervisor.stop(phases, self.force.is_set, say)
         self.state = "stopped"
@@ -528,8 +580,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         except (UpError, GiveUp, TimeoutError) as exc:
             fail(str(exc))
-            if isinstance(exc, GiveUp) and exc.slot.name == "redis":
-                say(redis_hint(options.run_dir / REDIS_DIR))
+            if isinstance(exc, GiveUp) and exc.slot.name in stack.redis_names:
+                node = f"{CLUSTER_DIR}/{exc.slot.name.removeprefix('redis-')}"  # node-2
+                say(redis_hint(options.run_dir / {"redis": REDIS_DIR}.get(exc.slot.name, node)))
             code = 1
         say("stopping everything it started ...")
         stack.stop()

@@ -30,6 +30,9 @@ class Options:
     # Models served beside the settings' own (``--model`` given more than once), each
     # by workers of its own; the first ``--model`` is the default model.
     more_models: tuple[str, ...] = ()
+    # Masters of a private Redis Cluster (each with a replica) for the relay's traffic,
+    # beside a private redis-server for Celery; 0: no cluster.
+    redis_cluster: int = 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--redis-port",
         type=int,
-        help="port of the private redis-server (default: 6379 if free, else any free port)",
+        help="port of the private redis-server, Celery's with --redis-cluster (default: 6379 "
+        "if free, else any free port)",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a private Redis Cluster of N masters (at least 3), each with a replica, "
+        "for the relay's traffic, and a private redis-server for Celery (data in "
+        "RUN_DIR/redis-cluster/ and RUN_DIR/redis/)",
     )
     parser.add_argument(
         "--run-dir",
@@ -86,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fresh",
         action="store_true",
         help="empty the private Redis first (by default it keeps the files, batches and "
-        "queued requests of earlier runs, in RUN_DIR/redis/)",
+        "queued requests of earlier runs, in RUN_DIR/redis/; a private cluster's data is "
+        "in RUN_DIR/redis-cluster/)",
     )
     parser.add_argument(
         "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
@@ -136,6 +150,19 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
     args = parser.parse_args(argv)
     if args.fresh and (args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")):
         parser.error("--fresh empties the private Redis only; a Redis given by URL is not ours")
+    if args.redis_cluster:
+        if args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL"):
+            parser.error(
+                "--redis-cluster starts a cluster of its own: drop --redis-url and "
+                "TOKENRELAY_REDIS_URL"
+            )
+        if os.environ.get("TOKENRELAY_CELERY_URL"):
+            parser.error("--redis-cluster starts Celery's Redis too; unset TOKENRELAY_CELERY_URL")
+        if args.redis_cluster < 3:
+            parser.error(
+                "--redis-cluster needs at least 3 masters: a dead master's replica takes "
+                "over only by the vote of a majority of the masters"
+            )
     if args.max_restarts < 0 or args.restart_window <= 0:
         parser.error("--max-restarts must be >= 0 and --restart-window > 0")
     if args.workers < 1:
@@ -150,5 +177,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
         workers=args.workers,
         more_models=tuple(dict.fromkeys(args.model[1:])) if args.model else (),
+        redis_cluster=args.redis_cluster,
     )
     return args, options
