@@ -32,7 +32,9 @@ from typing import Any
 
 import redis
 from redis.cluster import ClusterPipeline, RedisCluster
+from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 SLOTS = 16384
 GLOBAL_TAG = "g"
@@ -90,7 +92,7 @@ def cluster_client(url: str, *, max_connections: int, **kwargs: Any) -> Tokenrel
         return TokenrelayCluster.from_url(  # type: ignore[return-value]
             url,
             max_connections=max_connections,
-            cluster_error_retry_attempts=2,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
             **kwargs,
         )
     except AWAY as exc:

@@ -101,7 +101,8 @@ class OutputHub:
         self.buffer_bytes = buffer_bytes
         self.stall_s = stall_s
         self.wake_key = keys.hub_wake(uuid.uuid4().hex)
-        self._direct = DirectConnection(client)  # the reader thread's own connection
+        # The reader thread's own connection (to its shard's master on a cluster).
+        self._direct = DirectConnection(client, self.wake_key if keys.clustered else None)
         self._wake_cursor = "0-0"
         # Per output stream: the step stream it is followed through, and where each
         # step stream is read from (the reading thread's own state).

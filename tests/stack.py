@@ -21,7 +21,8 @@ import redis
 
 from app.records import RequestRecord, SamplingParams, StopConditions
 from app.settings import Settings
-from broker.connection import redis_client
+from broker.cluster_server import LocalCluster
+from broker.connection import open_redis, redis_client
 from broker.keys import Keys
 from broker.registry import batcher_registry, streamer_registry, worker_registry
 from broker.requests import RequestStore
@@ -41,6 +42,15 @@ def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def close_client(client: Any) -> None:
+    """Close every connection of a client of ``open_redis`` (a pool's or a cluster's)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        pool.disconnect()
+    else:
+        client.close()
 
 
 def isolated_settings(redis_url: str, models_dir: Path, **overrides: object) -> Settings:
@@ -167,8 +177,8 @@ def registered_process(
     )
     try:
         if wait:
-            client = redis_client(settings.redis_url, max_connections=4)
-            registry = registries[kind](client, Keys(settings.key_prefix))
+            client, keys = open_redis(settings, max_connections=4)
+            registry = registries[kind](client, keys)
 
             def registered() -> bool:
                 if not proc.alive():
@@ -178,7 +188,7 @@ def registered_process(
             try:
                 wait_for(registered, 60, f"the {kind} to register")
             finally:
-                client.connection_pool.disconnect()  # else its socket outlives the Redis
+                close_client(client)  # else its socket outlives the Redis
         yield proc
     finally:
         proc.stop()
@@ -250,10 +260,11 @@ class Stack:
     log_dir: Path
     procs: dict[str, Proc] = field(default_factory=dict)
     server: RedisServer | None = None
+    cluster: LocalCluster | None = None  # token traffic's Redis Cluster (``full_stack``)
     _exit: ExitStack = field(default_factory=ExitStack, repr=False)
 
     def redis(self) -> redis.Redis:
-        return redis_client(self.settings.redis_url)
+        return open_redis(self.settings)[0]
 
     def logs(self) -> str:
         """The tail of every process's log (for a failing test's message)."""
@@ -281,11 +292,11 @@ class Stack:
 
     def admitted(self) -> int:
         """Requests admitted and not finished (the admission set)."""
-        client = redis_client(self.settings.redis_url, max_connections=2)
+        client, keys = open_redis(self.settings, max_connections=2)
         try:
-            return int(client.zcard(Keys(self.settings.key_prefix).inflight))
+            return int(client.zcard(keys.inflight))
         finally:
-            client.connection_pool.disconnect()
+            close_client(client)
 
     def callback(self, fn: Callable[[], object]) -> None:
         """Call ``fn`` when the stack ends, before the processes started earlier stop."""
@@ -320,6 +331,7 @@ def full_stack(
     streamers: Sequence[str] = ("streamer",),
     batcher: bool = False,
     web: str | None = "web",
+    cluster: LocalCluster | None = None,
 ) -> Iterator[Stack]:
     """redis-server, a worker (``engine``), a streamer and the web server, each its own
     process on free loopback ports; everything else comes from ``settings``. Every
@@ -333,11 +345,18 @@ def full_stack(
     ``workers`` and ``streamers``: one process per name (``("w1", "w2")`` for two),
     ``batcher=True`` adds the batch driver, ``web=None`` starts no web server (else its
     name); each is ``stack.procs[name]``, started in that order.
+    ``cluster``: token traffic on this Redis Cluster (not started yet: started and
+    stopped here, as ``stack.cluster``), Celery on the private redis-server.
     Yields a ``Stack``; ``stack.settings`` is what the processes run with.
     """
     with ExitStack() as stack:
         server: RedisServer | None = None
-        if start_redis:
+        if cluster is not None:
+            server = stack.enter_context(redis_server or RedisServer())
+            stack.enter_context(cluster)
+            update = {"redis_url": cluster.url, "redis_cluster": "yes", "celery_url": server.url}
+            settings = settings.model_copy(update=update)
+        elif start_redis:
             server = stack.enter_context(redis_server or RedisServer())
             settings = settings.model_copy(update={"redis_url": server.url})
         settings = web_settings(settings, engine=engine)
@@ -345,6 +364,7 @@ def full_stack(
         running = Stack(
             f"http://{settings.host}:{settings.port}", settings, log_dir, server=server, _exit=stack
         )
+        running.cluster = cluster
         for name in workers:
             running.start(name, worker_process(settings, log_dir, name=name))
         for name in streamers:
@@ -358,11 +378,11 @@ def full_stack(
 
 def in_flight(settings: Settings) -> int:
     """Requests holding an admission slot right now."""
-    client = redis.Redis.from_url(settings.redis_url)
+    client, keys = open_redis(settings, max_connections=2)
     try:
-        return RequestStore(client, Keys(settings.key_prefix)).in_flight(time.time())
+        return RequestStore(client, keys).in_flight(time.time())
     finally:
-        client.close()
+        close_client(client)
 
 
 @contextmanager
@@ -434,8 +454,7 @@ def inject_output_chunk(
 def busiest(stack: Stack, kind: str, at_least: int) -> Proc:
     """The process of ``kind`` (worker, streamer) on ``stack`` that holds most requests,
     as its heartbeat (every 2 s) says, once they hold ``at_least`` between them."""
-    client = redis_client(stack.settings.redis_url, max_connections=2)
-    keys = Keys(stack.settings.key_prefix)
+    client, keys = open_redis(stack.settings, max_connections=2)
 
     def load() -> dict[int, int]:
         if kind == "worker":
@@ -445,6 +464,6 @@ def busiest(stack: Stack, kind: str, at_least: int) -> Proc:
     try:
         found: Any = wait_for(lambda: sum(load().values()) >= at_least and load(), 10, kind)
     finally:
-        client.connection_pool.disconnect()
+        close_client(client)
     pid = max(found, key=lambda p: found[p])
     return next(p for p in stack.procs.values() if p.pid == pid)
