@@ -2,17 +2,17 @@
 token traffic, requests, leases, hand-off and admission spread over the cluster's
 shards, Celery on a redis-server of its own (``tests.stack.full_stack(cluster=...)``).
 
-SSE and JSON (every stop case: exact text), n > 1, WebSocket, the Responses API and a
-batch, each checked for the text the same request gets on one Redis
-(``stop_cases.expected``); and that the requests really were spread over every master.
+SSE and JSON (every stop case: exact text), and that the requests really were spread
+over every master; then the WebSocket and Responses API suites' core tests, imported
+from their modules and run here against the cluster stack (this module's ``stack``).
+Batches: ``test_cluster_batches``; a web process killed mid-stream and a master killed
+mid-stream: ``tests/faults/test_cluster_faults.py``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
@@ -38,6 +38,46 @@ def cluster_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     log_dir = tmp_path_factory.mktemp("cluster-logs")
     with full_stack(settings, log_dir, batcher=True, cluster=LocalCluster(3, 1)) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def stack(cluster_stack: Stack) -> Stack:
+    """The imported tests' stack: the cluster one."""
+    return cluster_stack
+
+
+# The other suites' core cases, collected here with this module's ``stack``.
+from tests.e2e.test_responses_api import (  # noqa: E402
+    client,
+    model,
+    test_create_plain,
+    test_delete,
+    test_previous_response_id_chains_the_conversation,
+    test_stream_with_the_sdk_helper,
+    test_streamed_function_call_events,
+    test_websocket_response_messages,
+)
+from tests.e2e.test_websocket import (  # noqa: E402
+    fast_client,
+    test_ids_may_be_reused_after_done,
+    test_n_and_logprobs,
+    test_stop_cases_same_text_over_websocket,
+)
+
+__all__ = [
+    "client",
+    "fast_client",
+    "model",
+    "test_create_plain",
+    "test_delete",
+    "test_ids_may_be_reused_after_done",
+    "test_n_and_logprobs",
+    "test_previous_response_id_chains_the_conversation",
+    "test_stop_cases_same_text_over_websocket",
+    "test_stream_with_the_sdk_helper",
+    "test_streamed_function_call_events",
+    "test_websocket_response_messages",
+]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -81,29 +121,11 @@ def test_requests_spread_over_every_master(cluster_stack: Stack) -> None:
             assert resp.status_code == 200, resp.text
             rid = resp.json()["id"]
             key = next(
-                k for k in (keys.output(rid), keys.output(rid.removeprefix("chatcmpl-")))
+                k
+                for k in (keys.output(rid), keys.output(rid.removeprefix("chatcmpl-")))
                 if client.exists(k)
             )
             ports.add(stack.cluster.master_for_slot(key_slot(key.encode())).port)
         assert len(ports) == 3
     finally:
         close_client(client)
-
-
-def _ws_chat(stack: Stack, content: str) -> list[dict[str, Any]]:
-    import websocket
-
-    ws = websocket.create_connection(stack.base_url.replace("http", "ws") + "/v1/ws", timeout=30)
-    try:
-        ws.send(json.dumps({"type": "chat", "model": stack.settings.served_name,
-                            "messages": [{"role": "user", "content": content}],
-                            "max_tokens": 16}))
-        frames = []
-        while True:
-            frame = json.loads(ws.recv())
-            frames.append(frame)
-            if frame.get("type") in ("done", "error", "final"):
-                return frames
-    finally:
-        ws.close()
-        ws.shutdown()
