@@ -17,6 +17,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from app.settings import Settings
+from broker.cluster_server import LocalCluster
 from tests.stack import Proc, full_stack, isolated_settings, web_process, web_settings
 from workers.runtime import HEARTBEAT_S
 
@@ -81,14 +82,22 @@ class Backbone:
 
 
 @pytest.fixture(scope="module")
+def backbone_cluster() -> bool:
+    """Whether the module's backbone runs its token traffic on a Redis Cluster (3 masters
+    + 3 replicas; Celery on the redis-server): a module overrides it."""
+    return False
+
+
+@pytest.fixture(scope="module")
 def backbone(
     request: pytest.FixtureRequest,
     models_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
     resume_grace_s: float,
+    backbone_cluster: bool,
 ) -> Iterator[Backbone]:
     """redis-server, a worker (echo engine at ``RATE``), a streamer and web B, for the
-    module; ``resume_grace_s`` is the module's own fixture."""
+    module; ``resume_grace_s`` is the module's own fixture, ``backbone_cluster`` too."""
     settings = isolated_settings(
         "redis://unused",
         models_dir,
@@ -99,7 +108,8 @@ def backbone(
         web_threads=8,
     )
     logs = tmp_path_factory.mktemp(f"{request.module.__name__.rpartition('.')[2]}-logs")
-    with full_stack(settings, logs, web="web-b") as stack:
+    cluster = LocalCluster(3, 1) if backbone_cluster else None
+    with full_stack(settings, logs, web="web-b", cluster=cluster) as stack:
         web_b = Web(stack.base_url, stack.procs["web-b"], stack.settings)
         try:
             yield Backbone(stack.settings, stack.log_dir, web_b)

@@ -1,0 +1,157 @@
+"""Faults on a real Redis Cluster (3 masters + 3 replicas, ``LocalCluster``), token
+traffic spread over its shards and Celery on a redis-server of its own.
+
+- A master SIGKILLed mid-stream: the one holding the keys of the most of 8 streams in
+  flight. Its replica is promoted within seconds; every stream ends with exactly its
+  text or a clear error event (never hangs), new requests succeed again, and no
+  tokenrelay process dies or is replaced: the fleet goes on without a human.
+- A web process SIGKILLed mid-stream: the client resumes on another web process with
+  exactly the rest of its text (``test_resume``'s tests, run here with this module's
+  cluster backbone).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from broker.cluster_server import LocalCluster
+from broker.connection import open_redis
+from tests.faults.test_resume import (
+    test_sse_resumes_on_another_web_process_after_a_sigkill,
+    test_websocket_resumes_on_another_web_process,
+)
+from tests.faults.test_sentinel import chat_once, chat_status
+from tests.faults.web_clients import CHAT, Stream, children, read_stream, words
+from tests.stack import close_client, full_stack, isolated_settings
+
+pytestmark = pytest.mark.faults
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "test_sse_resumes_on_another_web_process_after_a_sigkill",
+    "test_websocket_resumes_on_another_web_process",
+]
+
+RATE = 20.0  # echo tokens per second per request: a stream lasts several seconds
+STREAMS = 8
+NEW_REQUEST_WITHIN_S = 30.0
+STREAMS_END_WITHIN_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def backbone_cluster() -> bool:
+    """``test_resume``'s backbone (``tests.faults.conftest``) on a cluster."""
+    return True
+
+
+@pytest.fixture(scope="module")
+def resume_grace_s() -> float:
+    return 30.0
+
+
+@pytest.mark.timeout(180)
+def test_a_master_killed_mid_stream(models_dir: Path, tmp_path: Path) -> None:
+    settings = isolated_settings(
+        "redis://unused",
+        models_dir,
+        echo_tokens_per_second=RATE,
+        web_workers=1,
+        web_threads=24,
+        sse_keepalive_s=1.0,
+    )
+    cluster = LocalCluster(3, 1, node_timeout_ms=1000)
+    with full_stack(settings, tmp_path / "logs", cluster=cluster, batcher=True) as stack:
+        settings, procs = stack.settings, stack.procs
+        model, base = settings.served_name, stack.base_url
+
+        def report() -> str:
+            return stack.logs()
+
+        warm = "warm up on the cluster"
+        assert chat_once(base, model, warm, timeout=30) == warm, report()
+        pids = {name: p.pid for name, p in procs.items()}
+        web_children = children(procs["web"].pid)
+
+        streams = [Stream(CHAT, words(f"stream {i}", 60)) for i in range(STREAMS)]
+        threads = [
+            threading.Thread(target=read_stream, args=(base, model, s), daemon=True)
+            for s in streams
+        ]
+        for t in threads:
+            t.start()
+        for s in streams:
+            assert s.started.wait(30), f"a stream got no text before the kill\n{report()}"
+        assert all(not s.ended.is_set() for s in streams), "streams too short to be mid-stream"
+
+        # The master holding the most of these requests' keys (each stream's shard).
+        client, keys = open_redis(settings)
+        try:
+            held: dict[int, int] = {}
+            for s in streams:
+                assert s.request_id, "no x-request-id"
+                key = keys.request(s.request_id)
+                assert client.exists(key), f"no record at {key}"
+                port = cluster.master_for_slot(key_slot(key.encode())).port
+                held[port] = held.get(port, 0) + 1
+        finally:
+            close_client(client)
+        port = max(held, key=lambda p: held[p])
+        victim = next(n for n in cluster.nodes if n.port == port)
+        killed_at = time.monotonic()
+        cluster.kill(victim)
+        promoted: list[float] = []
+
+        def watch() -> None:
+            cluster.wait_promoted(victim, 30)
+            promoted.append(time.monotonic() - killed_at)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+
+        probe = "a new request after the failover"
+        first_ok: float | None = None
+        attempts: list[str] = []
+        while time.monotonic() - killed_at < NEW_REQUEST_WITHIN_S:
+            sent = time.monotonic()
+            status, text = chat_status(base, model, probe)
+            attempts.append(f"{sent - killed_at:.1f}s: {status} in {time.monotonic() - sent:.1f}s")
+            if text == probe:
+                first_ok = time.monotonic() - killed_at
+                break
+            time.sleep(0.5)
+        watcher.join(30)
+        assert promoted, f"no replica took over\n{report()}"
+
+        end_by = killed_at + STREAMS_END_WITHIN_S
+        for s in streams:
+            s.ended.wait(max(0.0, end_by - time.monotonic()))
+        outcomes = [s.outcome() for s in streams]
+        summary = {k: outcomes.count(k) for k in ("exact", "error", "hung", "wrong", "broken")}
+        logger.warning(
+            "cluster failover: %d of %d streams' keys on the killed master; promoted %.1f s "
+            "after the kill; first new request ok at %s s; streams %s; new requests: %s",
+            held[port],
+            STREAMS,
+            promoted[0],
+            f"{first_ok:.1f}" if first_ok is not None else "never",
+            summary,
+            "; ".join(attempts),
+        )
+        details = "\n".join(s.describe() for s in streams)
+        dead = [n for n, p in procs.items() if not p.alive()]
+        assert not dead, f"{dead} died\n{details}\n{report()}"
+        assert first_ok is not None, f"no new request succeeded\n{attempts}\n{report()}"
+        refused_badly = [a for a in attempts if not (": 503 " in a or ": 200 " in a)]
+        assert not refused_badly, f"{attempts}\n{report()}"
+        assert summary["hung"] == 0, f"{details}\n{report()}"
+        assert summary["wrong"] == summary["broken"] == 0, f"{details}\n{report()}"
+        assert {n: p.pid for n, p in procs.items()} == pids
+        assert children(procs["web"].pid) == web_children
+        again = "and one more, exactly"
+        assert chat_once(base, model, again, timeout=30) == again, report()
