@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,6 +27,9 @@ from broker.connection import as_str
 from broker.keys import Keys
 from broker.publish import TokenPublishing, decode_deltas, lease_value, seal_call
 from broker.step_lines import READ_LOG_TRIES, TailAt, named_tail, read_checkpointed
+
+# How long a worker's task tries to claim its request while Redis is away.
+CLAIM_RETRY_S = 15.0
 
 
 class ClaimResult(str, Enum):
@@ -414,6 +418,43 @@ class RequestStore(TokenPublishing):
         body = res[1]  # a Lua false (no body field) arrives as None
         record = None if body is None else RequestRecord.decode(body)
         return ClaimResult(as_str(res[0])), record, bool(res[2])
+
+    def claim_through_outage(
+        self,
+        rid: str,
+        attempt: int,
+        worker_id: str,
+        lease_ttl_s: float,
+        *,
+        within_s: float = CLAIM_RETRY_S,
+    ) -> tuple[ClaimResult, RequestRecord | None, bool]:
+        """``claim_and_load``, tried again while Redis is away, for up to ``within_s``: a
+        task that gives up waits for the streamers' requeue (``requeue_after_s``), and
+        on a Redis Cluster a shard's master can be away while the request was admitted
+        on the others. A claim whose reply was lost may have run: one that then finds
+        the lease held by this very attempt of this worker is its own."""
+        deadline = time.monotonic() + within_s
+        delay, retried = 0.05, False
+        while True:
+            try:
+                claim, record, again = self.claim_and_load(
+                    rid, attempt, worker_id, lease_ttl_s, time.time()
+                )
+                break
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay, retried = min(delay * 2, 1.0), True
+        mine = lease_value(worker_id, attempt)
+        if (
+            claim is ClaimResult.HELD
+            and retried
+            and as_str(self.redis.get(self.keys.lease(rid)) or b"") == mine
+        ):
+            loaded = self.load(rid)
+            return ClaimResult.OK, loaded[0] if loaded else None, True
+        return claim, record, again
 
     def _run_claim(
         self, rid: str, attempt: int, worker_id: str, lease_ttl_s: float, now: float, load: str

@@ -299,15 +299,15 @@ class WorkerRuntime:
                 return GenerateResult(
                     request_id=request_id, attempt=0, outcome=skipped, claim="none waiting"
                 )
-            claim, record, again = self.store.claim_and_load(
-                taken, 0, self.worker_id, self.settings.lease_ttl_s, time.time()
+            claim, record, again = self.store.claim_through_outage(
+                taken, 0, self.worker_id, self.settings.lease_ttl_s
             )
             if claim is ClaimResult.OK:
                 request_id, attempt = taken, 0
                 break
         else:
-            claim, record, again = self.store.claim_and_load(
-                request_id, attempt, self.worker_id, self.settings.lease_ttl_s, time.time()
+            claim, record, again = self.store.claim_through_outage(
+                request_id, attempt, self.worker_id, self.settings.lease_ttl_s
             )
         if claim is not ClaimResult.OK:
             logger.info("request %s attempt %s not run here: %s", request_id, attempt, claim.value)
