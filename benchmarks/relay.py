@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 import redis
+from redis.cluster import RedisCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -43,11 +44,14 @@ from app.messages import OutputEvent, OutputKind
 from app.prepare import prepare_bundled_model
 from app.records import RequestRecord, RequestState, SamplingParams, StopConditions
 from broker.celery_app import create_celery
+from broker.cluster_server import LocalCluster
+from broker.connection import open_redis
 from broker.hub import OutputHub
 from broker.keys import Keys
 from broker.outputs import is_terminal
 from broker.requests import RequestStore
 from broker.server import RedisServer
+from broker.shard_hub import ShardedHub, output_hub
 from broker.subscription import Pumped, Subscription
 from tests.stack import isolated_settings, streamer_process, worker_process
 
@@ -62,9 +66,43 @@ def cpu_seconds(pid: int) -> float:
 
 def command_stats(client: redis.Redis) -> dict[str, tuple[int, int]]:
     """(calls, µs of CPU) per Redis command since the server started (INFO
-    commandstats; a script's commands count inside its EVALSHA and on their own)."""
+    commandstats; a script's commands count inside its EVALSHA and on their own);
+    summed over the masters of a cluster."""
+    if isinstance(client, RedisCluster):
+        total: dict[str, tuple[int, int]] = {}
+        for node in client.get_primaries():
+            node_stats: Any = node.redis_connection.info("commandstats")
+            for k, v in node_stats.items():
+                c, u = total.get(k.removeprefix("cmdstat_"), (0, 0))
+                total[k.removeprefix("cmdstat_")] = (c + int(v["calls"]), u + int(v["usec"]))
+        return total
     stats: Any = client.info("commandstats")
     return {k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for k, v in stats.items()}
+
+
+@contextmanager
+def token_redis(
+    masters: int, models_dir: Path, **overrides: Any
+) -> Iterator[tuple[Any, dict[str, int]]]:
+    """Settings for a run on one redis-server (``masters`` 0) or on a Redis Cluster of
+    ``masters`` masters without replicas (Celery on a redis-server of its own), and the
+    PIDs of the Redis processes that carry token traffic."""
+    with ExitStack() as es:
+        server = es.enter_context(RedisServer())
+        if not masters:
+            yield (
+                isolated_settings(server.url, models_dir, **overrides),
+                {
+                    "redis": server.proc.pid  # type: ignore[union-attr]
+                },
+            )
+            return
+        cluster = es.enter_context(LocalCluster(masters, 0))
+        settings = isolated_settings(
+            cluster.url, models_dir, redis_cluster="yes", celery_url=server.url, **overrides
+        )
+        pids = {f"redis{i + 1}": n.proc.pid for i, n in enumerate(cluster.nodes) if n.proc}
+        yield settings, pids
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -166,19 +204,19 @@ def run(
     streamers: int = 1,
     burn: float = 0.0,
     pump: bool = False,
+    masters: int = 0,
 ) -> dict[str, object]:
-    with RedisServer() as server, tempfile.TemporaryDirectory() as logs:
-        settings = isolated_settings(
-            server.url, models_dir, worker_slots=n_requests, echo_tokens_per_second=rate
-        )
-        client = redis.Redis.from_url(server.url)
-        keys = Keys(settings.key_prefix)
+    redis_on = token_redis(
+        masters, models_dir, worker_slots=n_requests, echo_tokens_per_second=rate
+    )
+    with redis_on as (settings, redis_pids), tempfile.TemporaryDirectory() as logs:
+        client, keys = open_redis(settings)
         store = RequestStore(client, keys)
         celery_app = create_celery(settings)
         prompt = [1000 + (i % 30000) for i in range(n_tokens)]  # no EOS inside
         ready = threading.Event()
         with worker_process(settings, Path(logs)) as worker, ExitStack() as running:
-            pids = {"worker": worker.pid, "redis": server.proc.pid}  # type: ignore[union-attr]
+            pids = {"worker": worker.pid, **redis_pids}
             if stage == "worker" and burn > 0:
                 burner = running.enter_context(cpu_burner(burn))
             for i in range(streamers if stage == "relay" else 0):
@@ -202,7 +240,7 @@ def run(
             if stage == "relay":
                 # Subscribed before the requests exist, as a web process is before its
                 # first event: the hub's XREAD waits on streams that have no entry yet.
-                hub = OutputHub(client, keys, block_ms=1000)
+                hub = output_hub(client, keys, block_ms=1000)
                 subs = {r.request_id: hub.subscribe(r.request_id, notify=ready) for r in records}
             in_run: dict[str, list[float]] = {}
             probing = ExitStack()
@@ -245,6 +283,7 @@ def run(
                 last_recv = max((r[2] for r in received), default=t0)
         out: dict[str, object] = {
             "stage": stage,
+            "redis": f"cluster of {masters} masters" if masters else "one redis-server",
             "reader": ("pump" if pump else "queue") if stage == "relay" else None,
             "streamers": streamers if stage == "relay" else 0,
             "engine_rate_per_request": rate or "unlimited",
@@ -256,6 +295,11 @@ def run(
             "cpu_us_per_token": {k: round(v * 1e6 / delivered, 1) for k, v in cpu.items()},
         }
         out["cpu_us_per_token_total"] = round(sum(cpu.values()) * 1e6 / delivered, 1)
+        redis_cpu = [cpu[k] for k in redis_pids]
+        out["redis_cpu_us_per_token"] = {
+            "all": round(sum(redis_cpu) * 1e6 / delivered, 1),
+            "busiest": round(max(redis_cpu) * 1e6 / delivered, 1),
+        }
         # Each CPU's pace just before and after the run (``host_pace_us``) and during it
         # (``pace_probe``: p10, p50, p90): compare figures from different hours by it.
         out["host_pace_us"] = {"before": pace_before, "after": pace_after, "in_run": in_run}
@@ -325,7 +369,7 @@ def cpu_burner(cores: float) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def read_through_hub(
-    hub: OutputHub,
+    hub: OutputHub | ShardedHub,
     subs: dict[str, Subscription],
     ready: threading.Event,
     t0: float,
@@ -397,7 +441,7 @@ def read_through_hub(
 
 
 def hub_latencies(
-    client: redis.Redis,
+    client: Any,
     keys: Keys,
     received: list[tuple[str, str, float, bool]],
     lat: list[float],
@@ -469,6 +513,13 @@ def main() -> int:
         "session 18) or pump (on the hub's thread, as the SSE route does)",
     )
     parser.add_argument(
+        "--masters",
+        default="0",
+        help="token traffic on one redis-server (0) or on a Redis Cluster of this many "
+        "masters (no replicas; Celery on a redis-server of its own); a comma-separated "
+        "list (0,1,3) runs every stage once for each",
+    )
+    parser.add_argument(
         "--prepared",
         action="store_true",
         help="use the model directory under --models-dir as it is, without preparing it "
@@ -484,20 +535,22 @@ def main() -> int:
     stages = ["worker", "relay"] if args.stage == "both" else [args.stage]
     results: list[dict[str, object]] = []
     for _ in range(args.rounds):
-        for stage in stages:
-            for n in [int(x) for x in args.streamers.split(",")] if stage == "relay" else [1]:
-                result = run(
-                    stage,
-                    args.requests,
-                    args.tokens,
-                    models_dir,
-                    args.rate,
-                    streamers=n,
-                    burn=args.burn,
-                    pump=args.reader == "pump",
-                )
-                results.append(result)
-                print(json.dumps(result, indent=2), flush=True)
+        for masters in [int(x) for x in args.masters.split(",")]:
+            for stage in stages:
+                for n in [int(x) for x in args.streamers.split(",")] if stage == "relay" else [1]:
+                    result = run(
+                        stage,
+                        args.requests,
+                        args.tokens,
+                        models_dir,
+                        args.rate,
+                        streamers=n,
+                        burn=args.burn,
+                        pump=args.reader == "pump",
+                        masters=masters,
+                    )
+                    results.append(result)
+                    print(json.dumps(result, indent=2), flush=True)
     if args.stage == "both":
         print(json.dumps(keep_up_summary(results), indent=2))
     return 0
