@@ -49,6 +49,8 @@ from broker.connection import open_redis
 from broker.hub import OutputHub
 from broker.keys import Keys
 from broker.outputs import is_terminal
+from broker.placement import placement_for
+from broker.registry import worker_registry
 from broker.requests import RequestStore
 from broker.server import RedisServer
 from broker.shard_hub import ShardedHub, output_hub
@@ -205,6 +207,7 @@ def run(
     burn: float = 0.0,
     pump: bool = False,
     masters: int = 0,
+    workers: int = 1,
 ) -> dict[str, object]:
     redis_on = token_redis(
         masters, models_dir, worker_slots=n_requests, echo_tokens_per_second=rate
@@ -212,11 +215,19 @@ def run(
     with redis_on as (settings, redis_pids), tempfile.TemporaryDirectory() as logs:
         client, keys = open_redis(settings)
         store = RequestStore(client, keys)
-        celery_app = create_celery(settings)
+        celery_app = create_celery(settings, shards=keys.shards)
         prompt = [1000 + (i % 30000) for i in range(n_tokens)]  # no EOS inside
         ready = threading.Event()
-        with worker_process(settings, Path(logs)) as worker, ExitStack() as running:
-            pids = {"worker": worker.pid, **redis_pids}
+        with ExitStack() as running:
+            pids = dict(redis_pids)
+            for i in range(workers):  # on a cluster each takes the next home shard
+                name = "worker" if workers == 1 else f"worker{i + 1}"
+                pids[name] = running.enter_context(
+                    worker_process(settings, Path(logs), name=name)
+                ).pid
+            # On a cluster: ids on the workers' home shards, tasks to their queues.
+            placement = placement_for(keys, worker_registry(client, keys))
+            draw = placement.ids(lambda: uuid.uuid4().hex) if placement else None
             if stage == "worker" and burn > 0:
                 burner = running.enter_context(cpu_burner(burn))
             for i in range(streamers if stage == "relay" else 0):
@@ -228,7 +239,7 @@ def run(
             for _ in range(n_requests):
                 records.append(
                     RequestRecord(
-                        request_id=uuid.uuid4().hex,
+                        request_id=draw() if draw else uuid.uuid4().hex,
                         model=settings.served_name,
                         prompts=[prompt],
                         sampling=SamplingParams(temperature=0.0),
@@ -252,7 +263,8 @@ def run(
             client0 = time.process_time()
             t0 = time.time()
             for r in records:
-                store.submit(r, celery_app)
+                store.create(r)
+                store.send(r, celery_app, placement=placement)
             lat: list[float] = []
             ttft_added: list[float] = []
             ttft: list[float] = []
@@ -286,6 +298,7 @@ def run(
             "redis": f"cluster of {masters} masters" if masters else "one redis-server",
             "reader": ("pump" if pump else "queue") if stage == "relay" else None,
             "streamers": streamers if stage == "relay" else 0,
+            "workers": workers,
             "engine_rate_per_request": rate or "unlimited",
             "requests": n_requests,
             "tokens_per_request": n_tokens,
@@ -513,6 +526,13 @@ def main() -> int:
         "session 18) or pump (on the hub's thread, as the SSE route does)",
     )
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes (each with --requests slots); on a cluster each takes a "
+        "home shard in turn and new requests are placed on the homes (broker.placement)",
+    )
+    parser.add_argument(
         "--masters",
         default="0",
         help="token traffic on one redis-server (0) or on a Redis Cluster of this many "
@@ -548,6 +568,7 @@ def main() -> int:
                         burn=args.burn,
                         pump=args.reader == "pump",
                         masters=masters,
+                        workers=args.workers,
                     )
                     results.append(result)
                     print(json.dumps(result, indent=2), flush=True)

@@ -90,9 +90,22 @@ def celery_redis(
     return redis_client(url, max_connections=max_connections)
 
 
-def queue_name(kind: str, model: str) -> str:
-    """Queues are per served model, so a worker only takes jobs for its own model."""
-    return f"tr.{kind}.{model}"
+def queue_name(kind: str, model: str, shard: int | None = None) -> str:
+    """Queues are per served model, so a worker only takes jobs for its own model; on a
+    Redis Cluster per shard too (``shard``), so a worker takes its home shard's first
+    and its engine steps publish to few shards (docs/scaling.md)."""
+    return f"tr.{kind}.{model}" if shard is None else f"tr.{kind}.{model}.s{shard}"
+
+
+def shard_queues(kind: str, model: str, shards: int = 0, home: int | None = None) -> list[str]:
+    """``kind``'s queues of ``model``: the one queue on one Redis; on a cluster of
+    ``shards`` a worker's ``home`` shard's, then the shared one (every worker of the
+    model consumes it: ``broker.placement``); without a home, every shard's and the
+    shared one (what their depth counts)."""
+    if not shards:
+        return [queue_name(kind, model)]
+    own = range(shards) if home is None else [home % shards]
+    return [*(queue_name(kind, model, k) for k in own), queue_name(kind, model)]
 
 
 def worker_queue(model: str, worker_id: str) -> str:
@@ -101,11 +114,22 @@ def worker_queue(model: str, worker_id: str) -> str:
     return f"tr.worker.{model}.{worker_id}"
 
 
-def worker_queues(model: str, worker_id: str | None = None, *, embeds: bool = False) -> list[str]:
+def worker_queues(
+    model: str,
+    worker_id: str | None = None,
+    *,
+    embeds: bool = False,
+    shards: int = 0,
+    home: int | None = None,
+) -> list[str]:
     """The queues a worker consumes, in the order the 'priority' strategy polls them:
     its own queue (turns routed to it), then its model's embeddings (short), then
-    interactive, then batch."""
-    shared = [queue_name("interactive", model), queue_name("batch", model)]
+    interactive, then batch (on a cluster, each its ``home`` shard's, then the shared
+    one: ``shard_queues``)."""
+    shared = [
+        *shard_queues("interactive", model, shards, home),
+        *shard_queues("batch", model, shards, home),
+    ]
     if embeds:
         shared.insert(0, f"tr.embed.{model}")
     return shared if worker_id is None else [worker_queue(model, worker_id), *shared]
@@ -118,6 +142,8 @@ def create_celery(
     results: bool = True,
     worker_id: str | None = None,
     embeds: bool = False,
+    shards: int = 0,
+    home: int | None = None,
 ) -> Celery:
     """The app for ``model``'s queues.
 
@@ -139,10 +165,14 @@ def create_celery(
         broker=redis_conn.broker_url,
         backend=redis_conn.backend_url if results else "disabled",
     )
+    app.tokenrelay_shards = shards  # what its sends spread requests over (app_shards)
     app.conf.update(
         # kombu's Redis transports with one client per channel (broker.kombu_redis).
         broker_transport=transport_for(redis_conn.broker_url),
-        task_queues=[Queue(q) for q in worker_queues(model, worker_id, embeds=embeds)],  # type: ignore[no-untyped-call]
+        task_queues=[
+            Queue(q)  # type: ignore[no-untyped-call]
+            for q in worker_queues(model, worker_id, embeds=embeds, shards=shards, home=home)
+        ],
         task_default_queue=queue_name("interactive", model),
         task_serializer="json",
         result_serializer="json",
@@ -206,6 +236,7 @@ def send_generate(
     priority: int = 0,
     fair: bool = False,
     trace: dict[str, str] | None = None,
+    shard: int | None = None,
 ) -> None:
     """Enqueue ``generate(request_id, attempt)`` without importing worker code; its
     ``task-sent`` event goes out on its own thread (``broker.sent_events``).
@@ -215,12 +246,13 @@ def send_generate(
     ``fair``: the worker runs the model's next request by fair share instead
     (``broker.fair_queue``; ``request_id`` names the request it was sent for);
     ``trace``: the request's trace context, as the message's headers (``traceparent``:
-    what Celery's OpenTelemetry instrumentation reads; workers read the record's)."""
+    what Celery's OpenTelemetry instrumentation reads; workers read the record's);
+    ``shard``: to that shard's ``queue`` (a Redis Cluster's: ``broker.placement``)."""
     app.send_task(
         GENERATE_TASK,
         args=[request_id, attempt],
         kwargs={"fair": True} if fair else None,
-        queue=queue_name(queue, model) if worker is None else worker_queue(model, worker),
+        queue=queue_name(queue, model, shard) if worker is None else worker_queue(model, worker),
         task_id=task_id(request_id, attempt),
         event_dispatcher=sent_events(app),
         priority=priority,
@@ -287,13 +319,23 @@ def waiting(pipe: Any, queue: str) -> None:
         pipe.llen(key)
 
 
-def queue_depths(client: redis.Redis, model: str) -> dict[str, int]:
+def queue_depths(client: redis.Redis, model: str, shards: int = 0) -> dict[str, int]:
     """Tasks waiting in each of ``model``'s queues (Celery's queues are Redis lists);
-    ``client`` on Celery's Redis (``celery_redis``)."""
+    ``client`` on Celery's Redis (``celery_redis``). On a cluster of ``shards`` a queue's
+    count is its shards' queues' and its own together."""
     queues = worker_queues(model, embeds=True)
+    lists = {q: [q] for q in queues}
+    for kind in ("interactive", "batch"):
+        lists[queue_name(kind, model)] = shard_queues(kind, model, shards)
     pipe = client.pipeline(transaction=False)
     for q in queues:
-        waiting(pipe, q)
-    lengths = pipe.execute()
+        for name in lists[q]:
+            waiting(pipe, name)
+    lengths = iter(pipe.execute())
     steps = len(PRIORITY_STEPS)
-    return {q: sum(lengths[i * steps : (i + 1) * steps]) for i, q in enumerate(queues)}
+    return {q: sum(next(lengths) for _ in range(steps * len(lists[q]))) for q in queues}
+
+
+def app_shards(app: Celery) -> int:
+    """The shards of the Redis Cluster an app's requests are on (``create_celery``)."""
+    return int(getattr(app, "tokenrelay_shards", 0))

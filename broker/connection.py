@@ -124,6 +124,19 @@ def open_redis(
     return cluster, Keys(settings.key_prefix, shards)  # type: ignore[return-value]
 
 
+def worker_shards(settings: Settings) -> tuple[int, int]:
+    """A starting worker's (shards, home shard): (0, 0) on one Redis; on a cluster the
+    deployment's shards and the next home in turn (``Keys.worker_homes``), so workers
+    started one after another prefer different shards' queues."""
+    if not uses_cluster(settings):
+        return 0, 0
+    client, keys = open_redis(settings, max_connections=2)
+    try:
+        return keys.shards, (int(client.incr(keys.worker_homes)) - 1) % keys.shards
+    finally:
+        client.close()
+
+
 def keys_for(client: Any, settings: Settings) -> Keys:
     """The key builder for a client made elsewhere (tests, benchmarks): with a cluster's
     shards when ``client`` is a cluster client."""

@@ -208,6 +208,12 @@ class Keys:
         return f"{self._g}pfx:{worker_id}:load"
 
     @property
+    def worker_homes(self) -> str:
+        """Counter of workers started on a cluster: each takes the next shard as its home
+        (``broker.connection.home_shard``)."""
+        return f"{self._g}homes"
+
+    @property
     def inflight_weights(self) -> str:
         """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
         return f"{self._g}inflight:weights"

@@ -41,6 +41,10 @@ class WorkerInfo(BaseModel):
     beat_at: float = Field(
         default=0.0, description="Unix time of this heartbeat (how fresh active_jobs is)."
     )
+    home: int = Field(
+        default=-1,
+        description="Its home shard on a Redis Cluster (-1: none; broker.placement).",
+    )
     routed: bool = Field(
         default=False,
         description="It consumes its own queue and advertises its cached prefixes "

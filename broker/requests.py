@@ -25,6 +25,7 @@ from broker.celery_app import send_generate
 from broker.chunks import Chunk, expand
 from broker.connection import as_str
 from broker.keys import Keys
+from broker.placement import ShardPlacement
 from broker.publish import TokenPublishing, decode_deltas, lease_value, seal_call
 from broker.step_lines import READ_LOG_TRIES, TailAt, named_tail, read_checkpointed
 
@@ -174,10 +175,20 @@ class RequestStore(TokenPublishing):
         self.create(record)
         self.send(record, celery_app)
 
-    def send(self, record: RequestRecord, celery_app: Celery, *, priority: int = 0) -> None:
+    def send(
+        self,
+        record: RequestRecord,
+        celery_app: Celery,
+        *,
+        priority: int = 0,
+        placement: ShardPlacement | None = None,
+    ) -> None:
         """Queue ``generate`` for a record already written (``create``, or ``admit``
         with ``create=``): on its ``route`` worker's own queue when it has one, at
-        ``priority`` (``fair_priority``: 0 is taken first)."""
+        ``priority`` (``fair_priority``: 0 is taken first); on a Redis Cluster to its
+        shard's queue when ``placement`` says a worker of its model is at home there."""
+        rid = record.request_id
+        shard = placement.queue_shard(record.model, rid) if placement is not None else None
         send_generate(
             celery_app,
             record.request_id,
@@ -188,6 +199,7 @@ class RequestStore(TokenPublishing):
             priority=priority,
             fair=record.fair,
             trace=record.trace,
+            shard=shard,
         )
 
     @property

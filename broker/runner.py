@@ -45,6 +45,7 @@ from broker.fair_queue import FairQueue
 from broker.models import MAX_CARDS, ModelCards, catalog_of, settings_directory
 from broker.output_usage import OutputUsage
 from broker.outputs import OutputStreams
+from broker.placement import placement_for
 from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RateLimit, RequestStore
@@ -114,8 +115,7 @@ class Runner:
             settings, self.card, clock=lambda: self.clock(), new_id=lambda: self.new_id()
         )
         self.model_name = settings.served_name
-        # One hub thread reads every stream; the other connections serve request threads
-        # (submit, cancel, ready), at most one each at a time.
+        # The hub's threads read every stream; the rest serve request threads, one each.
         pool = max_connections or settings.web_threads + 16
         self.redis, keys = open_redis(settings, max_connections=pool, client=client)
         self.store = RequestStore(self.redis, keys, stream_ttl_s=settings.stream_ttl_s)
@@ -132,6 +132,8 @@ class Runner:
         )
         self.celery_redis = celery_redis(settings, self.redis)  # Celery's queues (lengths)
         self.workers = worker_registry(self.redis, keys)
+        self.placement = placement_for(keys, self.workers)  # a Redis Cluster's (or None)
+        self.new_id = self.placement.ids(new_id) if self.placement else new_id
         self.streamers = streamer_registry(self.redis, keys)
         self.keys = keys
         # Every model with workers on this Redis (broker.models): one front door.
@@ -142,7 +144,7 @@ class Runner:
         # (model, outcome) of each routing decision (the web tier's metrics).
         self.route_observer: Callable[[str, str], None] | None = None
         self._models_lock = threading.Lock()
-        self.celery = celery_app or create_celery(settings, results=False)
+        self.celery = celery_app or create_celery(settings, results=False, shards=keys.shards)
         self.metrics = metrics
         self._ready_until: dict[str, float] = {}
         self._start_turn = threading.Semaphore(1)  # FIFO: its waiters wake in order
@@ -450,7 +452,7 @@ class Runner:
                 else:  # kombu's priority steps: coarse, but what a routed turn can have
                     turns = ahead // weight if settings.fair_share else 0
                     step = fair_priority(max(turns + record.priority, 0))
-                self.store.send(record, self.celery, priority=step)
+                self.store.send(record, self.celery, priority=step, placement=self.placement)
                 if router is not None and route is not None:
                     router.sent(route)
             except Exception:

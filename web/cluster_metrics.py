@@ -245,7 +245,7 @@ class ClusterCollector:
             depths = {
                 (model, queue): depth
                 for model in svc.models.known()
-                for queue, depth in queue_depths(self.queues(), model).items()
+                for queue, depth in queue_depths(self.queues(), model, svc.keys.shards).items()
             }
         except redis.RedisError:
             return

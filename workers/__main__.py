@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         "-Q",
         ",".join(
             worker_queues(
-                settings.served_name, app.tokenrelay_worker_id, embeds=app.tokenrelay_embeds
+                settings.served_name,
+                app.tokenrelay_worker_id,
+                embeds=app.tokenrelay_embeds,
+                shards=app.tokenrelay_shards,
+                home=app.tokenrelay_home,
             )
         ),
         "--loglevel",

@@ -33,6 +33,7 @@ from app.model_card import load_model_card
 from app.settings import Settings
 from broker import tracing
 from broker.celery_app import GENERATE_TASK, celery_redis, create_celery, requeue_own
+from broker.connection import worker_shards
 from broker.embeddings import EMBED_TASK
 from workers.embedder import can_embed
 from workers.runtime import WorkerRuntime, new_worker_id
@@ -208,7 +209,11 @@ def build_app(settings: Settings) -> Celery:
         embeds = can_embed(settings, load_model_card(settings.card_path()))
     except ModelError:  # the engine's start says why, and exits (worker_init)
         embeds = False
-    celery_app = create_celery(settings, worker_id=worker_id, embeds=embeds)
+    shards, home = worker_shards(settings)  # a Redis Cluster's: its home shard's queues first
+    celery_app = create_celery(
+        settings, worker_id=worker_id, embeds=embeds, shards=shards, home=home
+    )
+    celery_app.tokenrelay_home = home
     if settings.log_format == "json":
         json_worker_logs(celery_app)
     celery_app.conf.worker_consumer = f"{__name__}:BrokerConsumer"
@@ -240,7 +245,9 @@ def build_app(settings: Settings) -> Celery:
         if not _ours(sender):
             return
         try:
-            runtime = WorkerRuntime.from_settings(settings, worker_id=worker_id)
+            runtime = WorkerRuntime.from_settings(
+                settings, worker_id=worker_id, home=home if shards else -1
+            )
         except Exception as exc:
             # Celery would log a signal-handler error and keep consuming tasks it cannot
             # run; a worker without its engine must stop, loudly, so supervisors see it.

@@ -66,8 +66,10 @@ class WorkerRuntime:
         client: redis.Redis,
         *,
         worker_id: str | None = None,
+        home: int = -1,
     ) -> None:
         self.settings = settings
+        self.home = home  # its home shard on a Redis Cluster (broker.placement)
         self.card = card
         self.engine = engine
         # Read here, before the engine thread starts: the heartbeat and Flower report
@@ -120,12 +122,14 @@ class WorkerRuntime:
         self.embedder = Embedder(card, settings) if can_embed(settings, card) else None
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, worker_id: str | None = None) -> WorkerRuntime:
+    def from_settings(
+        cls, settings: Settings, *, worker_id: str | None = None, home: int = -1
+    ) -> WorkerRuntime:
         card = load_model_card(settings.card_path())
         engine = load_engine(settings, card)
         # Task threads (claims, loads), the engine thread and the heartbeat.
         client, _keys = open_redis(settings, max_connections=settings.worker_slots + 16)
-        return cls(settings, card, engine, client, worker_id=worker_id)
+        return cls(settings, card, engine, client, worker_id=worker_id, home=home)
 
     def start(self) -> None:
         self.thread.start()
@@ -235,6 +239,7 @@ class WorkerRuntime:
             engine_capacity=self.engine_capacity,
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            home=self.home,
             started=self.started,
             active_jobs=self.thread.active_requests,
             batch_size=self.thread.batch_size,

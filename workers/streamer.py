@@ -586,7 +586,7 @@ def build_streamer(settings: Settings) -> Streamer | ShardedStreamer:
     client, keys = open_redis(settings, max_connections=16)
     catalog = catalog_of(client, keys, worker_registry(client, keys), settings)
     cards = ModelCards(catalog, card, fallback=settings_directory(settings))
-    celery = create_celery(settings, results=False)
+    celery = create_celery(settings, results=False, shards=keys.shards)
     shards = keys.all_shards()  # a Redis Cluster's: a relay loop each (workers.streamer_shards)
     loops = [Streamer(settings, client, tokenizer, celery, cards=cards, keys=k) for k in shards]
     return loops[0] if len(loops) == 1 else ShardedStreamer(loops)

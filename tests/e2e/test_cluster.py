@@ -21,6 +21,7 @@ from redis.crc import key_slot
 from app.model_card import load_model_card, load_tokenizer
 from broker.cluster_server import LocalCluster
 from broker.connection import open_redis
+from broker.registry import worker_registry
 from tests.e2e.stop_cases import CASES, chat_body, expected
 from tests.e2e.test_http_api import fold_chat_chunks, read_sse
 from tests.stack import Stack, close_client, full_stack, isolated_settings
@@ -36,7 +37,9 @@ def cluster_stack(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         "redis://unused", models_dir, web_workers=1, web_threads=32, sse_keepalive_s=1.0
     )
     log_dir = tmp_path_factory.mktemp("cluster-logs")
-    with full_stack(settings, log_dir, batcher=True, cluster=LocalCluster(3, 1)) as running:
+    cluster = LocalCluster(3, 1)
+    workers = ("w1", "w2", "w3")  # one at home on each shard (broker.placement)
+    with full_stack(settings, log_dir, workers=workers, batcher=True, cluster=cluster) as running:
         yield running
 
 
@@ -103,15 +106,19 @@ def test_stop_cases_exact_over_sse_and_json(
     assert fold_chat_chunks(read_sse(streamed)) == want_choices
 
 
-def test_requests_spread_over_every_master(cluster_stack: Stack) -> None:
-    """Twenty requests' output streams land on all three masters (the shards' tags
-    are spread over the slots, one shard per master)."""
+def test_requests_spread_over_every_master_and_stay_home(cluster_stack: Stack) -> None:
+    """The three workers took home shards 0, 1, 2 in turn; new requests are placed on
+    them in turn (``broker.placement``), so 21 requests' keys are on all three masters,
+    and each shard's tokens were published by its home worker alone (one publish call
+    per engine step, not one per shard)."""
     stack = cluster_stack
     assert stack.cluster is not None
     client, keys = open_redis(stack.settings)
     try:
+        homes = {w.worker_id: w.home for w in worker_registry(client, keys).live()}
+        assert sorted(homes.values()) == [0, 1, 2], homes
         ports = set()
-        for i in range(20):
+        for i in range(21):
             body = {
                 "model": stack.settings.served_name,
                 "messages": [{"role": "user", "content": f"spread {i}"}],
@@ -119,13 +126,14 @@ def test_requests_spread_over_every_master(cluster_stack: Stack) -> None:
             }
             resp = requests.post(stack.base_url + CHAT, json=body, timeout=30)
             assert resp.status_code == 200, resp.text
-            rid = resp.json()["id"]
-            key = next(
-                k
-                for k in (keys.output(rid), keys.output(rid.removeprefix("chatcmpl-")))
-                if client.exists(k)
-            )
+            rid = resp.headers["x-request-id"]
+            key = keys.output(rid)
+            assert client.exists(key), key
             ports.add(stack.cluster.master_for_slot(key_slot(key.encode())).port)
         assert len(ports) == 3
+        for worker, home in homes.items():
+            for k in range(keys.shards):
+                published = bool(client.exists(keys.at(k).steps(worker)))
+                assert published == (k == home), (worker, home, k)
     finally:
         close_client(client)

@@ -2,9 +2,10 @@
 traffic spread over its shards and Celery on a redis-server of its own.
 
 - A master SIGKILLed mid-stream: the one holding the keys of the most of 8 streams in
-  flight, or the one holding the global tag (admission, registries, models). Its replica is promoted within seconds; every stream ends with exactly its
-  text or a clear error event (never hangs), new requests succeed again, and no
-  tokenrelay process dies or is replaced: the fleet goes on without a human.
+  flight, or the one holding the global tag (admission, registries, models). Its
+  replica is promoted within seconds; every stream ends with exactly its text or a
+  clear error event (never hangs), new requests succeed again, and no tokenrelay
+  process dies or is replaced: the fleet goes on without a human.
 - A web process SIGKILLed mid-stream: the client resumes on another web process with
   exactly the rest of its text (``test_resume``'s tests, run here with this module's
   cluster backbone).
@@ -67,7 +68,10 @@ def test_a_master_killed_mid_stream(models_dir: Path, tmp_path: Path, victim: st
         sse_keepalive_s=1.0,
     )
     cluster = LocalCluster(3, 1, node_timeout_ms=1000)
-    with full_stack(settings, tmp_path / "logs", cluster=cluster, batcher=True) as stack:
+    workers = ("w1", "w2", "w3")  # a home on each shard: the streams spread over them
+    with full_stack(
+        settings, tmp_path / "logs", workers=workers, cluster=cluster, batcher=True
+    ) as stack:
         settings, procs = stack.settings, stack.procs
         model, base = settings.served_name, stack.base_url
 
