@@ -31,8 +31,8 @@ from functools import lru_cache
 from typing import Any
 
 import redis
-from redis.cluster import ClusterPipeline, RedisCluster
 from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterPipeline, RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
