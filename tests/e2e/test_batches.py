@@ -20,6 +20,7 @@ import openai
 import pytest
 import requests
 
+from app.settings import Settings
 from tests.stack import (
     Stack,
     batcher_process,
@@ -51,15 +52,12 @@ def exits() -> Iterator[ExitStack]:
         yield es
 
 
-@pytest.fixture(scope="module")
-def stack(
-    batch_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, exits: ExitStack
-) -> Stack:
-    """One stack for the module: echo at 25 steps/s (a 6-token line takes ~0.3 s) and at
-    most 4 lines of a batch in flight, so a 40-line batch runs for several seconds."""
-    settings = isolated_settings(
+def batch_settings(models_dir: Path) -> Settings:
+    """Echo at 25 steps/s (a 6-token line takes ~0.3 s) and at most 4 lines of a batch in
+    flight, so a 40-line batch runs for several seconds."""
+    return isolated_settings(
         "redis://unused",
-        batch_models_dir,
+        models_dir,
         echo_tokens_per_second=25.0,
         batch_max_in_flight=4,
         batch_lock_ttl_s=2.0,
@@ -67,8 +65,15 @@ def stack(
         web_workers=1,
         web_threads=16,
     )
+
+
+@pytest.fixture(scope="module")
+def stack(
+    batch_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, exits: ExitStack
+) -> Stack:
+    """One stack for the module (``batch_settings``)."""
     log_dir = tmp_path_factory.mktemp("logs")
-    st = exits.enter_context(full_stack(settings, log_dir))
+    st = exits.enter_context(full_stack(batch_settings(batch_models_dir), log_dir))
     st.procs["batcher"] = exits.enter_context(batcher_process(st.settings, log_dir))
     return st
 

@@ -11,14 +11,10 @@ task results) are on Celery's Redis only, and tokenrelay's own keys on the other
 
 from __future__ import annotations
 
-import base64
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -26,7 +22,7 @@ import requests
 
 from broker.celery_app import priority_lists, queue_name
 from broker.server import RedisServer, free_port
-from tests.faults.web_clients import CHAT, Unary, start_unary, words
+from tests.faults.web_clients import CHAT, Unary, flower_workers, start_unary, words
 from tests.stack import (
     Stack,
     flower_process,
@@ -62,19 +58,6 @@ def queue_depth(base_url: str, model: str, kind: str) -> float | None:
         if line.startswith("tokenrelay_queue_depth" + label):
             return float(line.rsplit(" ", 1)[1])
     return None
-
-
-def flower_workers(port: int, auth: str) -> dict[str, Any]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/workers?refresh=1",
-        headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            workers: dict[str, Any] = json.loads(resp.read())
-            return workers
-    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-        return {}
 
 
 def chat(stack: Stack, content: str, *, stream: bool) -> str:

@@ -18,12 +18,9 @@ import pytest
 import requests
 from redis.crc import key_slot
 
-from app.model_card import load_model_card, load_tokenizer
 from broker.cluster_server import LocalCluster
 from broker.connection import open_redis
 from broker.registry import worker_registry
-from tests.e2e.stop_cases import CASES, chat_body, expected
-from tests.e2e.test_http_api import fold_chat_chunks, read_sse
 from tests.stack import Stack, close_client, full_stack, isolated_settings
 
 pytestmark = pytest.mark.e2e
@@ -50,6 +47,7 @@ def stack(cluster_stack: Stack) -> Stack:
 
 
 # The other suites' core cases, collected here with this module's ``stack``.
+from tests.e2e.test_http_api import test_stop_cases_same_text_over_sse_and_json  # noqa: E402
 from tests.e2e.test_responses_api import (  # noqa: E402
     client,
     model,
@@ -76,34 +74,12 @@ __all__ = [
     "test_ids_may_be_reused_after_done",
     "test_n_and_logprobs",
     "test_previous_response_id_chains_the_conversation",
+    "test_stop_cases_same_text_over_sse_and_json",
     "test_stop_cases_same_text_over_websocket",
     "test_stream_with_the_sdk_helper",
     "test_streamed_function_call_events",
     "test_websocket_response_messages",
 ]
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_stop_cases_exact_over_sse_and_json(
-    cluster_stack: Stack, model_dir: Path, case: str
-) -> None:
-    stack = cluster_stack
-    model = stack.settings.served_name
-    tokenizer = load_tokenizer(load_model_card(model_dir))
-    body = chat_body(case, model, tokenizer)
-    want = expected(case, model_dir, model)
-    want_choices = {
-        i: (want.texts[i], want.finish_reasons[i], want.stop_reasons[i]) for i in want.texts
-    }
-    plain = requests.post(stack.base_url + CHAT, json=body, timeout=30)
-    assert plain.status_code == 200, plain.text + stack.logs()
-    got_plain = {
-        c["index"]: (c["message"]["content"], c["finish_reason"], c["stop_reason"])
-        for c in plain.json()["choices"]
-    }
-    streamed = requests.post(stack.base_url + CHAT, json={**body, "stream": True}, timeout=30)
-    assert got_plain == want_choices
-    assert fold_chat_chunks(read_sse(streamed)) == want_choices
 
 
 def test_requests_spread_over_every_master_and_stay_home(cluster_stack: Stack) -> None:

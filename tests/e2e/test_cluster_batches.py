@@ -13,13 +13,14 @@ import pytest
 from broker.cluster_server import LocalCluster
 from tests.e2e.test_batches import (
     batch_models_dir,
+    batch_settings,
     client,
     exits,
     test_a_killed_driver_is_replaced_without_losing_or_repeating_lines,
     test_cancel_mid_batch_keeps_partial_results,
     test_fifty_lines_one_invalid,
 )
-from tests.stack import Stack, batcher_process, full_stack, isolated_settings
+from tests.stack import Stack, batcher_process, full_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -38,16 +39,7 @@ def stack(
     batch_models_dir: Path, tmp_path_factory: pytest.TempPathFactory, exits: ExitStack
 ) -> Stack:
     """``test_batches.stack``'s settings, on a cluster."""
-    settings = isolated_settings(
-        "redis://unused",
-        batch_models_dir,
-        echo_tokens_per_second=25.0,
-        batch_max_in_flight=4,
-        batch_lock_ttl_s=2.0,
-        batch_max_file_bytes=64 * 1024,
-        web_workers=1,
-        web_threads=16,
-    )
+    settings = batch_settings(batch_models_dir)
     log_dir = tmp_path_factory.mktemp("logs")
     st = exits.enter_context(full_stack(settings, log_dir, cluster=LocalCluster(3, 1)))
     st.procs["batcher"] = exits.enter_context(batcher_process(st.settings, log_dir))

@@ -27,8 +27,7 @@ from tests.faults.test_resume import (
     test_sse_resumes_on_another_web_process_after_a_sigkill,
     test_websocket_resumes_on_another_web_process,
 )
-from tests.faults.test_sentinel import chat_once, chat_status
-from tests.faults.web_clients import CHAT, Stream, children, read_stream, words
+from tests.faults.web_clients import CHAT, Failover, Stream, chat_once, children, read_stream, words
 from tests.stack import close_client, full_stack, isolated_settings
 
 pytestmark = pytest.mark.faults
@@ -112,55 +111,20 @@ def test_a_master_killed_mid_stream(models_dir: Path, tmp_path: Path, victim: st
         else:
             port = cluster.master_for_slot(key_slot(global_key.encode())).port
         node = next(n for n in cluster.nodes if n.port == port)
-        killed_at = time.monotonic()
+        seen = Failover(time.monotonic(), streams)
         cluster.kill(node)
-        promoted: list[float] = []
-
-        def watch() -> None:
-            cluster.wait_promoted(node, 30)
-            promoted.append(time.monotonic() - killed_at)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-
-        probe = "a new request after the failover"
-        first_ok: float | None = None
-        attempts: list[str] = []
-        while time.monotonic() - killed_at < NEW_REQUEST_WITHIN_S:
-            sent = time.monotonic()
-            status, text = chat_status(base, model, probe)
-            attempts.append(f"{sent - killed_at:.1f}s: {status} in {time.monotonic() - sent:.1f}s")
-            if text == probe:
-                first_ok = time.monotonic() - killed_at
-                break
-            time.sleep(0.5)
-        watcher.join(30)
-        assert promoted, f"no replica took over\n{report()}"
-
-        end_by = killed_at + STREAMS_END_WITHIN_S
-        for s in streams:
-            s.ended.wait(max(0.0, end_by - time.monotonic()))
-        outcomes = [s.outcome() for s in streams]
-        summary = {k: outcomes.count(k) for k in ("exact", "error", "hung", "wrong", "broken")}
+        seen.watch(lambda: cluster.wait_promoted(node, 30))
+        seen.probe(base, model, NEW_REQUEST_WITHIN_S)
+        summary = seen.finish(STREAMS_END_WITHIN_S)
+        assert seen.promoted, f"no replica took over\n{report()}"
         logger.warning(
-            "cluster failover (%s): %d of %d streams' keys on the killed master; promoted %.1f s "
-            "after the kill; first new request ok at %s s; streams %s; new requests: %s",
+            "cluster failover (%s, %d of %d streams' keys on the killed master): %s",
             victim,
             held.get(port, 0),
             STREAMS,
-            promoted[0],
-            f"{first_ok:.1f}" if first_ok is not None else "never",
-            summary,
-            "; ".join(attempts),
+            seen.line(summary),
         )
-        details = "\n".join(s.describe() for s in streams)
-        dead = [n for n, p in procs.items() if not p.alive()]
-        assert not dead, f"{dead} died\n{details}\n{report()}"
-        assert first_ok is not None, f"no new request succeeded\n{attempts}\n{report()}"
-        refused_badly = [a for a in attempts if not (": 503 " in a or ": 200 " in a)]
-        assert not refused_badly, f"{attempts}\n{report()}"
-        assert summary["hung"] == 0, f"{details}\n{report()}"
-        assert summary["wrong"] == summary["broken"] == 0, f"{details}\n{report()}"
+        seen.check(summary, procs, report())
         assert {n: p.pid for n, p in procs.items()} == pids
         assert children(procs["web"].pid) == web_children
         again = "and one more, exactly"

@@ -10,26 +10,30 @@ must succeed within 30 s of the kill, and no tokenrelay process may die or be re
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import requests
 
 from broker.connection import redis_client
 from broker.keys import Keys
 from broker.registry import batcher_registry
 from broker.server import free_port
-from tests.faults.web_clients import CHAT, Stream, children, read_stream, words
+from tests.faults.web_clients import (
+    CHAT,
+    Failover,
+    Stream,
+    chat_once,
+    children,
+    flower_workers,
+    read_stream,
+    words,
+)
 from tests.sentinels import SentinelGroup
 from tests.stack import flower_process, full_stack, isolated_settings, wait_for
 
@@ -98,42 +102,6 @@ def test_client_follows_the_failover(group: SentinelGroup) -> None:
 # -- the whole stack ------------------------------------------------------------------------
 
 
-def chat_status(
-    base_url: str, model: str, content: str, timeout: float = 10
-) -> tuple[str, str | None]:
-    """A non-streaming request: its HTTP status (or the exception's name), and its text
-    when it succeeded."""
-    body = {"model": model, "messages": [{"role": "user", "content": content}]}
-    try:
-        resp = requests.post(base_url + CHAT, json=body, timeout=timeout)
-    except requests.RequestException as exc:
-        return type(exc).__name__, None
-    if resp.status_code != 200:
-        retry_after = resp.headers.get("Retry-After")
-        hint = f" (Retry-After {retry_after})" if retry_after else ""
-        return f"{resp.status_code}{hint}", None
-    text: str = resp.json()["choices"][0]["message"]["content"]
-    return "200", text
-
-
-def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
-    """A non-streaming request; its text, or None when it did not succeed."""
-    return chat_status(base_url, model, content, timeout)[1]
-
-
-def flower_workers(port: int, auth: str) -> dict[str, Any]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/api/workers?refresh=1",
-        headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            workers: dict[str, Any] = json.loads(resp.read())
-            return workers
-    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-        return {}
-
-
 def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: Path) -> None:
     settings = isolated_settings(
         group.url,
@@ -183,61 +151,16 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
 
         old_master = group.master_port()
         assert old_master is not None
-        killed = group.kill_master()
-        promoted: list[float] = []
-
-        def watch() -> None:
-            group.wait_failover(old_master, 30)
-            promoted.append(time.monotonic() - killed)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-
+        seen = Failover(group.kill_master(), streams)
+        seen.watch(lambda: group.wait_failover(old_master, 30))
         # New requests from the moment of the kill: what they get while there is no
         # master, and when the first one succeeds with its exact text.
-        probe = "new request after the failover"
-        first_ok: float | None = None
-        attempts: list[str] = []
-        while time.monotonic() - killed < NEW_REQUEST_WITHIN_S:
-            sent = time.monotonic()
-            status, text = chat_status(base, model, probe)
-            attempts.append(f"{sent - killed:.1f}s: {status} in {time.monotonic() - sent:.1f}s")
-            if text == probe:
-                first_ok = time.monotonic() - killed
-                break
-            time.sleep(0.5)
-        watcher.join(30)
-        assert promoted, f"the sentinels did not fail over\n{group.logs()}"
-        failover_s = promoted[0]
-
-        end_by = killed + STREAMS_END_WITHIN_S
-        for s in streams:
-            s.ended.wait(max(0.0, end_by - time.monotonic()))
-        outcomes = [s.outcome() for s in streams]
-        summary = {k: outcomes.count(k) for k in ("exact", "error", "hung", "wrong", "broken")}
-        last_end = max((s.ended_at or end_by) - killed for s in streams)
-        logger.warning(
-            "sentinel failover: promoted %.1f s after the kill; first new request ok at %s s; "
-            "streams %s, the last ended %.1f s after the kill; new requests: %s",
-            failover_s,
-            f"{first_ok:.1f}" if first_ok is not None else "never",
-            summary,
-            last_end,
-            "; ".join(attempts),
-        )
-        details = "\n".join(
-            f"{o}: finish={s.finish} error={s.error} failure={s.failure} "
-            f"got={len(s.text)}/{len(s.content)} chars"
-            for o, s in zip(outcomes, streams, strict=True)
-        )
-        dead = [n for n, p in procs.items() if not p.alive()]
-        assert not dead, f"{dead} died\n{details}\n{report()}"
-        assert first_ok is not None, f"no new request succeeded within 30 s\n{details}\n{report()}"
+        seen.probe(base, model, NEW_REQUEST_WITHIN_S)
+        summary = seen.finish(STREAMS_END_WITHIN_S)
+        assert seen.promoted, f"the sentinels did not fail over\n{group.logs()}"
+        logger.warning("sentinel failover: %s", seen.line(summary))
         # While there is no master, a new request is refused at once (never a 500, a hang).
-        refused_badly = [a for a in attempts if not (": 503 " in a or ": 200 " in a)]
-        assert not refused_badly, f"{attempts}\n{report()}"
-        assert summary["hung"] == 0, f"{details}\n{report()}"
-        assert summary["wrong"] == summary["broken"] == 0, f"{details}\n{report()}"
+        seen.check(summary, procs, report())
 
         # Nothing was restarted: same PIDs, same gunicorn workers; the worker still
         # registered, Flower still sees it through the new master.

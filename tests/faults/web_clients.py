@@ -5,10 +5,13 @@ test can tell an exact answer from a clear error, a 500 or a hang."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,3 +220,116 @@ def children(pid: int) -> set[int]:
         if int(stat.rpartition(")")[2].split()[1]) == pid:
             found.add(int(entry))
     return found
+
+
+def chat_status(
+    base_url: str, model: str, content: str, timeout: float = 10
+) -> tuple[str, str | None]:
+    """A non-streaming request: its HTTP status (or the exception's name), and its text
+    when it succeeded."""
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    try:
+        resp = requests.post(base_url + CHAT, json=body, timeout=timeout)
+    except requests.RequestException as exc:
+        return type(exc).__name__, None
+    if resp.status_code != 200:
+        retry_after = resp.headers.get("Retry-After")
+        hint = f" (Retry-After {retry_after})" if retry_after else ""
+        return f"{resp.status_code}{hint}", None
+    text: str = resp.json()["choices"][0]["message"]["content"]
+    return "200", text
+
+
+def chat_once(base_url: str, model: str, content: str, timeout: float = 10) -> str | None:
+    """A non-streaming request; its text, or None when it did not succeed."""
+    return chat_status(base_url, model, content, timeout)[1]
+
+
+@dataclass
+class Failover:
+    """What clients saw of a Redis master killed at ``killed`` (monotonic) while
+    ``streams`` ran: ``watch`` times the promotion (in a thread), ``probe`` sends new
+    requests until one gets its exact text, ``finish`` waits for the streams. The
+    Sentinel and Redis Cluster fault tests share it."""
+
+    killed: float
+    streams: list[Stream]
+    promoted: list[float] = field(default_factory=list)  # seconds after the kill
+    first_ok: float | None = None  # the first new request with its exact text
+    attempts: list[str] = field(default_factory=list)  # "when: status in how long"
+    outcomes: list[str] = field(default_factory=list)
+    _watcher: threading.Thread | None = None
+
+    def watch(self, wait_promoted: Any) -> None:
+        def run() -> None:
+            wait_promoted()
+            self.promoted.append(time.monotonic() - self.killed)
+
+        self._watcher = threading.Thread(target=run, daemon=True)
+        self._watcher.start()
+
+    def probe(self, base_url: str, model: str, within_s: float) -> None:
+        probe = "a new request after the failover"
+        while time.monotonic() - self.killed < within_s:
+            sent = time.monotonic()
+            status, text = chat_status(base_url, model, probe)
+            took = time.monotonic() - sent
+            self.attempts.append(f"{sent - self.killed:.1f}s: {status} in {took:.1f}s")
+            if text == probe:
+                self.first_ok = time.monotonic() - self.killed
+                return
+            time.sleep(0.5)
+
+    def finish(self, within_s: float) -> dict[str, int]:
+        """Wait for the promotion and, up to ``within_s`` after the kill, the streams;
+        each stream's outcome counted."""
+        if self._watcher is not None:
+            self._watcher.join(30)
+        end_by = self.killed + within_s
+        for s in self.streams:
+            s.ended.wait(max(0.0, end_by - time.monotonic()))
+        self.outcomes = [s.outcome() for s in self.streams]
+        return {k: self.outcomes.count(k) for k in ("exact", "error", "hung", "wrong", "broken")}
+
+    def refused_badly(self) -> list[str]:
+        """New requests answered neither 503 nor 200 (a 500, a hang) while there was no
+        master."""
+        return [a for a in self.attempts if not (": 503 " in a or ": 200 " in a)]
+
+    def details(self) -> str:
+        return "\n".join(s.describe() for s in self.streams)
+
+    def line(self, summary: dict[str, int]) -> str:
+        """The figures of the log line each test writes."""
+        first = f"{self.first_ok:.1f}" if self.first_ok is not None else "never"
+        last = max((s.ended_at or time.monotonic()) - self.killed for s in self.streams)
+        return (
+            f"promoted {self.promoted[0]:.1f} s after the kill; first new request ok at "
+            f"{first} s; streams {summary}, the last ended {last:.1f} s after the kill; new "
+            f"requests: {'; '.join(self.attempts)}"
+        )
+
+    def check(self, summary: dict[str, int], procs: dict[str, Any], report: str) -> None:
+        """No process died, a new request succeeded, none was answered but 503 or 200
+        meanwhile (a 500, a hang), every stream exact or a clear error (none hung)."""
+        details = self.details()
+        dead = [n for n, p in procs.items() if not p.alive()]
+        assert not dead, f"{dead} died\n{details}\n{report}"
+        assert self.first_ok is not None, f"no new request succeeded\n{details}\n{report}"
+        assert not self.refused_badly(), f"{self.attempts}\n{report}"
+        assert summary["hung"] == 0, f"{details}\n{report}"
+        assert summary["wrong"] == summary["broken"] == 0, f"{details}\n{report}"
+
+
+def flower_workers(port: int, auth: str) -> dict[str, Any]:
+    """Flower's workers (its API, basic auth), {} while it cannot say."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/workers?refresh=1",
+        headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            workers: dict[str, Any] = json.loads(resp.read())
+            return workers
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return {}
