@@ -4,7 +4,7 @@
 {p}lease:{rid}      string "worker:attempt" of the worker generating it; PX lease TTL
 {p}tok:{rid}        stream token deltas (worker -> streamer), fields a=attempt t=time d=JSON
 {p}out:{rid}        stream output events (streamer -> web), field e=JSON
-{p}cancel:{rid}     string durable cancel flag (TTL); PUBLISH {p}cancels rid wakes
+{p}cancel:{rid}     string durable cancel flag (TTL); the fence epoch changes with it
 {p}emb:{rid}        list   an embedding request's reply (worker -> web), TTL 60 s
 {p}worker:{wid}     string worker registration JSON, TTL = heartbeat timeout
 {p}workers          zset   worker ids scored by last heartbeat (unix seconds)
@@ -174,10 +174,6 @@ class Keys:
     def embed_reply(self, rid: str) -> str:
         """The list an embedding request's worker answers on (broker.embeddings)."""
         return f"{self._r(rid)}emb:{rid}"
-
-    @property
-    def cancel_channel(self) -> str:
-        return f"{self._g}cancels"
 
     def member(self, kind: str, member_id: str) -> str:
         """Registration of one process of ``kind`` ("worker" or "streamer")."""

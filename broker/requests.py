@@ -294,8 +294,6 @@ class RequestStore(TokenPublishing):
         pipe.set(self.keys.cancel(rid), "1", ex=self.stream_ttl_s)
         # After the key: a publish that sees the new epoch sees the cancel too.
         pipe.set(self.keys.of(rid).fence_epoch, "x" + secrets.token_hex(8))
-        if not self.keys.clustered:  # a cluster pipeline refuses PUBLISH (and no one listens)
-            pipe.publish(self.keys.cancel_channel, rid)
 
     def is_cancelled(self, rid: str) -> bool:
         return bool(self.redis.exists(self.keys.cancel(rid)))
