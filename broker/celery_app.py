@@ -165,7 +165,7 @@ def create_celery(
         broker=redis_conn.broker_url,
         backend=redis_conn.backend_url if results else "disabled",
     )
-    app.tokenrelay_shards = shards  # what its sends spread requests over (app_shards)
+    app.tokenrelay_shards = shards  # a Redis Cluster's shards (workers' -Q list)
     app.conf.update(
         # kombu's Redis transports with one client per channel (broker.kombu_redis).
         broker_transport=transport_for(redis_conn.broker_url),
@@ -334,8 +334,3 @@ def queue_depths(client: redis.Redis, model: str, shards: int = 0) -> dict[str, 
     lengths = iter(pipe.execute())
     steps = len(PRIORITY_STEPS)
     return {q: sum(next(lengths) for _ in range(steps * len(lists[q]))) for q in queues}
-
-
-def app_shards(app: Celery) -> int:
-    """The shards of the Redis Cluster an app's requests are on (``create_celery``)."""
-    return int(getattr(app, "tokenrelay_shards", 0))

@@ -28,7 +28,6 @@ class ShardedHub:
     def __init__(self, client: redis.Redis, keys: Keys, **options: Any) -> None:
         self.keys = keys
         self.hubs = [OutputHub(client, k, **options) for k in keys.all_shards()]
-        self.stopping = threading.Event()  # stops every shard's hub (``stop``)
 
     def _hub(self, rid: str) -> OutputHub:
         return self.hubs[self.keys.index_of(rid)]
@@ -53,11 +52,6 @@ class ShardedHub:
     def wake_all(self) -> None:
         for hub in self.hubs:
             hub.wake_all()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for hub in self.hubs:
-            hub.stopping.set()
 
     @property
     def followed(self) -> int:

@@ -14,7 +14,6 @@ traffic spread over its shards and Celery on a redis-server of its own.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from tests.faults.test_resume import (
     test_sse_resumes_on_another_web_process_after_a_sigkill,
     test_websocket_resumes_on_another_web_process,
 )
-from tests.faults.web_clients import CHAT, Failover, Stream, chat_once, children, read_stream, words
+from tests.faults.web_clients import CHAT, Failover, Stream, chat_once, children, words
 from tests.stack import close_client, full_stack, isolated_settings
 
 pytestmark = pytest.mark.faults
@@ -83,15 +82,7 @@ def test_a_master_killed_mid_stream(models_dir: Path, tmp_path: Path, victim: st
         web_children = children(procs["web"].pid)
 
         streams = [Stream(CHAT, words(f"stream {i}", 60)) for i in range(STREAMS)]
-        threads = [
-            threading.Thread(target=read_stream, args=(base, model, s), daemon=True)
-            for s in streams
-        ]
-        for t in threads:
-            t.start()
-        for s in streams:
-            assert s.started.wait(30), f"a stream got no text before the kill\n{report()}"
-        assert all(not s.ended.is_set() for s in streams), "streams too short to be mid-stream"
+        Failover.start(base, model, streams, report)
 
         # The master holding the most of these requests' keys (each stream's shard).
         client, keys = open_redis(settings)

@@ -11,7 +11,6 @@ must succeed within 30 s of the kill, and no tokenrelay process may die or be re
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,6 @@ from tests.faults.web_clients import (
     chat_once,
     children,
     flower_workers,
-    read_stream,
     words,
 )
 from tests.sentinels import SentinelGroup
@@ -139,15 +137,7 @@ def test_failover_mid_stream(group: SentinelGroup, models_dir: Path, tmp_path: P
         assert web_children, "gunicorn has no worker process"
 
         streams = [Stream(CHAT, words(f"stream {i}")) for i in range(STREAMS)]
-        threads = [
-            threading.Thread(target=read_stream, args=(base, model, s), daemon=True)
-            for s in streams
-        ]
-        for t in threads:
-            t.start()
-        for s in streams:
-            assert s.started.wait(30), f"a stream got no text before the kill\n{report()}"
-        assert all(not s.ended.is_set() for s in streams), "streams too short to be mid-stream"
+        Failover.start(base, model, streams, report)
 
         old_master = group.master_port()
         assert old_master is not None

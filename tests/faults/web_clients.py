@@ -260,6 +260,16 @@ class Failover:
     outcomes: list[str] = field(default_factory=list)
     _watcher: threading.Thread | None = None
 
+    @staticmethod
+    def start(base_url: str, model: str, streams: list[Stream], report: Any) -> None:
+        """Read ``streams`` in threads; return once each has its first text and none
+        has ended (they are mid-stream: the moment to kill a master)."""
+        for s in streams:
+            threading.Thread(target=read_stream, args=(base_url, model, s), daemon=True).start()
+        for s in streams:
+            assert s.started.wait(30), f"a stream got no text before the kill\n{report()}"
+        assert all(not s.ended.is_set() for s in streams), "streams too short to be mid-stream"
+
     def watch(self, wait_promoted: Any) -> None:
         def run() -> None:
             wait_promoted()
