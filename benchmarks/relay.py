@@ -447,7 +447,7 @@ def read_through_hub(
                         delivered += ev.usage["completion_tokens"]
                     if is_terminal(ev):
                         open_.discard(rid)
-    hub.stopping.set()
+    hub.stop()
     for sub in subs.values():
         hub.unsubscribe(sub)
     return delivered, received

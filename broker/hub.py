@@ -177,6 +177,10 @@ class OutputHub:
         for sub in subs:
             sub.wake()
 
+    def stop(self) -> None:
+        """End the reader thread at its next read (a benchmark's or test's hub)."""
+        self.stopping.set()
+
     @property
     def followed(self) -> int:
         return sum(len(subs) for subs in self._subs.values())

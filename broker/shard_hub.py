@@ -53,6 +53,10 @@ class ShardedHub:
         for hub in self.hubs:
             hub.wake_all()
 
+    def stop(self) -> None:
+        for hub in self.hubs:
+            hub.stop()
+
     @property
     def followed(self) -> int:
         return sum(hub.followed for hub in self.hubs)

@@ -197,3 +197,21 @@ def test_with_no_worker_every_shard_takes_new_requests() -> None:
     keys = Keys("tr:", 3)
     draw = ShardPlacement(keys, _Registry([])).ids(lambda: uuid.uuid4().hex)
     assert sorted({keys.index_of(draw()) for _ in range(6)}) == [0, 1, 2]
+
+
+def test_the_sharded_hub_has_the_output_hubs_interface() -> None:
+    """Whatever holds an ``output_hub`` (web routes, the relay benchmark) may hold either:
+    every public method and property of ``OutputHub`` that is not its reader's own state
+    is on ``ShardedHub`` too."""
+    import inspect
+
+    from broker.hub import OutputHub
+    from broker.shard_hub import ShardedHub
+
+    public = {
+        name
+        for name, member in inspect.getmembers(OutputHub)
+        if not name.startswith("_") and (callable(member) or isinstance(member, property))
+    }
+    missing = sorted(name for name in public if not hasattr(ShardedHub, name))
+    assert not missing, f"ShardedHub lacks {missing}"
