@@ -16,11 +16,13 @@ per cent from one minute to the next, and only load at the same moment sees the 
 speed. A round ends ``--settle`` seconds after its last request (the batch processor
 exports every 5 s: those spans are counted). Measured per round and stack: the CPU
 seconds of its worker, streamer and web processes (gunicorn's workers included) over
-the tokens its clients received (from ``usage``). Two phases, each on fresh stacks: the
-traced stack started first, then second (whichever stack starts first costs a few per
-cent more per token, traced or not: ``--control``); each phase's ratio on/off is the
-median of its rounds', and the result is the two phases' geometric mean. Reported too:
-µs per token on and off (medians, ranges), per process, and spans exported per request.
+the tokens its clients received (from ``usage``). ``--phases`` phases, each on fresh
+stacks, the traced stack started first or second in the order on, off, off, on, ...
+(whichever stack starts first costs a few per cent more per token, traced or not, and
+by how much changes from one pair of stacks to the next: ``--control``); each phase's
+ratio on/off is the median of its rounds', and the result is the phases' geometric
+mean. Reported too: µs per token on and off (medians, ranges), per process, and spans
+exported per request.
 """
 
 from __future__ import annotations
@@ -136,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=32, help="per stack per round")
     parser.add_argument("--rounds", type=int, default=5, help="per phase")
+    parser.add_argument(
+        "--phases", type=int, default=2,
+        help="pairs of fresh stacks, the traced one started first, second, second, first, ...",
+    )  # fmt: skip
     parser.add_argument("--rate", type=float, default=50.0, help="echo steps per second")
     parser.add_argument("--settle", type=float, default=EXPORT_WAIT_S,
                         help="seconds counted after each stack's last request")  # fmt: skip
@@ -155,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     spans = 0
     with otlp_receiver() as receiver:
         otlp = None if args.control else receiver.url
-        # Two phases on fresh stacks, the traced one started first, then second: a stack
-        # started first was measured at 1.056x the other's CPU per token with neither
-        # traced (--control), and the phases' geometric mean cancels such a bias.
-        for phase, first in enumerate(("on", "off")):
+        # Phases on fresh stacks, the traced one started first, then second (and so on,
+        # in the order on off off on): a stack started first was measured at 0.94-1.06x
+        # the other's CPU per token with neither traced (--control), and the phases'
+        # geometric mean cancels such a bias.
+        orders = [("on", "off", "off", "on")[p % 4] for p in range(args.phases)]
+        for phase, first in enumerate(orders):
             with ExitStack() as stack_of:
                 started = {}
                 for name in (first, "off" if first == "on" else "on"):
@@ -166,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                     url = otlp if name == "on" else None
                     started[name] = stack_of.enter_context(stack(models_dir, where, args.rate, url))
                 stacks = {"on": started["on"], "off": started["off"]}
-                measure(stacks, args.concurrency, args.concurrency, 0)  # warm up
+                # Warm up with a whole round, uncounted: the first export and whatever
+                # else a process does once (the tracer's set-up, ~0.1 s) fall in it.
+                measure(stacks, args.requests, args.concurrency, args.settle)
                 spans_before = len(receiver.spans())
                 ratios: list[float] = []
                 for r in range(args.rounds):
@@ -196,13 +206,15 @@ def main(argv: list[str] | None = None) -> int:
             for k, procs in per_process.items()
         },
         # Per phase, the median of its rounds' ratios; overall, their geometric mean.
-        "ratio_by_phase": {
-            f"{first} first": round(statistics.median(r), 4)
-            for first, r in zip(("on", "off"), phase_ratios, strict=True)
-        },
-        "ratio_on_off": round(math.sqrt(math.prod(statistics.median(r) for r in phase_ratios)), 4),
+        "ratio_by_phase": [
+            [f"{first} first", round(statistics.median(r), 4)]
+            for first, r in zip(orders, phase_ratios, strict=True)
+        ],
+        "ratio_on_off": round(
+            math.prod(statistics.median(r) for r in phase_ratios) ** (1 / len(phase_ratios)), 4
+        ),
         "ratios": [[round(x, 4) for x in r] for r in phase_ratios],
-        "spans_per_request": round(spans / (2 * args.requests * args.rounds), 2),
+        "spans_per_request": round(spans / (args.phases * args.requests * args.rounds), 2),
     }
     print(json.dumps(result, indent=2))
     if args.json:
