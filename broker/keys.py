@@ -210,6 +210,11 @@ class Keys:
         return f"{self._g}homes"
 
     @property
+    def abandoned(self) -> str:
+        """Zset: request id -> deadline of a stream nobody follows (``broker.abandon``)."""
+        return f"{self._g}abandoned"
+
+    @property
     def inflight_weights(self) -> str:
         """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
         return f"{self._g}inflight:weights"

@@ -39,6 +39,7 @@ from app.lenient_json import loads_lenient
 from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
+from broker.abandon import Abandoned
 from broker.celery_app import celery_redis, create_celery, fair_priority
 from broker.connection import open_redis
 from broker.fair_queue import FairQueue
@@ -136,6 +137,10 @@ class Runner:
         self.new_id = self.placement.ids(new_id) if self.placement else new_id
         self.streamers = streamer_registry(self.redis, keys)
         self.keys = keys
+        # Its deadlines are wall-clock times that every web process compares.
+        self.abandoned = Abandoned(
+            self.redis, keys, settings.resume_grace_s, lambda rid: self.cancel(rid)
+        )
         # Every model with workers on this Redis (broker.models): one front door.
         self.models = catalog_of(self.redis, keys, self.workers, settings)
         self.cards = ModelCards(self.models, self.card, fallback=settings_directory(settings))
@@ -388,20 +393,12 @@ class Runner:
         self.store.release(rid)
 
     def cancel_later(self, rid: str) -> None:
-        """Cancel ``rid`` after the resume grace unless a client follows it again."""
-
-        def check() -> None:
-            try:
-                key = self.store.keys.followers(rid)
-                raw: Any = self.redis.get(key)
-                if int(raw or 0) <= 0:
-                    self.cancel(rid)
-            except redis.RedisError as exc:
-                logger.warning("could not cancel abandoned request %s: %s", rid, exc)
-
-        timer = threading.Timer(self.settings.resume_grace_s, check)
-        timer.daemon = True
-        timer.start()
+        """Cancel ``rid`` after the resume grace unless a client follows it again (by
+        this process or another: ``broker.abandon``)."""
+        try:
+            self.abandoned.later(rid)
+        except redis.RedisError as exc:
+            logger.warning("could not note abandoned request %s: %s", rid, exc)
 
     def _admit_and_submit(self, prepared: PreparedRequest) -> PreparedRequest:
         """Admit and submit; the request as submitted (with its ``route``)."""

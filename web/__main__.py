@@ -212,8 +212,13 @@ def serve(settings: Any, options: dict[str, Any]) -> None:
 
         def load(self) -> Any:
             from web.app import create_app
+            from web.context import RUNNER
 
-            return create_app(settings)
+            app = create_app(settings)
+            # Other processes' abandoned streams too: a deploy stops the process that
+            # saw their clients go before their grace is up (broker.abandon).
+            app.extensions[RUNNER].abandoned.start_sweeping()
+            return app
 
     WebServer().run()
 

@@ -377,6 +377,43 @@ def test_a_draining_web_process_hands_its_streams_to_another(drain_stack: Stack)
         assert s.close_codes[:1] == [1012], s.close_codes
 
 
+@pytest.mark.timeout(120)
+def test_a_stream_nobody_resumes_is_cancelled_after_its_web_process_stopped(
+    drain_stack: Stack,
+) -> None:
+    """Web A hands a stream over and exits; its client never comes back. Its resume
+    grace (2 s here) runs out after A is gone, so the cancel is another web process's
+    (``broker.abandon``: the deadline is in Redis, found by web B's sweep): the worker
+    stops instead of generating the rest of a ~25 s reply for nobody."""
+    from broker.abandon import SWEEP_S
+    from web.__main__ import STREAMS_END_S
+
+    grace_s = 6.0
+    a_settings = web_settings(drain_stack.settings, resume_grace_s=grace_s)
+    a_url = f"http://{a_settings.host}:{a_settings.port}"
+    client = SseClient(a_url, words("nobody resumes", 250))  # ~500 tokens at 20 a second
+    with web_process(a_settings, drain_stack.log_dir, name="web-a") as web_a:
+        reader = threading.Thread(target=client.start, daemon=True)
+        reader.start()
+        wait_streaming([client])
+        code, _took = sigterm_and_wait(web_a, DRAIN_S + STREAMS_END_S)
+        stopped = time.monotonic()
+        reader.join(WAIT_S)
+    assert code == 0, web_a.output()
+    assert client.request_id and not client.done and not client.errors
+    rid = client.request_id
+    redis = redis_client(drain_stack.settings.redis_url, max_connections=2)
+    try:
+        store = RequestStore(redis, Keys(drain_stack.settings.key_prefix))
+        assert not store.is_cancelled(rid)  # kept for a resume while the grace runs
+        wait_for(lambda: store.is_cancelled(rid), grace_s + SWEEP_S + 5.0, "the cancel")
+        took = time.monotonic() - stopped
+        logger.warning("cancelled %.2f s after web A stopped (grace %.1f s)", took, grace_s)
+        assert redis.zcard(Keys(drain_stack.settings.key_prefix).abandoned) == 0
+    finally:
+        redis.connection_pool.disconnect()
+
+
 # -- the batch driver ---------------------------------------------------------------------
 
 
