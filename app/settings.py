@@ -374,6 +374,15 @@ class Settings(BaseSettings):
         "long so it can resume the stream (Last-Event-ID, WebSocket resume) on any web "
         "process; then, with nobody following, it is cancelled. 0 cancels at once.",
     )
+    web_dead_after_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="A web process that has not heartbeat (every 5 s) for this long is "
+        "taken for dead (SIGKILL, OOM, a lost node): another counts its clients out of "
+        "their streams, and a stream nobody follows then is cancelled after "
+        "resume_grace_s from its last heartbeat. Too short a value cancels the streams "
+        "of a process stalled that long (it counts them in again on its next heartbeat).",
+    )
     sse_keepalive_s: float = Field(
         default=5.0,
         gt=0,

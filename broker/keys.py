@@ -215,6 +215,16 @@ class Keys:
         return f"{self._g}abandoned"
 
     @property
+    def web_processes(self) -> str:
+        """Zset: web process id -> its last heartbeat (``broker.abandon.Follows``)."""
+        return f"{self._g}webs"
+
+    def web_follows(self, process_id: str) -> str:
+        """Hash: request id -> how many of a web process's clients follow it, so that
+        another process can take the counts back if it dies (``broker.abandon``)."""
+        return f"{self._g}webfol:{process_id}"
+
+    @property
     def inflight_weights(self) -> str:
         """Hash beside the in-flight zset: request id -> "<choices> <owner>"."""
         return f"{self._g}inflight:weights"

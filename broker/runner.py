@@ -139,8 +139,9 @@ class Runner:
         self.keys = keys
         # Its deadlines are wall-clock times that every web process compares.
         self.abandoned = Abandoned(
-            self.redis, keys, settings.resume_grace_s, lambda rid: self.cancel(rid)
-        )
+            self.redis, keys, settings.resume_grace_s, lambda rid: self.cancel(rid),
+            ttl_s=settings.stream_ttl_s, dead_after_s=settings.web_dead_after_s,
+        )  # fmt: skip
         # Every model with workers on this Redis (broker.models): one front door.
         self.models = catalog_of(self.redis, keys, self.workers, settings)
         self.cards = ModelCards(self.models, self.card, fallback=settings_directory(settings))
@@ -386,6 +387,7 @@ class Runner:
         key = self.store.keys.followers(rid)
         pipe.incrby(key, change)
         pipe.expire(key, self.settings.stream_ttl_s)
+        self.abandoned.follows.queue(pipe, rid, change)  # if this process dies
 
     def cancel(self, rid: str) -> None:
         """Stop generating ``rid`` and free its admission slot."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import math
 import os
 import shutil
@@ -55,11 +56,19 @@ def prepare_multiprocess_dir() -> str:
     return path_str
 
 
+# This worker process's sweeper of abandoned streams (``serve``'s app loader sets it).
+_abandoned: Any = None
+
+
 def _worker_exit(_server: Any, _worker: Any) -> None:
-    """A gunicorn worker exits: its last spans go out first (``broker.tracing``)."""
+    """A gunicorn worker exits: its last spans go out first (``broker.tracing``), and
+    it leaves the web processes' registry (``broker.abandon``)."""
     from broker import tracing
 
     tracing.shutdown()
+    if _abandoned is not None:
+        with contextlib.suppress(Exception):  # Redis may be gone: the others reap it
+            _abandoned.leave()
 
 
 def _child_exit(_server: Any, worker: Any) -> None:
@@ -214,10 +223,13 @@ def serve(settings: Any, options: dict[str, Any]) -> None:
             from web.app import create_app
             from web.context import RUNNER
 
+            global _abandoned
             app = create_app(settings)
             # Other processes' abandoned streams too: a deploy stops the process that
-            # saw their clients go before their grace is up (broker.abandon).
-            app.extensions[RUNNER].abandoned.start_sweeping()
+            # saw their clients go before their grace is up, and one SIGKILLed never
+            # counts its clients out (broker.abandon). Its heartbeat is this thread's.
+            _abandoned = app.extensions[RUNNER].abandoned
+            _abandoned.start_sweeping()
             return app
 
     WebServer().run()

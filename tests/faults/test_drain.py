@@ -414,6 +414,52 @@ def test_a_stream_nobody_resumes_is_cancelled_after_its_web_process_stopped(
         redis.connection_pool.disconnect()
 
 
+@pytest.mark.timeout(150)
+def test_a_sigkilled_web_process_s_stream_nobody_resumes_is_cancelled(
+    drain_stack: Stack,
+) -> None:
+    """Web A is SIGKILLed (master and workers) mid-stream: it never counts its client
+    as gone. Web C, which takes a process silent for 3 s for dead, counts A's client
+    out of the stream, and cancels it after the grace (6 s) since A's last heartbeat,
+    long before the ~60 s reply would have ended (``broker.abandon``). The stack's own
+    web process (grace 30 s, 20 s to take a process for dead) is slower, so C does it."""
+    from broker.abandon import SWEEP_S
+
+    grace_s, dead_after_s = 6.0, 3.0
+    c_settings = web_settings(
+        drain_stack.settings, resume_grace_s=grace_s, web_dead_after_s=dead_after_s
+    )
+    a_settings = web_settings(drain_stack.settings)
+    client = SseClient(f"http://{a_settings.host}:{a_settings.port}", words("killed", 600))
+    keys = Keys(drain_stack.settings.key_prefix)
+    redis = redis_client(drain_stack.settings.redis_url, max_connections=2)
+    try:
+        store = RequestStore(redis, keys)
+        with (
+            web_process(c_settings, drain_stack.log_dir, name="web-c") as web_c,
+            web_process(a_settings, drain_stack.log_dir, name="web-a") as web_a,
+        ):
+            reader = threading.Thread(target=client.start, daemon=True)
+            reader.start()
+            wait_streaming([client])
+            web_a.kill_group()
+            killed = time.monotonic()
+            reader.join(WAIT_S)
+            rid = client.request_id
+            assert rid and not client.done
+            assert not store.is_cancelled(rid)  # kept for a resume while the grace runs
+            within = dead_after_s + 2 * SWEEP_S + grace_s + 5.0
+            wait_for(lambda: store.is_cancelled(rid), within, "the cancel")
+            took = time.monotonic() - killed
+            logger.warning("cancelled %.2f s after web A was killed (grace %.1f s)", took, grace_s)
+            assert took < 30.0, web_c.output()  # the reply would stream for ~60 s
+            assert int(redis.get(keys.followers(rid)) or 0) == 0
+            assert redis.zcard(keys.abandoned) == 0
+            assert redis.zcard(keys.web_processes) == 2  # B and C: A was taken out
+    finally:
+        redis.connection_pool.disconnect()
+
+
 # -- the batch driver ---------------------------------------------------------------------
 
 

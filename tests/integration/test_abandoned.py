@@ -1,7 +1,9 @@
 """Abandoned streams' deadlines (``broker.abandon``) on a real Redis: a stream nobody
 follows is cancelled once after the grace, by the process that saw its client go or,
 when that process is gone, by another process's sweep; a client that resumes in time
-keeps it; a later disconnect's deadline is not taken early by an older timer."""
+keeps it; a later disconnect's deadline is not taken early by an older timer. A web
+process that dies without closing its streams has its clients counted out by another
+(once), and one only stalled counts them in again."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import time
 import uuid
 from collections.abc import Callable
 
+import pytest
 import redis
 
 from broker.abandon import Abandoned
 from broker.keys import Keys
 
 GRACE_S = 0.4
+DEAD_AFTER_S = 0.3
 
 
 def process(
@@ -28,7 +32,22 @@ def process(
         with lock:
             cancelled.append(rid)
 
-    return Abandoned(client, keys, GRACE_S, cancel, sweep_s=sweep_s)
+    return Abandoned(
+        client, keys, GRACE_S, cancel, sweep_s=sweep_s, dead_after_s=DEAD_AFTER_S, ttl_s=60
+    )
+
+
+def follow(web: Abandoned, rid: str, change: int = 1) -> None:
+    """One of ``web``'s clients starts (+1) or stops (-1) following ``rid``, as
+    ``Runner.queue_follower`` counts it."""
+    pipe = web.redis.pipeline(transaction=False)
+    pipe.incrby(web.keys.followers(rid), change)
+    web.follows.queue(pipe, rid, change)
+    pipe.execute()
+
+
+def followers(client: redis.Redis, keys: Keys, rid: str) -> int:
+    return int(client.get(keys.followers(rid)) or 0)
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
@@ -111,3 +130,96 @@ def test_a_later_disconnect_pushes_the_deadline_back(redis_client: redis.Redis) 
     web.later("r4")  # the second disconnect (the follower count is 0 again)
     assert wait_until(lambda: cancelled == ["r4"])
     assert time.monotonic() - second >= GRACE_S * 0.95
+
+
+def test_a_dead_process_s_clients_are_counted_out_and_its_lone_stream_cancelled(
+    redis_client: redis.Redis,
+) -> None:
+    """Web "killed" follows k1 (two clients) and k2 (one; another process follows k2
+    too), then stops heartbeating without closing anything. Another process's sweep
+    counts its clients out: k1, followed by nobody now, is cancelled once, its grace
+    counted from the dead process's last heartbeat; k2 is kept."""
+    keys, theirs, ours = fresh_keys(), list[str](), list[str]()
+    killed = process(redis_client, keys, theirs)
+    for rid in ("k1", "k1", "k2", "k3"):
+        follow(killed, rid)
+    follow(killed, "k3", -1)  # that client finished
+    assert redis_client.hgetall(keys.web_follows(killed.follows.id)) == {b"k1": b"2", b"k2": b"1"}
+    killed.start_sweeping()  # its first heartbeat at once
+    registered = keys.web_processes, killed.follows.id
+    assert wait_until(lambda: redis_client.zscore(*registered) is not None)
+    killed.stopping.set()  # SIGKILL: no more heartbeats, nothing closed
+    last_beat = redis_client.zscore(*registered)
+    assert last_beat is not None
+    other = process(redis_client, keys, ours)
+    follow(other, "k2")
+    assert other.tick() == 0 and followers(redis_client, keys, "k1") == 2  # not dead yet
+    time.sleep(DEAD_AFTER_S + 0.05)
+    assert other.reap(time.time()) == 1
+    assert other.reap(time.time()) == 0  # taken once
+    assert followers(redis_client, keys, "k1") == 0 and followers(redis_client, keys, "k2") == 1
+    assert redis_client.zscore(keys.abandoned, "k1") == pytest.approx(last_beat + GRACE_S)
+    assert redis_client.zscore(keys.abandoned, "k2") is None
+    assert not redis_client.exists(keys.web_follows(killed.follows.id))
+    assert wait_until(lambda: other.sweep() >= 0 and ours == ["k1"])
+    assert time.time() >= last_beat + GRACE_S
+    assert other.tick() == 0 and ours == ["k1"] and theirs == []
+
+
+def test_a_process_only_stalled_counts_its_clients_in_again(redis_client: redis.Redis) -> None:
+    """Taken for dead while it was only stopped (its stream's count went to 0, its
+    grace started), its next heartbeat counts its clients in again before the grace
+    is up: the stream is not cancelled."""
+    keys, ours = fresh_keys(), list[str]()
+    slow = process(redis_client, keys, ours)
+    follow(slow, "s1")
+    slow.follows.beat(time.time())
+    other = process(redis_client, keys, ours)
+    time.sleep(DEAD_AFTER_S + 0.05)
+    assert other.reap(time.time()) == 1 and followers(redis_client, keys, "s1") == 0
+    slow.follows.beat(time.time())  # it wakes up
+    assert followers(redis_client, keys, "s1") == 1
+    assert redis_client.hgetall(keys.web_follows(slow.follows.id)) == {b"s1": b"1"}
+    time.sleep(GRACE_S)
+    assert other.sweep() == 0 and ours == []
+    assert redis_client.zcard(keys.abandoned) == 0  # the deadline was taken, not acted on
+
+
+def test_one_of_many_sweepers_counts_a_dead_process_out(redis_client: redis.Redis) -> None:
+    keys, cancelled = fresh_keys(), list[str]()
+    dead = process(redis_client, keys, cancelled)
+    alive = process(redis_client, keys, cancelled)
+    for rid in ("d1", "d2", "d3"):
+        follow(dead, rid)
+        follow(alive, rid)
+    dead.follows.beat(time.time())
+    sweepers = [process(redis_client, keys, cancelled) for _ in range(4)]
+    time.sleep(DEAD_AFTER_S + 0.05)
+    barrier = threading.Barrier(len(sweepers))
+    taken: list[int] = []
+
+    def reap(web: Abandoned) -> None:
+        barrier.wait()
+        taken.append(web.reap(time.time()))
+
+    threads = [threading.Thread(target=reap, args=(w,)) for w in sweepers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(taken) == [0, 0, 0, 1]
+    assert [followers(redis_client, keys, r) for r in ("d1", "d2", "d3")] == [1, 1, 1]
+    assert redis_client.zcard(keys.abandoned) == 0 and cancelled == []
+
+
+def test_a_process_that_exits_cleanly_leaves_the_registry(redis_client: redis.Redis) -> None:
+    keys, cancelled = fresh_keys(), list[str]()
+    web = process(redis_client, keys, cancelled)
+    follow(web, "e1")
+    web.follows.beat(time.time())
+    web.leave()  # a client still follows: the others must count it out
+    assert redis_client.zscore(keys.web_processes, web.follows.id) is not None
+    follow(web, "e1", -1)
+    web.leave()
+    assert redis_client.zscore(keys.web_processes, web.follows.id) is None
+    assert not redis_client.exists(keys.web_follows(web.follows.id))
