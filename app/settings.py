@@ -377,11 +377,10 @@ class Settings(BaseSettings):
     web_dead_after_s: float = Field(
         default=20.0,
         gt=0,
-        description="A web process that has not heartbeat (every 5 s) for this long is "
-        "taken for dead (SIGKILL, OOM, a lost node): another counts its clients out of "
-        "their streams, and a stream nobody follows then is cancelled after "
-        "resume_grace_s from its last heartbeat. Too short a value cancels the streams "
-        "of a process stalled that long (it counts them in again on its next heartbeat).",
+        description="A web process silent (it heartbeats every 5 s) this long is taken for "
+        "dead (SIGKILL, OOM): another counts its clients out, and a stream nobody follows "
+        "then is cancelled resume_grace_s after its last heartbeat. Too short cancels the "
+        "streams of a process stalled longer than this plus resume_grace_s.",
     )
     sse_keepalive_s: float = Field(
         default=5.0,
