@@ -141,12 +141,12 @@ def main() -> None:
 
     p = statistics.median(plain) * 1e3
     c = statistics.median(constrained) * 1e3
-    g = statistics.median(grammar) * 1e3
+    gm = statistics.median(grammar) * 1e3
     print(f"batch {BATCH}, {args.threads} threads, {args.tokens} tokens, {args.rounds} rounds")
     print(f"unconstrained step: median {p:.2f} ms over {len(plain)} steps")
     print(f"constrained step:   median {c:.2f} ms over {len(constrained)} steps")
     print(f"difference:         {c - p:+.2f} ms ({(c - p) / p:+.1%} of the unconstrained step)")
-    print(f"grammar per step:   median {g:.2f} ms ({g / c:.1%} of the constrained step)")
+    print(f"grammar per step:   median {gm:.2f} ms ({gm / c:.1%} of the constrained step)")
 
 
 if __name__ == "__main__":

@@ -402,10 +402,11 @@ def worker_phase(
         def wait_finished(records: list[RequestRecord]) -> None:
             # Blocking XREAD on the token streams: a polling client would take CPU from
             # the worker it measures.
-            cursors = {store.keys.tokens(r.request_id): "0-0" for r in records}
+            cursors: dict[Any, Any] = {store.keys.tokens(r.request_id): "0-0" for r in records}
             deadline = time.monotonic() + 300
             while cursors and time.monotonic() < deadline:
-                for key_raw, entries in client.xread(cursors, block=1000) or []:
+                res: Any = client.xread(cursors, block=1000)
+                for key_raw, entries in res or []:
                     key = key_raw.decode()
                     cursors[key] = entries[-1][0]
                     if any(

@@ -35,7 +35,8 @@ DEFAULT_MARGIN = 0.5
 def log_softmax(rows: np.ndarray) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.float64)
     peak = rows.max(axis=-1, keepdims=True)
-    return rows - peak - np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True))
+    out: np.ndarray = rows - peak - np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True))
+    return out
 
 
 def penalized(
@@ -155,7 +156,7 @@ class TransformersReference:
         dtype = torch.float16 if self.device.startswith("cuda") else torch.float32
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=dtype
-        ).to(self.device)
+        ).to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         self.version = transformers.__version__
 
@@ -181,14 +182,16 @@ class TransformersReference:
         seq = [*prompt, *tokens]
         with torch.no_grad():
             logits = self.model(torch.tensor([seq], device=self.device)).logits[0]
-        return logits[len(prompt) - 1 : len(seq) - 1].float().cpu().numpy()
+        rows: np.ndarray = logits[len(prompt) - 1 : len(seq) - 1].float().cpu().numpy()
+        return rows
 
     def next_logits(self, sequence: Sequence[int]) -> np.ndarray:
         """The logits after ``sequence`` (the stand-in generator's model in a dry run)."""
         torch = self.torch
         with torch.no_grad():
             logits = self.model(torch.tensor([list(sequence)], device=self.device)).logits
-        return logits[0, -1].float().cpu().numpy()
+        last: np.ndarray = logits[0, -1].float().cpu().numpy()
+        return last
 
     def check(
         self,

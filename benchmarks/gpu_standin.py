@@ -62,7 +62,7 @@ def _from_card(card: Any, settings: Any) -> ExLlamaV2Engine:
 def main(argv: list[str] | None = None) -> int:
     from workers.__main__ import main as worker_main
 
-    ExLlamaV2Engine.from_card = _from_card  # type: ignore[method-assign,assignment]
+    ExLlamaV2Engine.from_card = _from_card  # type: ignore[method-assign]
     return worker_main(argv)
 
 

@@ -98,7 +98,7 @@ class Streams:
         self._lock = threading.Lock()
 
     def one(self) -> None:
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "stream": True,
             "messages": [{"role": "user", "content": self.text}],

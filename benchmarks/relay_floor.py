@@ -44,11 +44,9 @@ from typing import Any
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from relay import cpu_seconds, percentile
 
 from app.messages import OutputEvent, OutputKind, TokenDelta
+from benchmarks.relay import cpu_seconds, percentile
 from broker.chunks import ChunkLog, phase_of
 from broker.direct import DirectConnection, xread_command
 from broker.keys import Keys

@@ -101,11 +101,11 @@ def measure(model: str, stack: Any, args: argparse.Namespace, log_dir: Path) -> 
     )
     try:
         wait_for(
-            lambda: math.isfinite(normal_clients(base_url, settings.served_model_name)[0][1]),
+            lambda: math.isfinite(normal_clients(base_url, settings.served_name)[0][1]),
             60,
             f"the {model} web server",
         )
-        model_name = settings.served_model_name
+        model_name = settings.served_name
         idle = [s for _ in range(5) for _, s in normal_clients(base_url, model_name)]
         loris = Slowloris((settings.host, settings.port), args.slow)
         attacked: list[float] = []

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -56,7 +57,7 @@ def run_all(threads: list[threading.Thread]) -> float:
 
 
 def one_client(base_url: str, model: str, text: str, out: list[dict[str, float | str]]) -> None:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "stream": True,
         "messages": [{"role": "user", "content": text}],
@@ -71,7 +72,8 @@ def one_client(base_url: str, model: str, text: str, out: list[dict[str, float |
         with requests.post(
             f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=300
         ) as resp:
-            for line in resp.iter_lines(decode_unicode=True):
+            for raw in resp.iter_lines():
+                line = raw.decode()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

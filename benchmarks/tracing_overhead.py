@@ -87,7 +87,7 @@ def stack(models_dir: Path, logs: Path, rate: float, otlp: str | None) -> Iterat
 
 def one_request(base_url: str, model: str) -> int:
     """Stream one chat completion to its end; the completion tokens its usage says."""
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": MESSAGE}],
         "stream": True,
@@ -97,7 +97,8 @@ def one_request(base_url: str, model: str) -> int:
     tokens = 0
     with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True, timeout=120) as r:
         r.raise_for_status()
-        for line in r.iter_lines(decode_unicode=True):
+        for raw in r.iter_lines():
+            line = raw.decode()
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 usage = json.loads(line[5:]).get("usage")
                 if usage:

@@ -17,6 +17,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -96,9 +97,9 @@ def through_worker(
         store.submit(r, celery_app)
     # Wait on the token streams (blocking XREAD) for every finish, rather than polling:
     # a polling client would steal CPU from the engine it measures.
-    cursors = {store.keys.tokens(r.request_id): "0-0" for r in records}
+    cursors: dict[Any, Any] = {store.keys.tokens(r.request_id): "0-0" for r in records}
     while cursors:
-        res = store.redis.xread(cursors, block=1000)
+        res: Any = store.redis.xread(cursors, block=1000)
         for key_raw, entries in res or []:
             key = key_raw.decode()
             cursors[key] = entries[-1][0]
