@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from app.errors import TokenRelayError
+from app.logs import settings_problem
 from app.settings import Settings, settings_markdown
 
 PROG = "tokenrelay"
@@ -94,13 +95,8 @@ def main(argv: Sequence[str] | None = None, *, exec_fn: ExecFn = os.execvp) -> i
     except TokenRelayError as exc:
         _fail(exc.message)
         return 1
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        _fail(f"invalid setting TOKENRELAY_{field.upper()}: {err['msg']}")
-        return 2
-    except SettingsError as exc:  # e.g. a list variable that is not JSON
-        _fail(f"invalid settings: {exc}")
+    except (ValidationError, SettingsError) as exc:  # e.g. a list variable not JSON
+        _fail(settings_problem(exc))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -32,9 +33,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType, TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 __all__ = [
     "FIELDS",
@@ -244,3 +248,46 @@ def configure(
 def json_enabled() -> bool:
     """Whether this process logs JSON (``configure`` installed a JSON handler)."""
     return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)
+
+
+# -- settings errors, before logging is configured -------------------------------------------
+
+
+def settings_problem(exc: Exception) -> str:
+    """One line saying what is wrong with the settings (pydantic's ``ValidationError``:
+    the first error's variable and message; pydantic-settings' ``SettingsError``, e.g.
+    a list variable that is not JSON: its message)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"invalid setting TOKENRELAY_{where.upper()}: {first['msg']}"
+    return f"invalid settings: {exc}"
+
+
+def settings_or_exit(kind: str, **overrides: Any) -> Settings:
+    """The settings from the environment (``overrides`` on top), or exit with status 2
+    and one line saying what is wrong. Logging is not configured yet (the settings say
+    how), so the line follows ``TOKENRELAY_LOG_FORMAT`` as the environment has it: a
+    JSON log line when it says json (every line of a JSON process parses), else
+    ``tokenrelay <kind>: error: ...`` on stderr, never a traceback."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from app.settings import Settings
+
+    try:
+        return Settings(**overrides)
+    except (ValidationError, SettingsError) as exc:
+        report_settings_problem(kind, exc)
+    raise SystemExit(2)
+
+
+def report_settings_problem(kind: str, exc: Exception) -> None:
+    """``settings_or_exit``'s line about ``exc``, in the environment's log format."""
+    problem = settings_problem(exc)
+    if os.environ.get("TOKENRELAY_LOG_FORMAT", "").strip().lower() == "json":
+        configure(kind, "INFO", "json")
+        logging.getLogger(f"tokenrelay.{kind}").critical("%s", problem)
+    else:
+        print(f"tokenrelay {kind}: error: {problem}", file=sys.stderr, flush=True)

@@ -62,6 +62,6 @@ def flower_logs(settings: Settings) -> None:
 
 
 require_auth_for_flower_metrics()
-_settings = Settings()
+_settings = logs.settings_or_exit("flower")
 flower_logs(_settings)
 app = flower_celery(_settings)

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_multiprocess_dir()  # before anything imports prometheus_client
 
-    from app.settings import Settings
+    from app import logs
 
     overrides: dict[str, Any] = {
         name: value
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if value is not None
     }
-    settings = Settings(**overrides)
+    settings = logs.settings_or_exit("web", **overrides)
     from broker import tracing
 
     tracing.set_process("web")  # its spans' resource, set up in each worker (after fork)

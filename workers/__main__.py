@@ -20,7 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
 
     from app import logs
-    from app.settings import Settings
     from broker.celery_app import worker_queues
     from workers.celery_worker import build_app
 
@@ -30,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "worker_slots": args.slots,
     }
-    settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    settings = logs.settings_or_exit("worker", **given)
     if settings.log_format == "json":  # from here on (build_app keeps Celery to it)
         logs.configure("worker", args.loglevel, "json")
     app = build_app(settings)

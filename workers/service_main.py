@@ -34,7 +34,7 @@ def run_service(
     parser = argparse.ArgumentParser(prog=f"tokenrelay {name}", description=description)
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
-    settings = Settings()
+    settings = logs.settings_or_exit(name)
     logs.configure(name, args.loglevel, settings.log_format)
     tracing.set_process(name)
     service = build(settings)

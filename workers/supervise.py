@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.logs import JsonFormatter
+
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 20
@@ -194,6 +196,16 @@ class Slot:
     restart_at: float | None = None  # set while the child is dead and waiting for its restart
 
 
+def restart_marker(slot: Slot) -> bytes:
+    """The line between a child's runs in its log: a log line of ``up``'s in the child's
+    own format (JSON when its ``TOKENRELAY_LOG_FORMAT`` is json: every line parses)."""
+    text = f"tokenrelay up: {slot.name} exited ({slot.last_exit}); restart {slot.restarts}"
+    if slot.env.get("TOKENRELAY_LOG_FORMAT", "").strip().lower() == "json":
+        record = logging.LogRecord(__name__, logging.WARNING, __file__, 0, text, None, None)
+        return (JsonFormatter("up").format(record) + "\n").encode()
+    return f"\n--- {text} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode()
+
+
 class Supervisor:
     """Starts named children, restarts those that die, stops them phase by phase."""
 
@@ -268,10 +280,7 @@ class Supervisor:
         slot.restart_at = None
         slot.restarts += 1
         with slot.child.log.open("ab") as out:
-            out.write(
-                f"\n--- tokenrelay up: {slot.name} exited ({slot.last_exit}); "
-                f"restart {slot.restarts} at {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode()
-            )
+            out.write(restart_marker(slot))
         slot.child = spawn(
             slot.name, slot.args, slot.env, self.log_dir, slot.stop_timeout, append=True
         )

@@ -558,13 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = dataclasses.replace(options, more_models=tuple(models[1:]))
         for model in models:
             ensure_model(settings.model_copy(update={"model": model}))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        print(f"{PROG}: error: invalid setting {where}: {err['msg']}", file=sys.stderr)
-        return 2
-    except SettingsError as exc:
-        print(f"{PROG}: error: invalid settings: {exc}", file=sys.stderr)
+    except (ValidationError, SettingsError) as exc:
+        logs.report_settings_problem("up", exc)
         return 2
     except (UpError, TokenRelayError) as exc:
         fail(str(exc))

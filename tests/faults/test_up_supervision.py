@@ -9,6 +9,7 @@ last ones run the real stack (``up --engine echo``) and SIGKILL its children.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -115,6 +116,29 @@ def test_a_killed_child_is_restarted_after_a_backoff(
     log = second.log.read_text()  # both runs' output, with a marker between them
     assert f"started {first.pid}" in log
     assert "--- tokenrelay up: streamer exited (killed by SIGKILL); restart 1 at" in log
+
+
+def test_a_json_logging_child_s_restart_marker_is_a_json_line(
+    supervisor: tuple[Supervisor, Reports],
+) -> None:
+    """With ``TOKENRELAY_LOG_FORMAT=json`` every line of a child's log parses, the
+    marker ``up`` writes between its runs included (an ``up`` log line)."""
+    sup, _ = supervisor
+    env = {**os.environ, "TOKENRELAY_LOG_FORMAT": "json"}
+    line = '{"message": "started"}'
+    first = sup.start("worker", sh(f"echo '{line}'; exec sleep 30"), env, 5)
+    wait_for(lambda: "started" in first.log.read_text(), 5, "the child to log")
+    os.kill(first.pid, signal.SIGKILL)
+    poll_until(sup, lambda: sup.slots["worker"].child.pid != first.pid, 5)
+    second = sup.slots["worker"].child
+    wait_for(lambda: second.log.read_text().count("started") == 2, 5, "the restart to log")
+    lines = [json.loads(x) for x in second.log.read_text().splitlines()]  # every line
+    assert [x["message"] for x in lines] == [
+        "started",
+        "tokenrelay up: worker exited (killed by SIGKILL); restart 1",
+        "started",
+    ]
+    assert lines[1]["process"] == "up" and lines[1]["level"] == "WARNING"
 
 
 def test_a_child_that_keeps_dying_is_given_up_with_its_last_lines(
