@@ -90,6 +90,13 @@ end
 return left
 """
 
+# The server's clock, as {seconds, microseconds} (KEYS[1]: only routes the call to the
+# registry's node on a Redis Cluster).
+SERVER_TIME = """
+local t = redis.call('TIME')
+return {t[1], t[2]}
+"""
+
 
 class Follows:
     """How many of this process's clients follow each request: kept here, and in Redis
@@ -185,6 +192,7 @@ class Abandoned:
         self._take_due = client.register_script(TAKE_DUE)
         self._reap = client.register_script(REAP)
         self._unfollow = client.register_script(UNFOLLOW)
+        self._server_time = client.register_script(SERVER_TIME)
         self._sweeper: threading.Thread | None = None
         self._lock = threading.Lock()
         self.stopping = threading.Event()
@@ -215,8 +223,11 @@ class Abandoned:
 
     def tick(self) -> int:
         """One sweep: this process's heartbeat, the dead processes' clients counted
-        out, then every due deadline; how many requests were cancelled."""
-        now = self.clock()
+        out, then every due deadline; how many requests were cancelled. Heartbeats
+        are Redis's time, not the host's: web hosts whose clocks differ by more than
+        ``dead_after_s`` must not take each other for dead."""
+        seconds, micros = self._server_time(keys=[self.keys.web_processes])
+        now = int(seconds) + int(micros) / 1e6
         self.follows.beat(now)
         self.reap(now)
         return self.sweep()

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -223,3 +224,28 @@ def test_a_process_that_exits_cleanly_leaves_the_registry(redis_client: redis.Re
     web.leave()
     assert redis_client.zscore(keys.web_processes, web.follows.id) is None
     assert not redis_client.exists(keys.web_follows(web.follows.id))
+
+
+def test_on_a_redis_cluster_a_dead_process_s_clients_are_counted_out_once() -> None:
+    """The same on a real Redis Cluster (3 masters): the registry and the hashes are on
+    the global tag, each request's follower count on its own shard; the heartbeat's
+    clock is the registry node's."""
+    from broker.cluster_server import LocalCluster
+
+    keys = Keys(f"t{uuid.uuid4().hex[:6]}:", shards=3)
+    rids = [f"c{i}" for i in range(6)]  # spread over the shards
+    assert len({keys.followers(r).split("}")[0] for r in rids}) > 1
+    with LocalCluster() as cluster, redis.RedisCluster.from_url(cluster.url) as client:
+        cluster_client: Any = client
+        cancelled: list[str] = []
+        dead = process(cluster_client, keys, cancelled)
+        alive = process(cluster_client, keys, cancelled)
+        for rid in rids:
+            follow(dead, rid)
+        follow(alive, rids[0])
+        assert dead.tick() == 0  # its heartbeat, on the server's clock
+        time.sleep(DEAD_AFTER_S + 0.05)
+        assert alive.tick() == 0  # counts the dead one's clients out; nothing due yet
+        assert [followers(cluster_client, keys, r) for r in rids] == [1, 0, 0, 0, 0, 0]
+        assert wait_until(lambda: alive.tick() >= 0 and sorted(cancelled) == rids[1:])
+        assert cluster_client.zcard(keys.web_processes) == 1  # the live one
