@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from app.errors import InvalidRequest, ModelError
+from app.lenient_json import loads_embedded
 from app.model_card import ModelCard, load_tokenizer
 from app.tools import (
     FALLBACK_TOOL_PARSER,
@@ -190,7 +191,7 @@ def _arguments_object(arguments: Any) -> Any:
     """A call's arguments as an object when they are JSON text of one (else as given)."""
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
+            parsed = loads_embedded(arguments)
         except ValueError:
             return arguments
         return parsed if isinstance(parsed, dict) else arguments

@@ -21,6 +21,7 @@ from typing import Any
 import llguidance
 
 from app.errors import InvalidRequest
+from app.lenient_json import loads_embedded
 from app.records import OutputConstraint
 
 # How the JSON is laid out. llguidance's default allows any run of whitespace between
@@ -97,7 +98,7 @@ def _schema_dict(schema: dict[str, Any] | str) -> dict[str, Any]:
     """
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = loads_embedded(schema)
         except ValueError as exc:
             raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}") from exc
     if not isinstance(schema, dict):

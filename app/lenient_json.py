@@ -27,7 +27,7 @@ from typing import Any
 
 from app.errors import InvalidRequest
 
-__all__ = ["MAX_DEPTH", "escape_control_chars_in_strings", "loads_lenient"]
+__all__ = ["MAX_DEPTH", "escape_control_chars_in_strings", "loads_embedded", "loads_lenient"]
 
 # Deepest nesting of arrays and objects accepted. Real requests nest a handful of levels
 # (a JSON schema in a tool or response_format a few dozen at most).
@@ -95,6 +95,18 @@ def loads_lenient(raw: bytes | str) -> Any:
     if "\\ud" in text or "\\uD" in text:
         value = _replace_lone_surrogates(value)
     return value
+
+
+def loads_embedded(text: str) -> Any:
+    """JSON text inside a request's JSON (a tool call's ``arguments``, a schema sent as
+    a string), read with a body's guarantees: lone surrogates repaired, nesting bounded
+    (``json.loads`` alone would hand the tokenizer a lone surrogate, or raise
+    ``RecursionError``: both a 500). Raises ``ValueError`` when it is not JSON or
+    nests too deeply, as ``json.loads`` would for the first."""
+    try:
+        return loads_lenient(text)
+    except InvalidRequest as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _too_deep() -> InvalidRequest:

@@ -153,7 +153,12 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         raise InvalidRequest("tools: must be a list.", param="tools")
     out = []
     for i, tool in enumerate(tools):
-        kind = tool.get("type", "custom") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise InvalidRequest(
+                f"tools.{i}: must be an object with a 'name' and an 'input_schema'.",
+                param=f"tools.{i}",
+            )
+        kind = tool.get("type", "custom")
         if kind not in ("custom", None) or not isinstance(tool.get("name"), str):
             raise InvalidRequest(
                 f"tools.{i}: only client tools with a 'name' and an 'input_schema' are "
