@@ -156,17 +156,19 @@ def render_chat_template(
     eos_token: str | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     now: Clock = datetime.now,
-    **extra: Any,
+    variables: Mapping[str, Any] | None = None,
 ) -> str:
     """Render ``source`` with the variables transformers passes to chat templates.
 
-    ``extra`` are further template variables (e.g. ``enable_thinking``), as
-    ``apply_chat_template(**kwargs)`` allows. Errors raised while rendering are the
+    ``variables`` are further template variables (e.g. ``enable_thinking``), as
+    ``apply_chat_template(**kwargs)`` allows: a mapping, not keyword arguments, so a
+    client's ``chat_template_kwargs`` can never bind one of this function's own
+    parameters (``now``, ``source``). Errors raised while rendering are the
     conversation's fault (wrong roles, wrong content shape): ``InvalidRequest``.
     """
     template = compile_chat_template(source)
-    variables: dict[str, Any] = {
-        **extra,
+    every: dict[str, Any] = {
+        **(variables or {}),
         "messages": normalize_messages(messages),
         "add_generation_prompt": add_generation_prompt,
         "bos_token": bos_token or "",
@@ -177,7 +179,7 @@ def render_chat_template(
         "strftime_now": _strftime_now_with(now),
     }
     try:
-        return template.render(**variables)
+        return template.render(every)  # a mapping: a variable named "self" is fine too
     except InvalidRequest:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
@@ -346,7 +348,7 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        **extra: Any,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation, offering ``tools`` (transformers' shape:
         ``[{"type": "function", "function": {...}}]``) when given.
@@ -373,7 +375,7 @@ class PromptBuilder:
             eos_token=self.card.eos_token,
             tools=tools,
             now=self._now,
-            **extra,
+            variables=variables,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -448,7 +450,7 @@ class PromptBuilder:
         return self._with_bos([pre, *parts[0].ids, suf, *parts[1].ids, mid])
 
     def encode_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
     ) -> list[int]:
         """``encode(render_chat(...))``: the prompt ids an engine is given."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **extra))
+        return self.encode(self.render_chat(messages, add_generation_prompt))

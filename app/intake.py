@@ -201,7 +201,7 @@ class RecordBuilder:
                 param="tools",
             )
         tools = [t.for_template() for t in req.tools or ()] if tools_enabled else None
-        text = self.prompts.render_chat(messages, tools=tools, **req.template_variables())
+        text = self.prompts.render_chat(messages, tools=tools, variables=req.template_variables())
         self.check_prompt_chars(text, "messages")
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
         echo: list[list[int]] | None = None

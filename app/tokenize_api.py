@@ -95,7 +95,7 @@ def tokenize(body: Any, prompts: PromptBuilder) -> dict[str, Any]:
             [m.for_template() for m in chat.messages],
             chat.add_generation_prompt,
             tools=[t.for_template() for t in chat.tools] if chat.tools else None,
-            **(chat.chat_template_kwargs or {}),
+            variables=chat.chat_template_kwargs,
         )
         if chat.continue_final_message:  # the prompt ends inside the last message
             last = chat.messages[-1].text

@@ -168,8 +168,9 @@ def test_variables_tools_and_extra_kwargs() -> None:
         "{{ bos_token }}|{{ eos_token }}|{{ tools is none }}|{{ add_generation_prompt }}|{{ x }}"
     )
     out = render_chat_template(
-        source, [{"role": "user", "content": ""}], bos_token="<s>", eos_token="</s>", x=7
-    )
+        source, [{"role": "user", "content": ""}], bos_token="<s>", eos_token="</s>",
+        variables={"x": 7},
+    )  # fmt: skip
     assert out == "<s>|</s>|True|True|7"
     out = render_chat_template("{{ tools[0].name }}", [{"role": "user"}], tools=[{"name": "f"}])
     assert out == "f"

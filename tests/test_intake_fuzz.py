@@ -7,7 +7,8 @@ Found by mutating valid bodies of every endpoint (below, kept as a test): JSON t
 inside a body (a tool call's ``arguments``) was read with ``json.loads``, so an
 escaped lone surrogate in it reached the tokenizer (``TypeError``) and a deeply
 nested one raised ``RecursionError``; a Messages ``tools`` entry that is not an
-object raised ``AttributeError``.
+object raised ``AttributeError``; ``chat_template_kwargs`` named like a Python
+parameter (``self``, ``now``) raised ``TypeError``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from app.errors import InvalidRequest, TokenRelayError
 from app.intake import Endpoint, Intake, Limits, RecordBuilder
 from app.lenient_json import MAX_DEPTH, loads_embedded
 from app.model_card import ModelCard
+from app.tokenize_api import tokenize
 
 LONE = "\\ud800"  # a JSON escape of a lone surrogate, as a client's text would carry it
 
@@ -85,6 +87,17 @@ def test_a_messages_tool_that_is_not_an_object_is_a_400(intake: Intake) -> None:
     with pytest.raises(InvalidRequest) as refused:
         intake.prepare(Endpoint.MESSAGES, json.dumps(body).encode())
     assert refused.value.param == "tools.0"
+
+
+@pytest.mark.parametrize("name", ["self", "now", "source", "variables", "strftime_now"])
+def test_template_kwargs_named_like_a_parameter_are_template_variables(
+    intake: Intake, name: str
+) -> None:
+    """``chat_template_kwargs`` reach the template as variables, whatever their names:
+    once, ``{"self": 1}`` or ``{"now": 1}`` bound a Python parameter (a 500)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {name: 1}}
+    assert intake.prepare(Endpoint.CHAT, json.dumps(body).encode()).record.prompts[0]
+    assert tokenize(body, intake.builder.prompts)["count"] > 0
 
 
 # -- mutations of valid bodies ---------------------------------------------------------------
@@ -160,7 +173,10 @@ def mutated(body: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     repeated in its list, or an odd key added beside it."""
     body = copy.deepcopy(body)
     for _ in range(rng.choice((1, 1, 2, 3))):
-        path = rng.choice([p for p in _paths(body) if p])
+        paths = [p for p in _paths(body) if p]
+        if not paths:
+            break  # everything deleted
+        path = rng.choice(paths)
         parent: Any = body
         for key in path[:-1]:
             parent = parent[key]
