@@ -328,6 +328,8 @@ class Run:
         self.runner.hub.unsubscribe(self._sub)
         with contextlib.suppress(redis.RedisError):
             self.runner.followers(self.request_id, -1)
+        if self.trace is not None:
+            self.trace.handed_over()
 
     def outcome(
         self, *, disconnected: bool = False, error: BaseException | None = None

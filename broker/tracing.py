@@ -18,6 +18,9 @@ Where the spans come from (their parents in brackets):
   and ``decode`` (steps and tokens as attributes: never a span per step).
 - streamer (``relay_span``): ``detokenize <model>`` (adoption to the last chunk:
   stop handling and finish reasons as attributes and events).
+- batch driver (``batch_line_trace``): a line's ``batch <route>`` span (a trace of
+  its own) in place of the web's request span, from its submission to its result; a
+  line another driver adopts is a ``resume batch <route>`` span under it.
 
 The request's span's context travels in ``RequestRecord.trace`` (and the Celery
 message's headers); workers and streamers make their spans at the end of their part,
@@ -242,6 +245,7 @@ class RequestTrace:
         attributes: Mapping[str, Any],
         *,
         links: Sequence[Mapping[str, str]] = (),
+        kind: str = "SERVER",
     ) -> None:
         from opentelemetry.trace import Link, SpanKind, get_current_span
 
@@ -250,7 +254,7 @@ class RequestTrace:
         self.span = tracer.start_span(
             name,
             context=_context_of(parent),
-            kind=SpanKind.SERVER,
+            kind=SpanKind[kind],
             attributes=dict(attributes),
             links=[Link(c) for c in linked if c.is_valid],
         )
@@ -284,6 +288,14 @@ class RequestTrace:
 
     def event(self, name: str, **attributes: Any) -> None:
         self.span.add_event(name, attributes)
+
+    def handed_over(self) -> None:
+        """Another process follows the request from here on (a batch driver that lost
+        its batch's lock): this span ends; the next one continues the trace."""
+        if not self._ended:
+            self._ended = True
+            self.span.add_event("handed_over")
+            self.span.end()
 
     def rejected(self, exc: BaseException) -> None:
         """The request was refused before it ran (400, 429, 503, ...)."""
@@ -346,6 +358,36 @@ def request_trace(
     return RequestTrace(
         t, f"POST {route}", traceparent, {"http.request.method": "POST", "http.route": route}
     )
+
+
+def batch_line_trace(
+    route: str,
+    batch_id: str,
+    index: int,
+    custom_id: str,
+    *,
+    resumed_from: Mapping[str, str] | None = None,
+) -> RequestTrace | None:
+    """A batch line's span in the batch driver (None when tracing is off): each line is
+    a trace of its own (a batch runs for hours; one trace of thousands of lines would
+    be unreadable), ``batch <route>`` (kind CONSUMER: the line is taken from the batch
+    as a message from a queue) from its submission to its result, or, for a line a
+    driver adopted from another (``resumed_from``: its record's context), ``resume
+    batch <route>`` under the line's own span."""
+    t = tracer()
+    if t is None:
+        return None
+    attributes = {
+        "tokenrelay.batch.id": batch_id,
+        "tokenrelay.batch.line": index + 1,  # as the batch's error file numbers lines
+        "tokenrelay.batch.custom_id": custom_id,
+    }
+    if resumed_from:
+        return RequestTrace(
+            t, f"resume batch {route}", resumed_from,
+            {**attributes, "tokenrelay.resumed": True}, kind="CONSUMER",
+        )  # fmt: skip
+    return RequestTrace(t, f"batch {route}", None, attributes, kind="CONSUMER")
 
 
 def phase(span: RequestTrace | None, name: str) -> contextlib.AbstractContextManager[Any]:

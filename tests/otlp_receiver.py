@@ -181,23 +181,26 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
 WAIT_S = 30.0
 TEXT = "one trace from the client to the worker and back, " * 3
 SERVER = 2  # Span.SpanKind.SPAN_KIND_SERVER
+CONSUMER = 5  # Span.SpanKind.SPAN_KIND_CONSUMER
 
 
 @contextmanager
 def traced_stack(receiver: OtlpReceiver, models_dir: Path, log_dir: Path) -> Iterator[Stack]:
-    """A stack (worker, streamer, web "web-b") whose processes export their spans to
-    ``receiver``; echo at 40 tokens/s, so a reply takes seconds (a fault can hit it)."""
+    """A stack (worker, streamer, batch driver, web "web-b") whose processes export
+    their spans to ``receiver``; echo at 40 tokens/s, so a reply takes seconds (a fault
+    can hit it)."""
     settings = isolated_settings(
         "redis://unused",
         models_dir,
         echo_tokens_per_second=40.0,
         resume_grace_s=30.0,
         sse_keepalive_s=0.5,
+        batch_lock_ttl_s=2.0,  # a killed batch driver's batches are taken over soon
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: spans arrive quickly
-        with full_stack(settings, log_dir, web="web-b") as running:
+        with full_stack(settings, log_dir, web="web-b", batcher=True) as running:
             yield running
 
 

@@ -6,6 +6,7 @@ driver that takes a batch over finds what the one before it sent and wrote.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,8 +15,11 @@ from app.batches import PlannedLine
 from app.fold import ResponseFold
 from app.intake import PreparedRequest
 from app.responses_events import ResponsesFold
-from broker.batches import BatchBody
+from broker.batches import BatchBody, BatchStore
+from broker.files import FileStore
 from broker.run import Run
+
+logger = logging.getLogger(__name__)
 
 
 class WakingEvent(threading.Event):
@@ -40,6 +44,33 @@ def result_file_id(batch_id: str, kind: str) -> str:
     """Output/error file ids derived from the batch, so writing them twice is harmless."""
     digest: str = hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()
     return "file-" + digest[:24]
+
+
+def write_result_files(
+    batches: BatchStore, files: FileStore, batch_id: str, now: float
+) -> dict[str, str | int]:
+    """Write a finished batch's output and error files (ids derived from the batch:
+    writing them twice is harmless); the batch's fields naming them."""
+    output: list[str] = []
+    errors: list[str] = []
+    for _index, line in batches.results(batch_id):
+        (output if line.ok else errors).append(line.to_line() + "\n")
+    fields: dict[str, str | int] = {}
+    owner = batches.owner(batch_id)  # the results belong to whoever made the batch
+    for kind, lines in (("output", output), ("error", errors)):
+        if lines:
+            f = files.create(
+                filename=f"{batch_id}_{kind}.jsonl",
+                purpose="batch_output",
+                content="".join(lines).encode(),
+                now=now,
+                file_id=result_file_id(batch_id, kind),
+                owner=owner,
+                enforce_quota=False,  # counted, never refused: the batch is done
+            )
+            fields[f"{kind}_file_id"] = f.id
+    logger.info("batch %s: %d output lines, %d error lines", batch_id, len(output), len(errors))
+    return fields
 
 
 @dataclass(slots=True)

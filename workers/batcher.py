@@ -66,7 +66,7 @@ from app.intake import Endpoint, PreparedRequest, shape_of
 from app.records import RequestRecord, RequestState
 from app.responses_events import ResponsesFold
 from app.settings import Settings
-from broker import drive
+from broker import drive, tracing
 from broker.batches import BatchBody, BatchStore, Transition
 from broker.files import FileQuota, FileStore
 from broker.registry import BatcherInfo, batcher_registry
@@ -77,7 +77,7 @@ from workers.batch_state import (
     LockLost,
     WakingEvent,
     line_request_id,
-    result_file_id,
+    write_result_files,
 )
 from workers.service_main import run_service
 
@@ -389,7 +389,12 @@ class BatchDriver:
                 msg = "The request expired before its result was collected."
                 self._record(b, line.index, failed_line(line.custom_id, rid, msg, 504))
                 continue
-            b.running[rid] = self._line_run(line, self._for_line(line.request, rid))
+            prepared = self._for_line(line.request, rid)
+            span = None
+            if tracing.tracer() is not None and (loaded := self.requests.load(rid)):
+                # The same trace as the line's first driver's (its record carries it).
+                span = self._line_trace(b, line, resumed_from=loaded[0].trace)
+            b.running[rid] = self._line_run(line, prepared, span)
         if lines:
             logger.info("batch %s: following %d lines already submitted", b.id, len(b.running))
 
@@ -405,11 +410,25 @@ class BatchDriver:
         )
         return replace(prepared, record=record, shape=shape_of(record))
 
-    def _line_run(self, line: PlannedLine[PreparedRequest], prepared: PreparedRequest) -> LineRun:
+    def _line_trace(
+        self, b: DrivenBatch, line: PlannedLine[PreparedRequest], **resumed: Any
+    ) -> tracing.RequestTrace | None:
+        return tracing.batch_line_trace(
+            b.body.endpoint, b.id, line.index, line.custom_id, **resumed
+        )
+
+    def _line_run(
+        self,
+        line: PlannedLine[PreparedRequest],
+        prepared: PreparedRequest,
+        span: tracing.RequestTrace | None = None,
+    ) -> LineRun:
         fold: ResponseFold | ResponsesFold = ResponseFold.for_shape(prepared.shape)
         if prepared.responses is not None:  # a /v1/responses line: a response object
             fold = ResponsesFold(prepared.responses, prepared.record)
-        run = self.runner.follow(prepared, notify=self.output_ready)
+        if span is not None:
+            span.describe(prepared.record)
+        run = self.runner.follow(prepared, notify=self.output_ready, trace=span)
         return LineRun(line.index, line.custom_id, run, fold)
 
     # -- running lines ---------------------------------------------------------------------
@@ -421,6 +440,8 @@ class BatchDriver:
             line = b.pending[0]
             rid = line_request_id(b.id, line.index)
             prepared = self._for_line(line.request, rid)
+            span = self._line_trace(b, line)  # its trace travels in its record
+            prepared = tracing.traced(prepared, span) if span is not None else prepared
             record = prepared.record
             if not self.batches.submit_line(
                 b.id, self.driver_id, line.index, record, self.requests
@@ -438,7 +459,7 @@ class BatchDriver:
             else:
                 self._send(record)
             b.pending.popleft()
-            b.running[rid] = self._line_run(line, prepared)
+            b.running[rid] = self._line_run(line, prepared, span)
 
     def _send(self, record: RequestRecord) -> None:
         """Queue the line's ``generate`` task. When Redis is away kombu raises its own
@@ -514,7 +535,7 @@ class BatchDriver:
             return
         if b.ending is not None:
             self._record_not_run(b)
-        fields = self._write_result_files(b, now)
+        fields = write_result_files(self.batches, self.files, b.id, now)
         final, previous = {
             None: (BatchStatus.COMPLETED, BatchStatus.FINALIZING),
             "batch_expired": (BatchStatus.EXPIRED, BatchStatus.FINALIZING),
@@ -561,29 +582,6 @@ class BatchDriver:
                 self._record(
                     b, index, not_run_line(custom_id, b.ending, NOT_RUN_MESSAGES[b.ending])
                 )
-
-    def _write_result_files(self, b: DrivenBatch, now: float) -> dict[str, str | int]:
-        """The output and error files (ids derived from the batch: rewriting is harmless)."""
-        output: list[str] = []
-        errors: list[str] = []
-        for _index, line in self.batches.results(b.id):
-            (output if line.ok else errors).append(line.to_line() + "\n")
-        fields: dict[str, str | int] = {}
-        owner = self.batches.owner(b.id)  # the results belong to whoever made the batch
-        for kind, lines in (("output", output), ("error", errors)):
-            if lines:
-                f = self.files.create(
-                    filename=f"{b.id}_{kind}.jsonl",
-                    purpose="batch_output",
-                    content="".join(lines).encode(),
-                    now=now,
-                    file_id=result_file_id(b.id, kind),
-                    owner=owner,
-                    enforce_quota=False,  # counted, never refused: the batch is done
-                )
-                fields[f"{kind}_file_id"] = f.id
-        logger.info("batch %s: %d output lines, %d error lines", b.id, len(output), len(errors))
-        return fields
 
 
 def build_driver(settings: Settings) -> BatchDriver:

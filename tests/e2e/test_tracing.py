@@ -6,19 +6,24 @@ own process, export with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set. A streamed request
 names a parent in its ``traceparent`` yields one trace under that parent, with spans
 from all three processes parented as ``broker.tracing`` says, carrying the model and
 the token counts the client read; a request without one starts a trace of its own.
-(A stream resumed after its web process died: tests/faults/test_tracing_resume.py.)
+Each line of a batch is a trace of its own, from the batch driver's span through the
+worker's and the streamer's. (A stream resumed after its web process died:
+tests/faults/test_tracing_resume.py.)
 """
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 import requests
 import websocket
 
+from app.batches import BatchStatus
 from tests.otlp_receiver import (
+    CONSUMER,
     SERVER,
     WAIT_S,
     OtlpReceiver,
@@ -33,6 +38,7 @@ from tests.stack import Stack
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 WEB_SPAN = "POST /v1/chat/completions"
+TERMINAL = {s.value for s in BatchStatus if s.terminal}
 
 
 def whole(model: str) -> tuple[str, ...]:
@@ -171,3 +177,86 @@ def test_a_websocket_request_continues_the_handshake_trace(
     assert root.kind == SERVER and root.parent_id == client_parent
     assert root.attributes["network.protocol.name"] == "websocket"
     assert one(spans, f"chat {model}").parent_id == root.span_id
+
+
+def start_batch(
+    base: str, model: str, route: str, custom_ids: tuple[str, ...], text: str = ""
+) -> str:
+    """A batch of one chat per custom id (its id and ``text`` as the prompt, which the
+    echo engine repeats), created: its id."""
+
+    def line(cid: str) -> str:
+        body = {"model": model, "max_tokens": 400,
+                "messages": [{"role": "user", "content": f"{cid} {text}"}]}  # fmt: skip
+        return json.dumps({"custom_id": cid, "method": "POST", "url": route, "body": body})
+
+    data = "".join(line(cid) + "\n" for cid in custom_ids).encode()
+    up = requests.post(
+        f"{base}/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"},
+        timeout=WAIT_S,
+    )  # fmt: skip
+    assert up.status_code == 200, up.text
+    made = requests.post(
+        f"{base}/v1/batches",
+        json={"input_file_id": up.json()["id"], "endpoint": route, "completion_window": "24h"},
+        timeout=WAIT_S,
+    )
+    assert made.status_code == 200, made.text
+    return str(made.json()["id"])
+
+
+def finish_batch(base: str, batch_id: str) -> dict[str, Any]:
+    """Wait for the batch to complete; each line's usage (from the output file)."""
+    deadline = time.monotonic() + WAIT_S
+    while (batch := requests.get(f"{base}/v1/batches/{batch_id}", timeout=WAIT_S).json())[
+        "status"
+    ] != "completed":
+        assert time.monotonic() < deadline and batch["status"] not in TERMINAL, batch
+        time.sleep(0.2)
+    out = requests.get(f"{base}/v1/files/{batch['output_file_id']}/content", timeout=WAIT_S)
+    results = [json.loads(text) for text in out.text.splitlines()]
+    return {r["custom_id"]: r["response"]["body"]["usage"] for r in results}
+
+
+def line_spans(otlp: OtlpReceiver, name: str, batch_id: str, lines: int) -> dict[str, Any]:
+    """The batch's spans called ``name``, by custom id, once there are ``lines``."""
+
+    def spans() -> dict[str, Any]:
+        return {
+            s.attributes["tokenrelay.batch.custom_id"]: s
+            for s in otlp.spans()
+            if s.name == name and s.attributes.get("tokenrelay.batch.id") == batch_id
+        }
+
+    deadline = time.monotonic() + WAIT_S
+    while len(got := spans()) < lines:
+        assert time.monotonic() < deadline, f"no {name} spans of {batch_id} arrived"
+        time.sleep(0.05)
+    return got
+
+
+def test_each_batch_line_is_a_trace_across_driver_worker_and_streamer(
+    traced: Stack, otlp: OtlpReceiver
+) -> None:
+    model, route, base = traced.settings.served_name, "/v1/chat/completions", traced.base_url
+    batch_id = start_batch(base, model, route, ("line-a", "line-b"))
+    usage = finish_batch(base, batch_id)
+    line_span = f"batch {route}"
+    lines = line_spans(otlp, line_span, batch_id, 2)
+    assert len({r.trace_id for r in lines.values()}) == 2  # a trace per line
+    for index, (cid, root) in enumerate(sorted(lines.items())):
+        spans = otlp.wait_for(
+            has(line_span, "queue", f"chat {model}", "prefill", "decode", f"detokenize {model}"),
+            WAIT_S,
+            root.trace_id,
+        )
+        assert {s.process for s in spans} == {"batcher", "worker", "streamer"}, traced.logs()
+        assert root.parent_id == "" and root.kind == CONSUMER and root.process == "batcher"
+        assert root.attributes["tokenrelay.batch.line"] == index + 1
+        assert root.attributes["gen_ai.request.model"] == model
+        assert root.attributes["gen_ai.usage.output_tokens"] == usage[cid]["completion_tokens"]
+        assert root.attributes["http.response.status_code"] == 200
+        for name in ("queue", f"chat {model}", f"detokenize {model}"):
+            assert one(spans, name).parent_id == root.span_id
+        relay = one(spans, f"detokenize {model}")
+        assert relay.attributes["gen_ai.usage.output_tokens"] == usage[cid]["completion_tokens"]

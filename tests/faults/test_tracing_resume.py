@@ -7,13 +7,21 @@ group is SIGKILLed (its request span dies with it, unexported); the client resum
 B with ``Last-Event-ID``. B's ``resume`` span is in the same trace, under the request's
 span (the parent A's ``parse`` and ``admission`` spans name), and the worker and the
 streamer add theirs there too.
+
+The same for a batch line whose batch driver is SIGKILLed: the driver that takes the
+batch over makes a ``resume batch <route>`` span in each running line's trace, under
+the line's span (lost with the killed driver), as the worker's and streamer's are.
 """
 
 from __future__ import annotations
 
 import pytest
+import redis
 import requests
 
+from broker.keys import Keys
+from broker.requests import RequestStore
+from tests.e2e.test_tracing import finish_batch, line_spans, start_batch
 from tests.otlp_receiver import (
     SERVER,
     WAIT_S,
@@ -24,7 +32,8 @@ from tests.otlp_receiver import (
     read_stream,
     traceparent,
 )
-from tests.stack import Stack, web_process, web_settings
+from tests.stack import Stack, batcher_process, wait_for, web_process, web_settings
+from workers.batch_state import line_request_id
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -83,3 +92,39 @@ def test_a_stream_resumed_after_its_web_process_died_continues_its_trace(
     assert {s.process for s in spans} == {"web", "worker", "streamer"}
     assert all(s.trace_id == trace_id for s in spans)
     assert "POST /v1/chat/completions" not in {s.name for s in spans}  # died with A
+
+
+def test_a_batch_line_taken_over_by_another_driver_continues_its_trace(
+    traced: Stack, otlp: OtlpReceiver
+) -> None:
+    model, route, base = traced.settings.served_name, "/v1/chat/completions", traced.base_url
+    # Each line streams for ~5 s (~200 tokens at 40 a second): the driver dies mid-line.
+    text = " ".join(f"w{i}" for i in range(70))
+    batch_id = start_batch(base, model, route, ("slow-a", "slow-b"), text)
+    rids = [line_request_id(batch_id, i) for i in range(2)]
+    with redis.Redis.from_url(traced.settings.redis_url) as client:
+        store = RequestStore(client, Keys(traced.settings.key_prefix))
+        wait_for(lambda: all(store.load(r) for r in rids), WAIT_S, "both lines submitted")
+        first = {r: store.load(r)[0].trace for r in rids}  # type: ignore[index]
+        client.connection_pool.disconnect()
+    traced.procs["batcher"].kill()  # SIGKILL: its line spans die unexported
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.url)
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        took_over = traced.start(
+            "batcher-2", batcher_process(traced.settings, traced.log_dir, name="batcher-2")
+        )
+    usage = finish_batch(base, batch_id)
+    resumed = line_spans(otlp, f"resume batch {route}", batch_id, 2)
+    for index, (cid, span) in enumerate(sorted(resumed.items())):
+        assert span.process == "batcher" and span.pid == took_over.pid
+        assert span.attributes["tokenrelay.resumed"] is True
+        assert span.attributes["gen_ai.usage.output_tokens"] == usage[cid]["completion_tokens"]
+        carrier = first[rids[index]]  # the line's span, as its record names it
+        trace_id, line_span = carrier["traceparent"].split("-")[1:3]
+        assert (span.trace_id, span.parent_id) == (trace_id, line_span)
+        spans = otlp.wait_for(
+            has("queue", f"chat {model}", f"detokenize {model}"), WAIT_S, trace_id
+        )
+        for name in ("queue", f"chat {model}", f"detokenize {model}"):
+            assert one(spans, name).parent_id == line_span  # the same trace throughout
