@@ -3,6 +3,7 @@ and off, side by side in one run (issue 45's target: on within 3 % of off).
 
     python benchmarks/tracing_overhead.py [--concurrency 8] [--requests 32] [--rounds 5]
     python benchmarks/tracing_overhead.py --control    # A/A: neither stack traced
+    OTEL_TRACES_SAMPLER=always_off python benchmarks/tracing_overhead.py  # SDK, no spans
 
 Two stacks run at once, each a redis-server, a Celery worker (echo engine at a steady
 ``--rate`` steps per second, so both see the same cadence), a streamer and a web server
@@ -54,7 +55,13 @@ from tests.stack import Stack, full_stack, isolated_settings
 MESSAGE = " ".join(
     f"sentence {i} of a reply that is about as long as a chat answer." for i in range(20)
 )
-OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY")
+# The caller's OTEL_* settings for the traced stack (a batch delay, a sampler), or none.
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_BSP_SCHEDULE_DELAY",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+)
 # The SDK's batch processor exports every 5 s (OTEL_BSP_SCHEDULE_DELAY, its default, as
 # deployed): a round waits that long after its last request, on and off alike.
 EXPORT_WAIT_S = 5.5
@@ -66,8 +73,9 @@ def stack(models_dir: Path, logs: Path, rate: float, otlp: str | None) -> Iterat
     saved = {v: os.environ.pop(v, None) for v in OTEL_VARS}
     if otlp:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp
-        if saved["OTEL_BSP_SCHEDULE_DELAY"] is not None:  # the caller's, for the traced one
-            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved["OTEL_BSP_SCHEDULE_DELAY"]
+        for v in OTEL_VARS[1:]:  # the caller's, for the traced one
+            if (value := saved[v]) is not None:
+                os.environ[v] = value
     try:
         settings = isolated_settings(
             "redis://unused", models_dir, echo_tokens_per_second=rate, max_queue=1024
