@@ -238,16 +238,17 @@ class RequestStore(TokenPublishing):
         args += [model, model_limit, rate.requests_per_minute, rate.tokens_per_minute]
         args += [rate.reserve_tokens, RATE_WINDOW_TTL_S]
         # On a cluster the record is in its shard, not with the admission's keys: written
-        # after, in a call of its own; if that fails, the admission is given back.
-        together = create is not None and not self.keys.clustered
-        if together and create is not None:
+        # after (``later``), in a call of its own; if that fails, the admission is given
+        # back. Otherwise it is written in the same call.
+        later = create if self.keys.clustered else None
+        if create is not None and later is None:
             keys += [self.keys.request(rid), self.keys.of(rid).new_requests]
             args += [create.encode(), RequestState.QUEUED.value, self.stream_ttl_s]
         answer, used_r, used_t = (int(x) for x in self._admit(keys=keys, args=args))
         if answer >= 1:
-            if create is not None and not together:
+            if later is not None:
                 try:
-                    self.create(create)
+                    self.create(later)
                 except BaseException:
                     with contextlib.suppress(redis.RedisError):
                         self.release(rid)
