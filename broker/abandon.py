@@ -154,9 +154,10 @@ class Follows:
         added = pipe.execute()[0]
         if added and self._registered and counts:
             logger.warning(
-                "this web process was taken for dead (no heartbeat for %.0f s): "
-                "counting its clients of %d streams in again", DEAD_AFTER_S, len(counts)
-            )  # fmt: skip
+                "this web process was taken for dead (its heartbeats stopped for longer "
+                "than web_dead_after_s): counting its clients of %d streams in again",
+                len(counts),
+            )
             pipe = self.redis.pipeline(transaction=False)
             for rid, n in counts.items():
                 pipe.incrby(self.keys.followers(rid), n)
@@ -253,9 +254,10 @@ class Abandoned:
             seen, follows = float(got[0]), got[1:]
             pairs = [(r.decode() if isinstance(r, bytes) else r, int(n))
                      for r, n in zip(follows[::2], follows[1::2], strict=True)]  # fmt: skip
-            logger.warning(
+            logger.log(
+                logging.WARNING if pairs else logging.INFO,
                 "web process %s has not heartbeat for %.1f s: counting its clients out "
-                "of %d streams", wid, now - seen, len(pairs)
+                "of %d streams", wid, now - seen, len(pairs),
             )  # fmt: skip
             deadline = max(now, seen + self.grace_s)
             for rid, n in pairs:
