@@ -25,6 +25,10 @@ client resumed it elsewhere meanwhile. A live process wrongly taken for dead (st
 for longer than that) counts its clients in again on its next heartbeat, before a
 cancel checks the count; the counts it mirrors may run ahead of its own between two
 heartbeats (a follow racing a heartbeat), which errs on the side of not cancelling.
+
+Every time here (deadlines, heartbeats) is Redis's clock, read in the Lua calls or with
+``TIME``, never a host's: web hosts whose clocks differ must neither cancel early nor
+take each other for dead.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import os
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +55,18 @@ SWEEP_BATCH = 100
 # A web process that has not heartbeat (once a sweep) for this long is taken for dead.
 DEAD_AFTER_S = 20.0
 
-# Take ARGV[1] (a request id) out of the set if its deadline has passed (ARGV[2]: now).
+# Every time here is Redis's clock (TIME), never a host's: web hosts' clocks may differ.
+# ARGV[1] (a request id) is due ARGV[2] seconds from now.
+LATER = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2]), ARGV[1])
+"""
+
+# Take ARGV[1] (a request id) out of the set if its deadline has passed.
 TAKE_DUE = """
+local t = redis.call('TIME')
 local due = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if due and tonumber(due) <= tonumber(ARGV[2]) then
+if due and tonumber(due) <= tonumber(t[1]) + tonumber(t[2]) / 1e6 then
   redis.call('ZREM', KEYS[1], ARGV[1])
   return 1
 end
@@ -176,7 +187,6 @@ class Abandoned:
         grace_s: float,
         cancel: Callable[[str], None],
         *,
-        clock: Callable[[], float] = time.time,
         sweep_s: float = SWEEP_S,
         dead_after_s: float = DEAD_AFTER_S,
         ttl_s: int = 3600,
@@ -185,11 +195,11 @@ class Abandoned:
         self.keys = keys
         self.grace_s = grace_s
         self.cancel = cancel
-        self.clock = clock
         self.sweep_s = sweep_s
         self.dead_after_s = dead_after_s
         # This process's clients (``ttl_s``: how long a count outlives its last change).
         self.follows = Follows(client, keys, ttl_s)
+        self._later = client.register_script(LATER)
         self._take_due = client.register_script(TAKE_DUE)
         self._reap = client.register_script(REAP)
         self._unfollow = client.register_script(UNFOLLOW)
@@ -200,7 +210,7 @@ class Abandoned:
 
     def later(self, rid: str) -> None:
         """Cancel ``rid`` after the grace unless a client follows it again by then."""
-        self.redis.zadd(self.keys.abandoned, {rid: self.clock() + self.grace_s})
+        self._later(keys=[self.keys.abandoned], args=[rid, self.grace_s])
         timer = threading.Timer(self.grace_s, self._due, (rid,))
         timer.daemon = True
         timer.start()
@@ -224,14 +234,16 @@ class Abandoned:
 
     def tick(self) -> int:
         """One sweep: this process's heartbeat, the dead processes' clients counted
-        out, then every due deadline; how many requests were cancelled. Heartbeats
-        are Redis's time, not the host's: web hosts whose clocks differ by more than
-        ``dead_after_s`` must not take each other for dead."""
-        seconds, micros = self._server_time(keys=[self.keys.web_processes])
-        now = int(seconds) + int(micros) / 1e6
+        out, then every due deadline; how many requests were cancelled."""
+        now = self.now()
         self.follows.beat(now)
         self.reap(now)
-        return self.sweep()
+        return self.sweep(now)
+
+    def now(self) -> float:
+        """Redis's clock (the registry's node on a cluster), which every time here is."""
+        seconds, micros = self._server_time(keys=[self.keys.web_processes])
+        return int(seconds) + int(micros) / 1e6
 
     def reap(self, now: float) -> int:
         """Count the clients of every web process not heard from for ``dead_after_s``
@@ -266,11 +278,12 @@ class Abandoned:
                     self.redis.zadd(self.keys.abandoned, {rid: deadline}, gt=True)
         return taken
 
-    def sweep(self) -> int:
+    def sweep(self, now: float | None = None) -> int:
         """Act on every due deadline, any process's; how many were cancelled."""
         due: Any = self.redis.zrangebyscore(
-            self.keys.abandoned, "-inf", self.clock(), start=0, num=SWEEP_BATCH
-        )
+            self.keys.abandoned, "-inf", self.now() if now is None else now, start=0,
+            num=SWEEP_BATCH,
+        )  # fmt: skip
         return sum(self._act(rid.decode() if isinstance(rid, bytes) else rid) for rid in due)
 
     def _due(self, rid: str) -> None:
@@ -281,7 +294,7 @@ class Abandoned:
 
     def _act(self, rid: str) -> bool:
         """Take ``rid``'s deadline if due and cancel it unless it is followed again."""
-        if not self._take_due(keys=[self.keys.abandoned], args=[rid, self.clock()]):
+        if not self._take_due(keys=[self.keys.abandoned], args=[rid]):
             return False  # not due (a later disconnect pushed it back), or taken
         if int(self.redis.get(self.keys.followers(rid)) or 0) > 0:
             return False  # a client resumed it
