@@ -137,7 +137,8 @@ class Runner:
         self.new_id = self.placement.ids(new_id) if self.placement else new_id
         self.streamers = streamer_registry(self.redis, keys)
         self.keys = keys
-        # Its deadlines are wall-clock times that every web process compares.
+        # Streams nobody follows any more, and web processes gone without closing theirs:
+        # cancelled after the grace by whichever web process sweeps first (on Redis's clock).
         self.abandoned = Abandoned(
             self.redis, keys, settings.resume_grace_s, lambda rid: self.cancel(rid),
             ttl_s=settings.stream_ttl_s, dead_after_s=settings.web_dead_after_s,
