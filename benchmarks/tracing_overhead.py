@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -114,6 +115,17 @@ def one_request(base_url: str, model: str) -> int:
     return tokens
 
 
+def engine_counts(s: Stack) -> tuple[float, float]:
+    """(steps, token ids) the stack's worker has run since it started, from /metrics (its
+    last heartbeat): tokens per step says whether both stacks batched alike."""
+    text = requests.get(f"{s.base_url}/metrics", timeout=10).text
+
+    def total(name: str) -> float:
+        return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+    return total("tokenrelay_worker_steps_total"), total("tokenrelay_worker_tokens_total")
+
+
 def cpu_of(s: Stack) -> dict[str, float]:
     """CPU seconds so far of each of the stack's processes (gunicorn's workers in web's)."""
     return {name: tree_cpu(p.pid) for name, p in s.procs.items()}
@@ -126,6 +138,7 @@ def measure(
     ``n`` requests, ``concurrency`` at a time. Both stacks run together, so whatever the
     machine does meanwhile (its CPUs change speed) hits both alike."""
     before = {name: cpu_of(s) for name, s in stacks.items()}
+    counts = {name: engine_counts(s) for name, s in stacks.items()}
 
     def load(s: Stack) -> int:
         with ThreadPoolExecutor(concurrency) as pool:
@@ -139,6 +152,8 @@ def measure(
     for name, s in stacks.items():
         after = cpu_of(s)
         out[name] = ({k: after[k] - before[name][k] for k in after}, tokens[name])
+        steps, ids = (b - a for a, b in zip(counts[name], engine_counts(s), strict=True))
+        print(f"  {name}: {ids / max(steps, 1):.2f} tokens per engine step ({steps:.0f} steps)")
     return out
 
 

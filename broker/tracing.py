@@ -85,6 +85,32 @@ def set_process(kind: str) -> None:
     _process = kind
 
 
+def start(kind: str) -> None:
+    """Name this process's kind and, when tracing is on, set the SDK up now, at start-up
+    (once per process, after any fork): the SDK's modules and thread come before the
+    state the token path builds, not in the middle of it, and an exporter this install
+    cannot make stops the process here (``check``) instead of failing every request's
+    spans later."""
+    set_process(kind)
+    check(kind)
+    tracer()
+
+
+def check(kind: str) -> None:
+    """Exit 2 with one line, as a bad setting does (``app.logs.settings_or_exit``), when
+    the ``OTEL_*`` variables ask for an exporter this install cannot make (a protocol
+    without its package, or none the SDK has); nothing when tracing is off."""
+    if not enabled():
+        return
+    try:
+        _exporter_class()
+    except RuntimeError as exc:
+        from app.logs import report_settings_problem
+
+        report_settings_problem(kind, exc)
+        raise SystemExit(2) from None
+
+
 def tracer() -> Tracer | None:
     """This process's tracer, set up on first use (after any fork: the exporter's
     thread belongs to the process that uses it); None when tracing is off."""
@@ -112,7 +138,7 @@ def _build() -> Tracer:
     if not os.environ.get("OTEL_SERVICE_NAME", "").strip():
         attributes["service.name"] = f"tokenrelay-{_process}"
     provider = TracerProvider(resource=Resource.create(attributes))
-    provider.add_span_processor(BatchSpanProcessor(_exporter()))
+    provider.add_span_processor(BatchSpanProcessor(_exporter_class()()))
     trace.set_tracer_provider(provider)
     logger.info("tracing on: spans go to %s", _where())
     return provider.get_tracer("tokenrelay")
@@ -130,7 +156,8 @@ def _where() -> str:
     return next((os.environ[v] for v in ENDPOINT_VARS if os.environ.get(v, "").strip()), "")
 
 
-def _exporter() -> Any:
+def _exporter_class() -> Any:
+    """The OTLP span exporter the protocol variables ask for (RuntimeError: none here)."""
     protocol = _protocol()
     if protocol == "grpc":
         try:
@@ -142,7 +169,7 @@ def _exporter() -> Any:
                 "OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs the gRPC exporter: "
                 "pip install 'tokenrelay[otlp-grpc]' (or use http/protobuf)"
             ) from exc
-        return GrpcExporter()
+        return GrpcExporter
     if protocol != "http/protobuf":
         raise RuntimeError(
             f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: use "
@@ -150,7 +177,7 @@ def _exporter() -> Any:
         )
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter()
+    return OTLPSpanExporter
 
 
 def shutdown() -> None:

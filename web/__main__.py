@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = logs.settings_or_exit("web", **overrides)
     from broker import tracing
 
-    tracing.set_process("web")  # its spans' resource, set up in each worker (after fork)
+    tracing.check("web")  # here, once: each gunicorn worker starts it (broker.tracing)
     raise_open_files_limit(settings.web_workers * settings.web_max_connections + 256)
     serve(settings, gunicorn_options(settings, access_log=args.access_log))
     return 0
@@ -220,10 +220,12 @@ def serve(settings: Any, options: dict[str, Any]) -> None:
                     self.cfg.set(key, value)
 
         def load(self) -> Any:
+            from broker import tracing
             from web.app import create_app
             from web.context import RUNNER
 
             global _abandoned
+            tracing.start("web")  # in each gunicorn worker: the SDK's thread is its own
             app = create_app(settings)
             # Other processes' abandoned streams too: a deploy stops the process that
             # saw their clients go before their grace is up, and one SIGKILLed never

@@ -204,7 +204,7 @@ def build_app(settings: Settings) -> Celery:
     """The worker's app; ``app.tokenrelay_worker_id`` names the worker (its registry
     entry, step stream and own queue, which the app consumes first)."""
     worker_id = new_worker_id()
-    tracing.set_process("worker")
+    tracing.start("worker")
     try:
         embeds = can_embed(settings, load_model_card(settings.card_path()))
     except ModelError:  # the engine's start says why, and exits (worker_init)

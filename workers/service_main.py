@@ -36,7 +36,7 @@ def run_service(
     args = parser.parse_args(argv)
     settings = logs.settings_or_exit(name)
     logs.configure(name, args.loglevel, settings.log_format)
-    tracing.set_process(name)
+    tracing.start(name)
     service = build(settings)
 
     def _stop(_sig: int, _frame: object) -> None:

@@ -30,10 +30,17 @@ COMMANDS = {
 
 
 def start_with_a_bad_port(kind: str, log_format: str, tmp_path: Path) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+    return start_with(
+        kind, tmp_path, TOKENRELAY_PORT="not-a-port", TOKENRELAY_LOG_FORMAT=log_format
+    )
+
+
+def start_with(kind: str, tmp_path: Path, **variables: str) -> tuple[int, str]:
+    """``kind``'s exit status and output, started with ``variables`` on top of this
+    environment (its own TOKENRELAY_* and OTEL_* variables left out)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENRELAY_", "OTEL_"))}
     env.update(
-        TOKENRELAY_PORT="not-a-port",
-        TOKENRELAY_LOG_FORMAT=log_format,
+        **variables,
         TOKENRELAY_MODELS_DIR=str(tmp_path / "models"),
         FLOWER_BASIC_AUTH="user:pass",
         PYTHONPATH=str(REPO),
@@ -65,3 +72,22 @@ def test_a_bad_setting_is_one_text_line(kind: str, tmp_path: Path) -> None:
     assert code == 2, out
     assert out.startswith(f"tokenrelay {kind}: error: invalid setting TOKENRELAY_PORT: ")
     assert out.count("\n") == 1, out
+
+
+@pytest.mark.parametrize("kind", ["web", "worker", "streamer", "batcher"])
+def test_an_otlp_protocol_it_cannot_export_is_one_line_at_start(kind: str, tmp_path: Path) -> None:
+    # Each process sets tracing up as it starts (broker.tracing.start): a protocol it
+    # has no exporter for stops it there, as a bad setting does, instead of failing
+    # every request's spans once requests come.
+    code, out = start_with(
+        kind,
+        tmp_path,
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/json",
+    )
+    assert code == 2, out
+    assert out == (
+        f"tokenrelay {kind}: error: invalid settings: "
+        "OTEL_EXPORTER_OTLP_PROTOCOL='http/json' is not supported: "
+        "use http/protobuf (the default) or grpc\n"
+    ), out
