@@ -38,6 +38,7 @@ def test_with_tracing_off_no_tracing_code_is_imported_and_spans_are_skipped() ->
         from broker.celery_app import GenerateResult, TaskOutcome
 
         carrier = {{"traceparent": "00-{TRACE}-{PARENT}-01"}}
+        tracing.start("worker")  # what every process does as it starts
         assert not tracing.enabled() and tracing.tracer() is None
         assert tracing.request_trace("/v1/chat/completions", carrier) is None
         now = time.time()
