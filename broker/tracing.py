@@ -87,10 +87,9 @@ def set_process(kind: str) -> None:
 
 def start(kind: str) -> None:
     """Name this process's kind and, when tracing is on, set the SDK up now, at start-up
-    (once per process, after any fork): the SDK's modules and thread come before the
-    state the token path builds, not in the middle of it, and an exporter this install
-    cannot make stops the process here (``check``) instead of failing every request's
-    spans later."""
+    (once per process, after any fork): an exporter this install cannot make stops the
+    process here (``check``) instead of failing every request's spans later, and the
+    set-up's cost falls outside any request."""
     set_process(kind)
     check(kind)
     tracer()
@@ -112,8 +111,9 @@ def check(kind: str) -> None:
 
 
 def tracer() -> Tracer | None:
-    """This process's tracer, set up on first use (after any fork: the exporter's
-    thread belongs to the process that uses it); None when tracing is off."""
+    """This process's tracer, set up by ``start`` (or here, on first use, in a process
+    that did not call it; after any fork: the exporter's thread belongs to the process
+    that uses it); None when tracing is off."""
     global _tracer, _started
     if _started:
         return _tracer
