@@ -54,6 +54,12 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROVIDER = "tokenrelay"  # gen_ai.provider.name
+# The batch processor's delay between exports when ``OTEL_BSP_SCHEDULE_DELAY`` is unset
+# (the SDK's own default is 5 s): an export costs about 1-2 ms of CPU however few spans
+# it carries, so at a light load the exports, not the spans, are most of what tracing
+# costs (docs/benchmarks.md, "Tracing"). A busy process exports sooner, whenever 512
+# spans wait (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``); one that exits exports what it holds.
+EXPORT_DELAY_MS = 15_000
 
 # The GenAI operation of each endpoint (gen_ai.operation.name).
 OPERATIONS = {
@@ -128,7 +134,6 @@ def _build() -> Tracer:
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     attributes: dict[str, Any] = {
         "tokenrelay.process": _process,
@@ -138,10 +143,19 @@ def _build() -> Tracer:
     if not os.environ.get("OTEL_SERVICE_NAME", "").strip():
         attributes["service.name"] = f"tokenrelay-{_process}"
     provider = TracerProvider(resource=Resource.create(attributes))
-    provider.add_span_processor(BatchSpanProcessor(_exporter_class()()))
+    provider.add_span_processor(_span_processor())
     trace.set_tracer_provider(provider)
     logger.info("tracing on: spans go to %s", _where())
     return provider.get_tracer("tokenrelay")
+
+
+def _span_processor() -> Any:
+    """The batch processor that exports this process's spans: every ``OTEL_BSP_*``
+    variable as the SDK reads it, and ``EXPORT_DELAY_MS`` when the delay is unset."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip() else EXPORT_DELAY_MS
+    return BatchSpanProcessor(_exporter_class()(), schedule_delay_millis=delay)
 
 
 def _protocol() -> str:

@@ -97,6 +97,27 @@ def test_tracing_is_on_only_with_an_otlp_endpoint(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("delay", "millis"), [(None, 15_000.0), ("100", 100.0)])
+def test_spans_are_exported_every_15_s_unless_the_batch_delay_is_set(
+    monkeypatch: pytest.MonkeyPatch, delay: str | None, millis: float
+) -> None:
+    """tokenrelay's own default delay between exports (each costs 1-2 ms of CPU
+    however few spans it carries); ``OTEL_BSP_SCHEDULE_DELAY`` means what the SDK says."""
+    from broker import tracing
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # never sent to
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_BSP_SCHEDULE_DELAY", raising=False)
+    if delay is not None:
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", delay)
+    processor = tracing._span_processor()
+    try:
+        assert processor._batch_processor._schedule_delay_millis == millis
+    finally:
+        processor.shutdown()  # nothing queued: nothing is sent
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("header", "parsed"),
     [
