@@ -9,13 +9,15 @@ Two stacks run at once, each a redis-server, a Celery worker (echo engine at a s
 ``--rate`` steps per second, so both see the same cadence), a streamer and a web server
 as real processes; one exports every request's trace to a real OTLP/HTTP receiver in
 this process (``tests.otlp_receiver``, protobuf decoded: a collector's work, not
-counted) with the SDK's defaults, the other runs with no ``OTEL_*`` variable. Each round
+counted) as deployed (no ``OTEL_BSP_*``: an export every 15 s, ``broker.tracing``), the
+other runs with no ``OTEL_*`` variable. Each round
 sends ``--requests`` streamed chat completions to each stack, ``--concurrency`` at a
 time per stack, both stacks at once: this machine's CPUs switch between full and half
 speed (benchmarks/relay.py's pace probe), which moves CPU time per token by tens of
 per cent from one minute to the next, and only load at the same moment sees the same
-speed. A round ends ``--settle`` seconds after its last request (the batch processor
-exports every 5 s: those spans are counted). Measured per round and stack: the CPU
+speed. A round ends ``--settle`` seconds after its last request; rounds follow each
+other, so the exports that fall in a round (each process's, every 15 s) are, over the
+rounds, as many as the requests cause. Measured per round and stack: the CPU
 seconds of its worker, streamer and web processes (gunicorn's workers included) over
 the tokens its clients received (from ``usage``). ``--phases`` phases, each on fresh
 stacks, the traced stack started first or second in the order on, off, off, on, ...
@@ -63,8 +65,8 @@ OTEL_VARS = (
     "OTEL_TRACES_SAMPLER",
     "OTEL_TRACES_SAMPLER_ARG",
 )
-# The SDK's batch processor exports every 5 s (OTEL_BSP_SCHEDULE_DELAY, its default, as
-# deployed): a round waits that long after its last request, on and off alike.
+# Seconds a round counts after its last request, on and off alike (with
+# OTEL_BSP_SCHEDULE_DELAY=5000, the SDK's default, the last export falls in them).
 EXPORT_WAIT_S = 5.5
 
 
@@ -147,7 +149,7 @@ def measure(
 
     with ThreadPoolExecutor(len(stacks)) as both:
         tokens = dict(zip(stacks, both.map(load, stacks.values()), strict=True))
-    time.sleep(settle_s)  # the traced stack's last spans are exported: counted
+    time.sleep(settle_s)  # the traced stack's exports meanwhile are counted
     out = {}
     for name, s in stacks.items():
         after = cpu_of(s)
