@@ -185,10 +185,13 @@ CONSUMER = 5  # Span.SpanKind.SPAN_KIND_CONSUMER
 
 
 @contextmanager
-def traced_stack(receiver: OtlpReceiver, models_dir: Path, log_dir: Path) -> Iterator[Stack]:
+def traced_stack(
+    receiver: OtlpReceiver, models_dir: Path, log_dir: Path, export_delay_ms: int = 100
+) -> Iterator[Stack]:
     """A stack (worker, streamer, batch driver, web "web-b") whose processes export
-    their spans to ``receiver``; echo at 40 tokens/s, so a reply takes seconds (a fault
-    can hit it)."""
+    their spans to ``receiver`` every ``export_delay_ms`` (``OTEL_BSP_SCHEDULE_DELAY``:
+    by default soon, so a test need not wait); echo at 40 tokens/s, so a reply takes
+    seconds (a fault can hit it)."""
     settings = isolated_settings(
         "redis://unused",
         models_dir,
@@ -199,7 +202,7 @@ def traced_stack(receiver: OtlpReceiver, models_dir: Path, log_dir: Path) -> Ite
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms: spans arrive quickly
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", str(export_delay_ms))
         with full_stack(settings, log_dir, web="web-b", batcher=True) as running:
             yield running
 

@@ -7,7 +7,8 @@ names a parent in its ``traceparent`` yields one trace under that parent, with s
 from all three processes parented as ``broker.tracing`` says, carrying the model and
 the token counts the client read; a request without one starts a trace of its own.
 Each line of a batch is a trace of its own, from the batch driver's span through the
-worker's and the streamer's. (A stream resumed after its web process died:
+worker's and the streamer's. A stack stopped before its next export is due still
+delivers a finished request's whole trace. (A stream resumed after its web process died:
 tests/faults/test_tracing_resume.py.)
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +33,7 @@ from tests.otlp_receiver import (
     has,
     one,
     read_stream,
+    traced_stack,
     traceparent,
 )
 from tests.stack import Stack
@@ -102,6 +105,31 @@ def test_a_streamed_request_is_one_trace_across_three_processes(
     assert relay.attributes["gen_ai.response.finish_reasons"] == ["stop"]
     assert relay.event_names() == ["first_token"]
     assert all(s.trace_id == trace_id for s in spans)
+
+
+def test_a_process_that_stops_exports_the_spans_it_holds(
+    otlp: OtlpReceiver, models_dir: Path, tmp_path: Path
+) -> None:
+    """Spans wait in each process for the next export (every 15 s unless the delay is
+    set: broker.tracing): a stack stopped before it is due loses none of a finished
+    request's trace, each process exporting what it holds as it exits."""
+    header, trace_id, _ = traceparent()
+    with traced_stack(otlp, models_dir, tmp_path, export_delay_ms=600_000) as s:
+        model = s.settings.served_name
+        with requests.post(
+            f"{s.base_url}/v1/chat/completions",
+            json=chat_body(s.settings),
+            headers={"traceparent": header},
+            stream=True,
+            timeout=WAIT_S,
+        ) as resp:
+            assert resp.status_code == 200, resp.text
+            assert read_stream(resp)["done"]
+        time.sleep(0.5)  # the web's span ends with the last byte, just after the client's read
+        assert otlp.spans(trace_id) == []  # none due yet: each process holds its spans
+    spans = otlp.wait_for(has(*whole(model)), WAIT_S, trace_id)
+    assert sorted(sp.name for sp in spans) == sorted(whole(model))
+    assert {sp.process for sp in spans} == {"web", "worker", "streamer"}
 
 
 def test_without_a_traceparent_a_trace_is_started(traced: Stack, otlp: OtlpReceiver) -> None:
