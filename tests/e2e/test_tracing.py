@@ -50,20 +50,25 @@ def whole(model: str) -> tuple[str, ...]:
             f"detokenize {model}")  # fmt: skip
 
 
-def test_a_streamed_request_is_one_trace_across_three_processes(
-    traced: Stack, otlp: OtlpReceiver
-) -> None:
-    header, trace_id, client_parent = traceparent()
-    model = traced.settings.served_name
+def streamed_chat(s: Stack, header: str) -> dict[str, Any]:
+    """A streamed chat with the client's ``traceparent``, read to its end (``read_stream``)."""
     with requests.post(
-        f"{traced.base_url}/v1/chat/completions",
-        json=chat_body(traced.settings),
+        f"{s.base_url}/v1/chat/completions",
+        json=chat_body(s.settings),
         headers={"traceparent": header},
         stream=True,
         timeout=WAIT_S,
     ) as resp:
         assert resp.status_code == 200, resp.text
-        got = read_stream(resp)
+        return read_stream(resp)
+
+
+def test_a_streamed_request_is_one_trace_across_three_processes(
+    traced: Stack, otlp: OtlpReceiver
+) -> None:
+    header, trace_id, client_parent = traceparent()
+    model = traced.settings.served_name
+    got = streamed_chat(traced, header)
     assert got["done"] and got["text"], got
     usage = got["usage"]
 
@@ -116,15 +121,7 @@ def test_a_process_that_stops_exports_the_spans_it_holds(
     header, trace_id, _ = traceparent()
     with traced_stack(otlp, models_dir, tmp_path, export_delay_ms=600_000) as s:
         model = s.settings.served_name
-        with requests.post(
-            f"{s.base_url}/v1/chat/completions",
-            json=chat_body(s.settings),
-            headers={"traceparent": header},
-            stream=True,
-            timeout=WAIT_S,
-        ) as resp:
-            assert resp.status_code == 200, resp.text
-            assert read_stream(resp)["done"]
+        assert streamed_chat(s, header)["done"]
         time.sleep(0.5)  # the web's span ends with the last byte, just after the client's read
         assert otlp.spans(trace_id) == []  # none due yet: each process holds its spans
     spans = otlp.wait_for(has(*whole(model)), WAIT_S, trace_id)
