@@ -17,8 +17,6 @@ from the message's start again so its content block indexes are the same.
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, request
@@ -28,15 +26,12 @@ from app.messages_api import ROUTE, MessageFeed, anthropic_error, count_tokens_b
 from app.tokenize_api import tokenize
 from broker import drive
 from broker.run import Run
-from broker.runner import client_error
 from web import sse
 from web.auth import tenant_of
 from web.bodies import client_trace, json_body
 from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
 from web.tokenize import prompts_for
-
-logger = logging.getLogger(__name__)
 
 blueprint = Blueprint("messages", __name__)
 
@@ -110,6 +105,11 @@ def _after(cursor: str, seen: tuple[int, int] | None) -> bool:
     return (int(a), int(b)) > seen
 
 
+def _error_event(exc: BaseException) -> str:
+    _status, error = anthropic_error(exc)
+    return f"event: error\ndata: {json.dumps(error)}\n\n"
+
+
 def stream(run: Run, *, last_seen: str | None = None) -> Response:
     """Anthropic's event stream of ``run`` (read from its start), less the events up to
     ``last_seen`` (a resumed stream)."""
@@ -129,32 +129,15 @@ def stream(run: Run, *, last_seen: str | None = None) -> Response:
             for ev in events
         )
 
-    def body() -> Iterator[str]:
-        try:
-            head = frames(feed.opening(), OPENING_CURSOR)
-            if head:
-                yield head
-            for read in drive.reads(run, keepalive_s, first):
-                if read is None:
-                    yield PING
-                    continue
-                text = "".join(frames(feed.feed(ev), cursor) for cursor, ev in read)
-                if text:
-                    yield text
-                if feed.done:
-                    break
-        except drive.HandedOver:  # resumed on another process (Last-Event-ID)
-            yield sse.HANDED_OVER
-            return
-        except GeneratorExit:
-            raise
-        except Exception as exc:
-            logger.exception("stream of request %s failed", run.request_id)
-            run.close(error=exc)
-            _status, error = anthropic_error(client_error(exc))
-            yield f"event: error\ndata: {json.dumps(error)}\n\n"
-
-    response = Response(body(), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
+    response = sse.event_stream(
+        run,
+        first,
+        keepalive_s,
+        opening=lambda: frames(feed.opening(), OPENING_CURSOR),
+        frames=lambda read: "".join(frames(feed.feed(ev), cursor) for cursor, ev in read),
+        done=lambda: feed.done,
+        ping=PING,
+        error=_error_event,
+    )
     response.headers["request-id"] = run.request_id
-    response.call_on_close(lambda: run.close(disconnected=not run.ended, resumable=True))
     return response

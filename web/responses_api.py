@@ -15,8 +15,6 @@ and sends the events after N: exact from any web process, after any disconnect.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, request
@@ -27,14 +25,11 @@ from app.responses_events import Event
 from broker import drive
 from broker.response_service import ROUTE, ResponseFeed
 from broker.run import Run
-from broker.runner import client_error
 from web import sse
 from web.auth import Tenant, tenant_of
 from web.bodies import client_trace, json_body
 from web.clients import client_gone_probe
 from web.context import connections_of, responses_of, settings_of
-
-logger = logging.getLogger(__name__)
 
 blueprint = Blueprint("responses", __name__)
 
@@ -99,33 +94,14 @@ def _stream(
     def frames(batch: list[Event]) -> str:
         return "".join(_frame(ev) for ev in batch if ev["sequence_number"] > starting_after)
 
-    def body() -> Iterator[str]:
-        try:
-            head = frames(feed.opening())
-            if head:
-                yield head
-            for read in drive.reads(run, keepalive_s, first):
-                if read is None:
-                    yield sse.KEEPALIVE
-                    continue
-                text = frames([e for _, ev in read for e in feed.feed(ev)])
-                if text:
-                    yield text
-                if feed.done:
-                    break
-        except drive.HandedOver:  # resumed on another process (Last-Event-ID)
-            yield sse.HANDED_OVER
-            return
-        except GeneratorExit:
-            raise
-        except Exception as exc:
-            logger.exception("stream of request %s failed", run.request_id)
-            run.close(error=exc)
-            yield sse.error_frame(client_error(exc))
-
-    response = Response(body(), mimetype=sse.MIMETYPE, headers=sse.HEADERS)
-    response.call_on_close(lambda: run.close(disconnected=not run.ended, resumable=True))
-    return response
+    return sse.event_stream(
+        run,
+        first,
+        keepalive_s,
+        opening=lambda: frames(feed.opening()),
+        frames=lambda read: frames([e for _, ev in read for e in feed.feed(ev)]),
+        done=lambda: feed.done,
+    )
 
 
 # -- stored objects ----------------------------------------------------------------------------

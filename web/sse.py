@@ -10,8 +10,17 @@ response started cannot change the status any more, so they travel as a
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable, Iterator
+
+from flask import Response
 
 from app.errors import error_body
+from broker import drive
+from broker.run import Item, Run
+from broker.runner import client_error
+
+logger = logging.getLogger(__name__)
 
 KEEPALIVE = ": keep-alive\n\n"
 # The last frame of a stream this process hands over (``broker.drive.HandedOver``): no
@@ -38,3 +47,48 @@ def error_frame(exc: BaseException, event_id: str | None = None) -> str:
     """The error event for ``exc``: its OpenAI body (a generic one unless it is ours)."""
     _status, body = error_body(exc)
     return data_frame(json.dumps(body, ensure_ascii=False), event_id)
+
+
+def event_stream(
+    run: Run,
+    first: list[Item],
+    keepalive_s: float,
+    *,
+    opening: Callable[[], str],
+    frames: Callable[[list[Item]], str],
+    done: Callable[[], bool],
+    ping: str = KEEPALIVE,
+    error: Callable[[BaseException], str] = error_frame,
+) -> Response:
+    """The SSE response of an API whose events name themselves and carry their resume
+    ids (Anthropic's Messages, OpenAI's Responses): ``opening()``, then ``frames`` of
+    each read (``drive.reads``, after ``first``) until ``done()``. A hand-over ends it
+    with ``HANDED_OVER`` (the client resumes with Last-Event-ID), any other failure
+    with ``error``'s event, so every stream ends with a final event or an error event.
+    Chat completions have a loop of their own (``web.openai_routes``): they write
+    through the hub's pump and end with ``[DONE]``."""
+
+    def body() -> Iterator[str]:
+        try:
+            head = opening()
+            if head:
+                yield head
+            for read in drive.reads(run, keepalive_s, first):
+                if read is None:
+                    yield ping
+                    continue
+                text = frames(read)
+                if text:
+                    yield text
+                if done():
+                    break
+        except drive.HandedOver:  # resumed on another process (Last-Event-ID)
+            yield HANDED_OVER
+        except Exception as exc:
+            logger.exception("stream of request %s failed", run.request_id)
+            run.close(error=exc)
+            yield error(client_error(exc))
+
+    response = Response(body(), mimetype=MIMETYPE, headers=HEADERS)
+    response.call_on_close(lambda: run.close(disconnected=not run.ended, resumable=True))
+    return response
