@@ -29,7 +29,8 @@ from pydantic_settings import SettingsError
 
 from app.errors import TokenRelayError
 from app.logs import settings_problem
-from app.settings import Settings, settings_markdown
+from app.settings import Settings
+from app.settings_docs import settings_markdown
 
 PROG = "tokenrelay"
 DEFAULT_DOCS_PATH = Path("docs") / "configuration.md"

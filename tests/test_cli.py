@@ -10,7 +10,7 @@ import pytest
 
 from app import cli
 from app.prepare import BUNDLED_MODEL_NAME
-from app.settings import settings_markdown
+from app.settings_docs import settings_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.settings import Settings, settings_markdown
+from app.settings import Settings
+from app.settings_docs import settings_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 
