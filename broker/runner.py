@@ -40,6 +40,7 @@ from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
 from app.settings import Settings
 from broker.abandon import Abandoned
+from broker.backbone import RETRY_AFTER_S, backbone_unavailable
 from broker.celery_app import celery_redis, create_celery, fair_priority
 from broker.connection import open_redis
 from broker.fair_queue import FairQueue
@@ -59,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 # Positive readiness answers are reused this long (one registry read per burst).
 READY_CACHE_S = 1.0
-RETRY_AFTER_S = 1
 # Starting a request (tokenizing, admitting, sending its task) is CPU under the GIL:
 # a process runs one at a time however many threads start at once. Interleaved, a
 # burst of 200 made every request wait for nearly all of them (processor sharing:
@@ -67,21 +67,6 @@ RETRY_AFTER_S = 1
 # first requests reach the workers first (docs/benchmarks.md). A start that waits
 # longer than this for its turn (the one before it stuck on a slow Redis) goes ahead.
 START_TURN_WAIT_S = 1.0
-
-# What "Redis is away" looks like to a client library: refused or dropped connections,
-# timeouts, a Redis still loading its append-only file (BusyLoadingError is a
-# ConnectionError), a former master turned replica (ReadOnlyError), a full Redis under
-# noeviction (OutOfMemoryError), and kombu's own error when it cannot publish a task.
-# Each is answered 503 + Retry-After: the client should retry, nothing is wrong with
-# its request. Any other RedisError is a bug (500).
-BACKBONE_DOWN: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.OutOfMemoryError,
-    OperationalError,
-)
-UNAVAILABLE_MESSAGE = "The server cannot reach its queue right now; please retry shortly."
 
 
 class RunMetrics(Protocol):
@@ -573,25 +558,6 @@ class Runner:
             raise ServiceUnavailable(reason, code="not_ready", retry_after=RETRY_AFTER_S)
         if ok:
             self._ready_until[model] = now + READY_CACHE_S
-
-
-def is_backbone_down(exc: BaseException) -> bool:
-    """Whether ``exc`` means Redis is away or full (``BACKBONE_DOWN``). A write refused
-    at ``maxmemory`` inside a Lua script comes back as a plain script error naming OOM."""
-    if isinstance(exc, BACKBONE_DOWN):
-        return True
-    return isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc)
-
-
-def client_error(exc: BaseException) -> BaseException:
-    """``exc`` as a client is told of it: Redis away or full is the 503 it is (retry),
-    never a 500; anything else as it is."""
-    return backbone_unavailable() if is_backbone_down(exc) else exc
-
-
-def backbone_unavailable() -> ServiceUnavailable:
-    """The 503 a client gets while Redis is away (``BACKBONE_DOWN``)."""
-    return ServiceUnavailable(UNAVAILABLE_MESSAGE, code="not_ready", retry_after=RETRY_AFTER_S)
 
 
 def _wants_stream(body: Any, stream: bool | None) -> bool:

@@ -11,8 +11,8 @@ from flask import Blueprint, current_app, request
 
 from app.embeddings_api import embedding_response, parse_embedding_request
 from app.errors import ServiceUnavailable
+from broker.backbone import backbone_unavailable
 from broker.embeddings import embed
-from broker.runner import backbone_unavailable
 from web.bodies import json_body
 from web.context import runner_of, settings_of
 from web.tokenize import prompts_for

@@ -6,7 +6,7 @@ wrong method, body too large) or a bug — becomes ``{"error": {"message", "type
 "param", "code"}}`` with the right status. Only our own public messages reach a client:
 werkzeug's descriptions and any other exception's text are replaced (a bug is logged
 here with its traceback and answered with ``app.errors.error_body``'s generic 500).
-Redis being away (``broker.runner.BACKBONE_DOWN``: refused connections, timeouts, a Redis
+Redis being away (``broker.backbone.BACKBONE_DOWN``: refused connections, timeouts, a Redis
 still loading its data, a read-only former master) is not a bug: any route that meets
 it answers 503 + Retry-After, as the generation routes' fail-fast check does.
 """
@@ -35,7 +35,7 @@ from app.errors import (
 )
 from app.messages_api import ROUTE as MESSAGES_ROUTE
 from app.messages_api import anthropic_error
-from broker.runner import BACKBONE_DOWN, backbone_unavailable, is_backbone_down
+from broker.backbone import BACKBONE_DOWN, backbone_unavailable, is_backbone_down
 from web.head_first import SLOW_REQUEST_MESSAGE, SlowBody
 
 logger = logging.getLogger(__name__)

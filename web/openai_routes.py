@@ -42,8 +42,8 @@ from app.fold import ResponseFold
 from app.intake import Endpoint
 from app.response_models import ModelList, ModelObject
 from broker import drive
+from broker.backbone import client_error
 from broker.run import Run
-from broker.runner import client_error
 from web import auth, messages_api, sse
 from web.auth import tenant_of
 from web.bodies import client_trace, json_body

@@ -17,8 +17,8 @@ from flask import Response
 
 from app.errors import error_body
 from broker import drive
+from broker.backbone import client_error
 from broker.run import Item, Run
-from broker.runner import client_error
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from flask import Blueprint, current_app, request
 
 from app.chat_template import PromptBuilder
 from app.tokenize_api import detokenize, tokenize
-from broker.runner import backbone_unavailable
+from broker.backbone import backbone_unavailable
 from web import auth
 from web.bodies import json_body
 from web.context import runner_of, settings_of

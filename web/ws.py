@@ -36,9 +36,10 @@ from app.errors import (
 from app.intake import Endpoint
 from app.settings import Settings
 from broker import drive
+from broker.backbone import client_error
 from broker.response_service import ResponseService, StartedResponse
 from broker.run import Run
-from broker.runner import Runner, client_error
+from broker.runner import Runner
 from web.auth import Tenant, authenticate, bearer_key, exempt
 from web.bodies import client_trace
 from web.context import connections_of, responses_of, runner_of, settings_of

@@ -17,9 +17,10 @@ import pytest
 import redis
 from flask.testing import FlaskClient
 
+from broker.backbone import UNAVAILABLE_MESSAGE
 from broker.keys import Keys
 from broker.registry import WorkerInfo, worker_registry
-from broker.runner import UNAVAILABLE_MESSAGE, Runner
+from broker.runner import Runner
 from broker.server import RedisServer
 from tests.stack import isolated_settings
 from tests.web.conftest import LiveFleet, RequestIds
