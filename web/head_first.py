@@ -23,6 +23,11 @@ costs a few hundred bytes and no thread:
   at most ``body_timeout_s`` for the next bytes (then ``SlowBody``, a 408 to the client).
 - ``worker_connections`` caps the sockets one worker holds, waiting ones included; past
   it the worker stops accepting and new connections wait in the kernel's backlog.
+- A connection closed after its response (``Connection: close``, a 408, an error) lingers
+  in the event loop: its unread bytes are drained there until the client closes its side
+  or ``LINGER_S`` is up. gunicorn (27) drains it on the loop's own thread instead, which
+  then serves nobody else meanwhile: a client that never closed its side held a worker
+  still for 2 s per connection.
 
 Measured against the alternatives in docs/benchmarks.md (``benchmarks/slowloris.py``).
 TLS is not terminated here (put a proxy in front, docs/security.md); with gunicorn's own
@@ -55,6 +60,11 @@ PREBUFFER_BYTES = 1024 * 1024
 HEAD_LIMIT = 64 * 1024
 #: One recv() in the event loop.
 RECV_BYTES = 64 * 1024
+#: A connection closed after its response waits at most this long, and reads at most
+#: this much, for its client to close its side (RFC 9112 section 9.6, gunicorn's
+#: ``close_graceful``): closing with unread bytes would reset the response.
+LINGER_S = 2.0
+LINGER_BYTES = 64 * 1024
 SLOW_REQUEST_MESSAGE = "The request did not arrive in time."
 _TIMEOUT_BODY = json.dumps(
     {
@@ -120,6 +130,22 @@ class _PatientSocket:
         return getattr(self._sock, name)
 
 
+class _Conn(TConn):  # type: ignore[misc]
+    """gthread's connection, whose graceful close lingers in the worker's event loop."""
+
+    def __init__(self, worker: HeadFirstWorker, *args: Any) -> None:
+        super().__init__(*args)
+        self.worker = worker
+
+    def close(self, graceful: bool = False) -> None:
+        if not graceful:
+            super().close()
+        elif threading.current_thread() is threading.main_thread():  # ``finish_request``
+            self.worker.linger(self.sock)
+        else:
+            super().close(graceful=True)
+
+
 class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
     """gthread whose event loop, not a thread, waits for each request's head."""
 
@@ -135,6 +161,8 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         # Connections reading their head, with their deadline (checked once a loop).
         self.heads: dict[TConn, float] = {}
+        # Closed connections waiting for their client's side: [deadline, bytes read].
+        self.lingering: dict[socket.socket, list[float]] = {}
 
     # -- gthread's hooks -----------------------------------------------------------------
 
@@ -182,7 +210,7 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
                 raise
             return
         self.nr_conns += 1
-        self._read_head(TConn(self.cfg, client_sock, client_addr, listener.getsockname()))
+        self._read_head(_Conn(self, self.cfg, client_sock, client_addr, listener.getsockname()))
 
     def on_client_socket_readable(self, conn: TConn, client: socket.socket) -> None:
         """A kept-alive connection's next request: its head, too, is read here."""
@@ -202,6 +230,7 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
                 conn.sock.send(TIMEOUT_RESPONSE)  # non-blocking; best effort
             self.nr_conns -= 1
             conn.close()
+        self._drain_lingering(now)
 
     def handle(self, conn: TConn) -> Any:
         buffered: bytes | None = getattr(conn, "buffered", None)
@@ -264,3 +293,42 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
         self.heads.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError, OSError):
             self.poller.unregister(conn.sock)
+
+    # -- the closing phase ---------------------------------------------------------------
+
+    def linger(self, sock: socket.socket) -> None:
+        """Close ``sock`` after its response without waiting here: send our FIN now,
+        then, once a loop, drain what the client still sends until it closes its side
+        too (or ``LINGER_S``, ``LINGER_BYTES``), so that the response is not reset.
+
+        The socket is neither made non-blocking nor registered with the poller: a
+        WebSocket's reader thread (simple-websocket) may still read it and close it, so
+        only the socket object is held, and a closed one is dropped."""
+        if len(self.lingering) >= self.worker_connections:
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        self.lingering[sock] = [time.monotonic() + LINGER_S, 0]
+
+    def _drain_lingering(self, now: float) -> None:
+        for sock, entry in list(self.lingering.items()):
+            done = sock.fileno() == -1 or entry[0] <= now
+            while not done:
+                try:
+                    data = sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    data = b""
+                entry[1] += len(data)
+                done = not data or entry[1] >= LINGER_BYTES
+            if done:
+                del self.lingering[sock]
+                with contextlib.suppress(OSError):
+                    sock.close()

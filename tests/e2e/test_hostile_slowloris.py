@@ -97,6 +97,28 @@ def test_2_a_408_says_why_in_the_openai_shape(stack: Stack) -> None:
     }
 
 
+def test_2_clients_that_never_close_their_side_keep_no_worker_still(stack: Stack) -> None:
+    """A response with ``Connection: close`` ends with the server's FIN; a client that
+    then never closes its side costs a socket lingering in the worker's event loop, not
+    the loop (gunicorn 27 drained each such socket on the loop's own thread, 2 s apiece:
+    twenty such clients in a row kept both workers from anyone else for 20 s)."""
+    held: list[socket.socket] = []
+    try:
+        started = time.monotonic()
+        for _ in range(20):
+            sock = socket.create_connection(address(stack), timeout=10)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert status_of(response_of(sock, 5)) == 200  # read to the server's FIN
+            held.append(sock)  # and never closed on this side
+        took = time.monotonic() - started
+        timings = normal_clients(stack)
+    finally:
+        for sock in held:
+            sock.close()
+    assert took < 4.0, f"20 requests on new connections took {took:.1f} s"
+    assert all(s < 1.0 for _, s in timings), timings
+
+
 def chat_head(length: int) -> bytes:
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
