@@ -264,7 +264,11 @@ class Stack:
     _exit: ExitStack = field(default_factory=ExitStack, repr=False)
 
     def redis(self) -> redis.Redis:
-        return open_redis(self.settings)[0]
+        """A client of the stack's Redis, closed with the stack at the latest (a client's
+        ``close`` leaves its pool's connections open: ``close_client``)."""
+        client = open_redis(self.settings)[0]
+        self._exit.callback(close_client, client)
+        return client
 
     def logs(self) -> str:
         """The tail of every process's log (for a failing test's message)."""

@@ -22,6 +22,7 @@ from broker.keys import Keys
 from broker.requests import RequestStore
 from tests.stack import (
     Stack,
+    close_client,
     full_stack,
     isolated_settings,
     wait_for,
@@ -191,7 +192,7 @@ def in_flight(stack: Stack) -> int:
     try:
         return RequestStore(client, Keys(stack.settings.key_prefix)).in_flight(time.time())
     finally:
-        client.close()
+        close_client(client)  # ``close`` leaves the pool's connection open
 
 
 def test_12_a_client_that_never_reads_its_sse_stream_is_dropped(stack: Stack) -> None:
