@@ -321,10 +321,13 @@ class HeadFirstWorker(ThreadWorker):  # type: ignore[misc]
             done = sock.fileno() == -1 or entry[0] <= now
             while not done:
                 try:
+                    # Readable first: a socket with a timeout would wait in recv for it.
+                    if not select.select([sock], [], [], 0)[0]:
+                        break
                     data = sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
                     break
-                except OSError:
+                except (OSError, ValueError):  # closed meanwhile by its WebSocket's thread
                     data = b""
                 entry[1] += len(data)
                 done = not data or entry[1] >= LINGER_BYTES
