@@ -1,7 +1,7 @@
 """Redis away, as a client is told of it: which errors mean the backbone is down or
-full (answered 503 + Retry-After, never a 500) and the one 503 every door gives then.
-Every transport's error path goes through ``client_error``, so that a stream that
-fails on an outage ends with the same retryable error as a request refused at once.
+full (answered 503 + Retry-After, never a 500) and the one 503 given then. The web
+tier's error handlers (``web.errors``) answer a request so; a stream that fails after
+its first byte (SSE, the WebSocket) sends ``client_error``'s event, the same 503.
 """
 
 from __future__ import annotations
