@@ -294,24 +294,10 @@ class RecordBuilder:
     ) -> RequestRecord:
         self.check_token_ids(req.stop_token_ids, "stop_token_ids", "Stop token ids")
         self.check_token_ids(req.logit_bias or {}, "logit_bias", "Token ids in 'logit_bias'")
-        ctx = self.card.context_length
-        longest = max(len(p) for p in prompts)
-        if longest >= ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, your "
-                f"prompt has {longest} tokens. Please reduce the length of the prompt.",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            )
-        asked = req.max_new_tokens
-        if asked is not None and longest + asked > ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, you "
-                f"requested {longest + asked} tokens ({longest} in the prompt, {asked} for "
-                f"the completion). Please reduce the length of the prompt or completion.",
-                param="max_tokens",
-            )
+        longest = self._check_context(req, prompts)
         stop = req.stop_conditions(
-            eos_token_ids=self.card.eos_token_ids, default_max_tokens=ctx - longest
+            eos_token_ids=self.card.eos_token_ids,
+            default_max_tokens=self.card.context_length - longest,
         )
         now = self.clock()
         chat = isinstance(req, ChatCompletionRequest)
@@ -342,6 +328,29 @@ class RecordBuilder:
             echo_prompts=echo_prompts,
             priority=req.priority,
         )
+
+    def _check_context(
+        self, req: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]
+    ) -> int:
+        """The longest prompt's length, once it and the completion asked for fit in the
+        model's context (else the OpenAI ``context_length_exceeded`` error)."""
+        ctx = self.card.context_length
+        longest = max(len(p) for p in prompts)
+        if longest >= ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, your "
+                f"prompt has {longest} tokens. Please reduce the length of the prompt.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        asked = req.max_new_tokens
+        if asked is not None and longest + asked > ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you "
+                f"requested {longest + asked} tokens ({longest} in the prompt, {asked} for "
+                f"the completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+            )
+        return longest
 
 
 # Characters one token covers at most when the vocabulary cannot be listed.

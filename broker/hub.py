@@ -506,8 +506,12 @@ class OutputHub:
                     handed.append(sub)
         for sub in subs:
             sub.reload = more or not whole[id(sub)]
-        if more:
-            return
+        if not more:
+            self._follow_on(key, entries, now, rewind)
+
+    def _follow_on(self, key: str, entries: list[Any], now: float, rewind: dict[str, str]) -> None:
+        """After a read of output stream ``key`` to its end: follow it through the step
+        stream its last entry names, from that entry's step entry (``rewind``)."""
         f = self._follow.get(key)
         if entries:
             fields = entries[-1][1]

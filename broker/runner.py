@@ -33,6 +33,7 @@ from app.errors import (
     QuotaExceeded,
     RateLimited,
     ServiceUnavailable,
+    TokenRelayError,
 )
 from app.intake import Endpoint, Intake, PreparedRequest, shape_of
 from app.lenient_json import loads_lenient
@@ -408,26 +409,8 @@ class Runner:
         prepared = dataclasses.replace(prepared, record=record)
         try:
             admitted, ahead = self._admit(record)
-            if admitted is Admission.OWNER_FULL:
-                full = QuotaExceeded(
-                    f"This API key already has {self.policy.in_flight_limit(record.owner)} "
-                    "requests in flight, its quota (key_max_in_flight); retry when one has "
-                    "finished."
-                )
-                full.retry_after = RETRY_AFTER_S  # type: ignore[attr-defined]
-                raise full
-            if admitted in (Admission.RPM_FULL, Admission.TPM_FULL):
-                raise self._rate_limited(record, admitted)
-            if admitted is Admission.MODEL_FULL:
-                raise QueueFull(
-                    f"The model '{record.model}' is at capacity (model_max_queue); please "
-                    "retry shortly.",
-                    retry_after=RETRY_AFTER_S,
-                )
             if not admitted:
-                raise QueueFull(
-                    "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
-                )
+                raise self._refusal(record, admitted)
             try:
                 weight = self.policy.weight(record.owner)
                 if record.fair:
@@ -483,7 +466,27 @@ class Runner:
             unused = unused_tokens(record, usage)
             self.store.settle_tokens(record.request_id, owner, record.created, unused)
 
-    def _rate_limited(self, record: RequestRecord, answer: Admission) -> RateLimited:
+    def _refusal(self, record: RequestRecord, answer: Admission) -> TokenRelayError:
+        """What a client is told when ``RequestStore.admit`` said ``answer`` (not
+        ``ADMITTED``): 429 for its key's quotas and rates, 503 for shared capacity."""
+        if answer is Admission.OWNER_FULL:
+            full = QuotaExceeded(
+                f"This API key already has {self.policy.in_flight_limit(record.owner)} "
+                "requests in flight, its quota (key_max_in_flight); retry when one has "
+                "finished."
+            )
+            full.retry_after = RETRY_AFTER_S  # type: ignore[attr-defined]
+            return full
+        if answer is Admission.MODEL_FULL:
+            return QueueFull(
+                f"The model '{record.model}' is at capacity (model_max_queue); please "
+                "retry shortly.",
+                retry_after=RETRY_AFTER_S,
+            )
+        if answer not in (Admission.RPM_FULL, Admission.TPM_FULL):
+            return QueueFull(
+                "The server is at capacity; please retry shortly.", retry_after=RETRY_AFTER_S
+            )
         rpm, tpm = self.policy.rate(record.owner)
         wait = max(int(60 - record.created % 60) + 1, 1)
         if answer is Admission.RPM_FULL:

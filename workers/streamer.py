@@ -40,8 +40,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Unpack
 
 import redis
 from celery import Celery
@@ -58,7 +58,6 @@ from broker.chunks import ChunkLog, entry_ordinal, phase_of
 from broker.connection import as_str, open_redis
 from broker.direct import read_rest, xread_command
 from broker.fair_queue import send_again
-from broker.keys import Keys
 from broker.models import ModelCards, catalog_of, settings_directory
 from broker.outputs import OutputEntry
 from broker.publish import decode_deltas
@@ -67,7 +66,7 @@ from broker.requests import RequestStatus
 from broker.step_lines import below_ms, step_entry_columns
 from workers.backoff import Backoff
 from workers.service_main import run_service
-from workers.streamer_relay import Relay
+from workers.streamer_relay import Relay, RelayOptions
 from workers.streamer_shards import ShardedStreamer
 from workers.streamer_state import (
     BACKBONE_ERRORS,
@@ -105,22 +104,9 @@ class Streamer(Relay):
         client: redis.Redis,
         tokenizer: Tokenizer,
         celery_app: Celery,
-        *,
-        consumer: str | None = None,
-        clock: Callable[[], float] = time.time,
-        cards: ModelCards | None = None,
-        keys: Keys | None = None,
+        **options: Unpack[RelayOptions],
     ) -> None:
-        super().__init__(
-            settings,
-            client,
-            tokenizer,
-            celery_app,
-            consumer=consumer,
-            clock=clock,
-            cards=cards,
-            keys=keys,
-        )
+        super().__init__(settings, client, tokenizer, celery_app, **options)
         self.workers = worker_registry(client, self.keys)
         self.registry = streamer_registry(client, self.keys, ttl_s=5 * HEARTBEAT_S)
         self._handoff_cursor = "0-0"
@@ -138,7 +124,7 @@ class Streamer(Relay):
         self._claim_due = True
         self._outage = Backoff(initial_s=0.1, max_s=1.0)
         self._faults = Backoff(initial_s=0.1, max_s=2.0)
-        self.started = clock()
+        self.started = self.clock()
         self.stopping = threading.Event()
 
     # -- main loop ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import redis
 from celery import Celery
@@ -52,6 +52,15 @@ from workers.streamer_state import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class RelayOptions(TypedDict, total=False):
+    """``Relay``'s keyword options, for the classes that extend it to pass on."""
+
+    consumer: str | None
+    clock: Callable[[], float]
+    cards: ModelCards | None
+    keys: Keys | None
 
 
 class Relay:

@@ -210,7 +210,6 @@ class Stack:
         self._spawn("flower", flower_command(self.settings.flower_port), flower_env)
 
         web = f"http://{display_host(self.settings.host)}:{self.settings.port}"
-        user, _, password = self.flower_auth.partition(":")
         flower_base = f"127.0.0.1:{self.settings.flower_port}"
         self.urls = {
             "chat": f"{web}/",
@@ -227,6 +226,13 @@ class Stack:
         )
         self.state = "running"
         self.write_state()
+        self._say_ready()
+
+    def _say_ready(self) -> None:
+        """The lines that tell a person where everything is (Flower's password only
+        where logs are not JSON: a log line is no place for one)."""
+        user, _, password = self.flower_auth.partition(":")
+        flower_base = f"127.0.0.1:{self.settings.flower_port}"
         flower = f"http://{user}:{password}@{flower_base}/   (user {user!r}, password {password!r})"
         redis_line = redact(self.settings.redis_url)
         if self.cluster:
