@@ -191,12 +191,11 @@ def read_gguf_vocab(path: Path) -> GGUFVocab:
     return vocab_from_fields(read_gguf_fields(path))
 
 
-def vocab_from_fields(fields: dict[str, Any]) -> GGUFVocab:
-    """``read_gguf_vocab`` of a file whose fields are ``fields``."""
-    get: Any = fields.get  # the fields' values are whatever the file holds
-    kind = get("tokenizer.ggml.model")
-    tokens: list[str] = get("tokenizer.ggml.tokens")
-    types: list[int] = get("tokenizer.ggml.token_type")
+def _tokenizer_of(
+    kind: Any, get: Any, tokens: list[str], types: list[int]
+) -> tuple[Tokenizer, bool]:
+    """The GGUF vocabulary's model (``tokenizer.ggml.model`` ``kind``) as a tokenizer,
+    with whether llama.cpp adds BOS when the file does not say."""
     if kind == "gpt2":
         merges: list[str] = get("tokenizer.ggml.merges") or []
         pre_name = get("tokenizer.ggml.pre")
@@ -206,9 +205,8 @@ def vocab_from_fields(fields: dict[str, Any]) -> GGUFVocab:
                 f"unknown GGUF pre-tokenizer {pre_name!r}: llama.cpp knows "
                 + ", ".join(known_pre_names())
             )
-        tokenizer = _byte_level_bpe(tokens, merges, pre)
-        add_bos_default = pre.add_bos
-    elif kind == "llama":
+        return _byte_level_bpe(tokens, merges, pre), pre.add_bos
+    if kind == "llama":
         scores: list[float] = get("tokenizer.ggml.scores")
         if scores is None:
             raise ModelError("a SentencePiece GGUF vocabulary without tokenizer.ggml.scores")
@@ -216,12 +214,20 @@ def vocab_from_fields(fields: dict[str, Any]) -> GGUFVocab:
         tokenizer = _sentencepiece_bpe(
             tokens, scores, types, add_space_prefix=True if prefix is None else bool(prefix)
         )
-        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
-    else:
-        raise ModelError(
-            f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, byte-level BPE; "
-            "llama, SentencePiece)"
-        )
+        return tokenizer, True  # llama.cpp's default for SentencePiece vocabularies
+    raise ModelError(
+        f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, byte-level BPE; "
+        "llama, SentencePiece)"
+    )
+
+
+def vocab_from_fields(fields: dict[str, Any]) -> GGUFVocab:
+    """``read_gguf_vocab`` of a file whose fields are ``fields``."""
+    get: Any = fields.get  # the fields' values are whatever the file holds
+    kind = get("tokenizer.ggml.model")
+    tokens: list[str] = get("tokenizer.ggml.tokens")
+    types: list[int] = get("tokenizer.ggml.token_type")
+    tokenizer, add_bos_default = _tokenizer_of(kind, get, tokens, types)
 
     specials = {tokens[i]: i for i, t in enumerate(types) if t == _CONTROL}
     eog = _end_of_generation_ids(fields, tokens)
