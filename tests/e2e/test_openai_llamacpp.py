@@ -62,8 +62,9 @@ def test_a_second_turn_reports_the_prefix_it_reused(
     llama_stack: Stack, sdk_client: Callable[..., openai.OpenAI]
 ) -> None:
     """The worker's prefix cache through the whole stack: the next turn of a chat
-    reports the previous turn's tokens as cached (OpenAI's usage field), a salted
-    request reuses nothing of an unsalted one, and /metrics counts the hits."""
+    reports the previous turn's tokens as cached (OpenAI's usage field), also when a
+    stop string ends it, a salted request reuses nothing of an unsalted one, and
+    /metrics counts the hits."""
     client = sdk_client(f"{llama_stack.base_url}/v1", timeout=120)
     model = llama_stack.settings.served_name
     msgs: list[dict[str, str]] = [
@@ -100,6 +101,20 @@ def test_a_second_turn_reports_the_prefix_it_reused(
     )
     assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    # A stop string ends the answer in the streamer, before the worker's finish comes:
+    # the usage still has the count (the worker sends it with the first token).
+    reply = second.choices[0].message.content or ""
+    assert reply.strip()
+    stopped = client.chat.completions.create(
+        model=model,
+        messages=msgs,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        stop=[reply.strip()[0]],
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.prompt_tokens_details is not None
+    assert (stopped.usage.prompt_tokens_details.cached_tokens or 0) >= cached
     metrics = requests.get(f"{llama_stack.base_url}/metrics", timeout=10).text
 
     def sample(name: str) -> float:

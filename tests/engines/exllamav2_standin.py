@@ -147,6 +147,9 @@ class StandInJob:
         self.new_tokens = 0
         self.skips = 0
         self.pages = 0
+        # What a prefill found cached: whole pages, and tokens of partly matched ones
+        # (dyn:2357, 2410); the result reports them together (dyn:2069-2070).
+        self.cached_pages = 0
         self.cached_tokens = 0
         self.held: list[int] = []
         self.held_logits: list[np.ndarray] = []
@@ -194,6 +197,12 @@ def max_tokens(ids: list[int], cached_tokens: int = 0) -> dict[str, Any]:
     }
 
 
+def reported_cached(job: StandInJob) -> int:
+    """A result's ``cached_tokens`` (dyn:2069-2070; one sequence per job here, and
+    cached pages only when paged, where a page is ``PAGE`` tokens)."""
+    return job.cached_pages * PAGE + job.cached_tokens
+
+
 def page_hashes(ids: list[int]) -> list[int]:
     """Chained hashes of the full pages of ``ids`` (dyn:2265-2271 hashes each page with
     the hash before it, so a page matches only after the same prefix)."""
@@ -221,6 +230,7 @@ class StandInDynamicGenerator:
     ) -> None:
         self.max_total_tokens = cache_tokens
         self.max_pages = cache_tokens // PAGE
+        self.page_size = PAGE if paged else cache_tokens  # dyn:384
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.paged = paged
@@ -326,8 +336,11 @@ class StandInDynamicGenerator:
                 if h not in self.cached_pages:
                     break
                 hits += 1
-            job.cached_tokens = hits * PAGE
-            self.prefilled_tokens += len(ids) - 1 - job.cached_tokens
+            if self.paged:
+                job.cached_pages = hits
+            else:  # one page, the whole cache: the match counted in tokens (dyn:2431)
+                job.cached_tokens = hits * PAGE
+            self.prefilled_tokens += len(ids) - 1 - hits * PAGE
             results.append(self._result(job, {"stage": "started", "eos": False}))
 
     def _release(self, job: StandInJob) -> None:
@@ -377,10 +390,10 @@ class StandInDynamicGenerator:
             job.held_logits.append(row)
         if tok in stops:
             r: dict[str, Any] = {"eos": True, "eos_reason": "stop_token", "held": self._flush(job)}
-            return {**r, "eos_triggering_token_id": tok, "cached_tokens": job.cached_tokens}
+            return {**r, "eos_triggering_token_id": tok, "cached_tokens": reported_cached(job)}
         if job.new_tokens >= job.max_new_tokens:
             r = {"eos": True, "eos_reason": "max_new_tokens", **self._flush(job)}
-            return {**r, "cached_tokens": job.cached_tokens}
+            return {**r, "cached_tokens": reported_cached(job)}
         if tok in ends:
             return {"eos": True, "eos_reason": "end_filter", **self._flush(job)}
         if tok in self.hold_ids:

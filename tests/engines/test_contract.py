@@ -57,6 +57,7 @@ class Choice:
     had_logprobs: bool = False
     after_finish: int = 0  # deltas seen after the finish (must stay 0)
     cached: int | None = None  # the prompt tokens the engine said it took from a cache
+    cached_first: int | None = None  # ... on the delta with the choice's first tokens
 
 
 @dataclass
@@ -80,6 +81,7 @@ def advance(engine: Engine, run: Run, steps: int = 10_000) -> Run:
                 c.after_finish += 1
             if st.delta.token_ids and c.first_step is None:
                 c.first_step = run.steps
+                c.cached_first = st.delta.cached_tokens
             c.tokens += st.delta.token_ids
             if st.delta.logprobs is not None:
                 c.had_logprobs = True
@@ -118,6 +120,20 @@ def test_every_choice_gets_exactly_one_finish(engine: Engine) -> None:
     for c in run.choices.values():
         assert len(c.finishes) == 1
         assert c.after_finish == 0
+
+
+def test_a_cache_count_comes_with_the_first_tokens(engine: Engine) -> None:
+    """An engine that says how much of a prompt it took from a cache says it with the
+    choice's first tokens: a stop string may end the choice in the streamer before the
+    engine's finish comes, and the usage sent then must have the count."""
+    engine.submit(job("a", 4, n=2))
+    advance(engine, Run())
+    engine.submit(job("b", 4, n=2))  # the same prompt again: a hit where there is a cache
+    run = advance(engine, Run())
+    for c in run.choices.values():
+        assert c.cached_first == c.cached
+    if engine.name == "llamacpp":
+        assert all(c.cached and c.cached >= len(PROMPT) - 1 for c in run.choices.values())
 
 
 def test_max_new_tokens_ends_with_length(engine: Engine) -> None:

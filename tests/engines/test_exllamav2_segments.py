@@ -25,6 +25,7 @@ from tests.engines.exllamav2_standin import (
     StandInDynamicGenerator,
     StandInJob,
     max_tokens,
+    page_hashes,
     stand_in_api,
     stop_token,
     stream,
@@ -110,7 +111,9 @@ def test_logprobs_cover_every_segment() -> None:
 
 def test_the_first_segments_cached_tokens_are_reported_at_the_finish() -> None:
     engine, gen = make_engine(segment_tokens=2)
-    engine.submit(make_job(max_new_tokens=10))
+    prompt = [3 + i % 90 for i in range(600)]
+    gen.cached_pages.update(page_hashes(prompt))  # its first 2 pages: 512 tokens cached
+    engine.submit(make_job(prompt=prompt, max_new_tokens=10))
     gen.script(
         ("j1", 0),
         stream([30]),
@@ -124,7 +127,9 @@ def test_the_first_segments_cached_tokens_are_reported_at_the_finish() -> None:
     assert [(s.delta.finish, s.delta.cached_tokens) for s in steps if s.delta.finish] == [
         (EngineFinish.EOS, 512)
     ]
-    assert [s.delta.cached_tokens for s in steps[:-1]] == [None] * 4
+    # The count comes with the first token too (a stop string may end the choice in
+    # the streamer before the finish comes), read from the job: the same 512.
+    assert [s.delta.cached_tokens for s in steps[:-1]] == [512, None, None, None]
 
 
 def test_cancel_between_segments_cancels_the_continuation() -> None:

@@ -50,6 +50,7 @@ from workers.engines.exllamav2_jobs import (
     adjusted,
     clamped_bias,
     generator_stats,
+    prompt_cache_hits,
     raw_logits,
     result_delta,
     sampler_settings,
@@ -524,6 +525,11 @@ class ExLlamaV2Engine(Engine):
             if not result.get("eos") and c.exl_job is not None:
                 self._generator.cancel(c.exl_job)
             delta = TokenDelta(c.index, [], finish=EngineFinish.ERROR, error="the engine failed")
+        if not c.told_cached and delta.cached_tokens is None and delta.token_ids:
+            # With the first tokens: a stop string may end the choice in the streamer
+            # before its finish (which carries exllamav2's own count) comes.
+            delta.cached_tokens = prompt_cache_hits(c.exl_job, self._generator.page_size)
+        c.told_cached = c.told_cached or delta.cached_tokens is not None
         c.generated += delta.token_ids
         c.left -= len(delta.token_ids)
         grammar_error = c.grammar.error if c.grammar is not None else None

@@ -174,6 +174,7 @@ class _Choice:
     settings: Any = None  # ExLlamaV2Sampler.Settings, shared by the segments
     segments: int = 0
     cached_tokens: int | None = None  # the first segment's prompt cache hits
+    told_cached: bool = False  # a delta of this choice carried its cache hits
     # A finish decided outside the generator (cancel, error, nothing left to generate),
     # reported at the next step() so that every finish goes out the same way.
     pending: TokenDelta | None = None
@@ -247,6 +248,19 @@ def adjusted(sampling: SamplingParams) -> bool:
         or OutputPenalties.wanted(sampling)
         or (sampling.repetition_penalty != 1.0)
     )
+
+
+def prompt_cache_hits(exl_job: Any, page_size: int) -> int | None:
+    """The ``cached_tokens`` exllamav2 reports when ``exl_job`` ends (dyn:2069-2070),
+    read from the job once its prefill is done (it counts pages and tokens found while
+    prefilling, dyn:2357, 2410, 2617): the same figure, known with the first token.
+    None where the job does not keep those counts."""
+    pages = getattr(exl_job, "cached_pages", None)
+    tokens = getattr(exl_job, "cached_tokens", None)
+    sequences = getattr(exl_job, "sequences", None)
+    if not isinstance(pages, int) or not isinstance(tokens, int) or not sequences:
+        return None
+    return (pages * page_size + tokens) // len(sequences)
 
 
 def result_delta(

@@ -542,7 +542,9 @@ class LlamaCppEngine(Engine):
         s.new += 1
         finish = EngineFinish.EOS if ends else (LENGTH if s.new >= s.max_new else None)
         delta = TokenDelta(s.index, [tok], lps, finish)
-        if finish is not None:
+        if s.new == 1 or finish is not None:
+            # With the first token: a stop string may end the choice in the streamer
+            # before its finish comes, and the usage it sends then must have the count.
             delta.cached_tokens = s.job.cached_tokens
         out.append(EngineStep(job.job_id, delta))
         if finish is None:
