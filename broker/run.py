@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import redis
 
 from app.errors import (
+    InvalidRequest,
     StreamError,
     error_body,
     event_error,
@@ -356,3 +357,13 @@ def split_cursor(cursor: str | None) -> tuple[str, int]:
         return "0", 0
     chunk, _, index = cursor.partition("/")
     return chunk, int(index) + 1
+
+
+def invalid_event_id() -> InvalidRequest:
+    """The 400 for a ``Last-Event-ID`` (or a WebSocket resume's cursor) that is not an
+    event id this server sends."""
+    return InvalidRequest(
+        "Last-Event-ID must be an event id this server sent (like '17/3').",
+        param="Last-Event-ID",
+        code="invalid_event_id",
+    )

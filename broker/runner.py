@@ -52,7 +52,7 @@ from broker.placement import placement_for
 from broker.prefix_routes import PrefixRouter
 from broker.registry import streamer_registry, worker_registry
 from broker.requests import Admission, RateLimit, RequestStore
-from broker.run import PAST_EVERY_EVENT, Run, RunObserver, split_cursor
+from broker.run import PAST_EVERY_EVENT, Run, RunObserver, invalid_event_id, split_cursor
 from broker.shard_hub import output_hub
 from broker.tenancy import KeyPolicy, reserved_tokens, unused_tokens
 from broker.tracing import RequestTrace, phase, request_trace, traced
@@ -338,6 +338,8 @@ class Runner:
             # Anthropic's events number their content blocks from the message's start:
             # replayed from there, and the route skips what the client has seen.
             cursor = None
+        elif cursor is not None and cursor.count("/") != 1:
+            raise invalid_event_id()  # a Messages event's id (``web.resume``)
         label = route or prepared.endpoint.value
         span = request_trace(label, trace, resumed_from=prepared.record.trace)
         self._log_start(prepared, None, span)

@@ -8,10 +8,13 @@ come as ``x-api-key`` (Anthropic's) or ``Authorization: Bearer`` (the app-wide h
 checks either); ``anthropic-version`` is accepted whatever it says. Errors are in
 Anthropic's shape (``web.errors`` answers every ``/v1/messages`` path so).
 
-Every event carries the output cursor of the event that made it: a client that lost
-its connection sends the last id back to ``GET /v1/streams/<request_id>`` (the
-``request-id`` response header names it) and gets exactly the events after it, framed
-from the message's start again so its content block indexes are the same.
+Every event's id is the output cursor of the event that made it and its place among
+the events made of it (``<cursor>/<k>``: one output event may end a block, say why the
+message stopped and stop it): a client that lost its connection sends the last id back
+to ``GET /v1/streams/<request_id>`` (the ``request-id`` response header names it) and
+gets exactly the events after it, framed from the message's start again so its content
+block indexes are the same. An id without ``/<k>`` (sent before 2026-12-06) names every
+event of its cursor.
 """
 
 from __future__ import annotations
@@ -98,11 +101,14 @@ def _unary(run: Run) -> Response:
     return _json(feed.message())
 
 
-def _after(cursor: str, seen: tuple[int, int] | None) -> bool:
-    if seen is None:
-        return True
-    a, _, b = cursor.partition("/")
-    return (int(a), int(b)) > seen
+EVERY_EVENT = 1 << 30  # an id without its event's place: every event of its cursor
+
+
+def _event_key(event_id: str) -> tuple[int, int, int]:
+    """An event id (``<chunk>/<index>/<k>``, or one sent before ids had ``k``) as the
+    key that orders events."""
+    chunk, index, *k = (int(part) for part in event_id.split("/"))
+    return chunk, index, k[0] if k else EVERY_EVENT
 
 
 def _error_event(exc: BaseException) -> str:
@@ -114,20 +120,18 @@ def stream(run: Run, *, last_seen: str | None = None) -> Response:
     """Anthropic's event stream of ``run`` (read from its start), less the events up to
     ``last_seen`` (a resumed stream)."""
     keepalive_s = max(settings_of(current_app).sse_keepalive_s, 0.001)
-    seen = None
-    if last_seen is not None:
-        a, _, b = last_seen.partition("/")
-        seen = (int(a), int(b))
+    seen = _event_key(last_seen) if last_seen is not None else None
     first = drive.opening(run, keepalive_s) if seen is None else []
     feed = feed_for(run)
 
     def frames(events: list[dict[str, Any]], cursor: str) -> str:
-        if not _after(cursor, seen):
-            return ""
-        return "".join(
-            f"event: {ev['type']}\nid: {cursor}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
-            for ev in events
-        )
+        chunk, _, index = cursor.partition("/")
+        out = []
+        for k, ev in enumerate(events):
+            if seen is None or (int(chunk), int(index), k) > seen:
+                data = json.dumps(ev, ensure_ascii=False)
+                out.append(f"event: {ev['type']}\nid: {cursor}/{k}\ndata: {data}\n\n")
+        return "".join(out)
 
     response = sse.event_stream(
         run,

@@ -203,7 +203,8 @@ def resume_stream(request_id: str) -> Response:
     exactly the events the client has not seen, then ``[DONE]``; from the start when
     no id is given. Works on any web process until the request's output expires."""
     cursor = parse_event_id(
-        request.headers.get("Last-Event-ID") or request.args.get("last_event_id")
+        request.headers.get("Last-Event-ID") or request.args.get("last_event_id"),
+        message_events=True,  # refused by ``Runner.resume`` where the stream is not one
     )
     tenant = tenant_of(settings_of(current_app), messages_api.authorization())
     close = connections_of(current_app).open(tenant.owner)  # a follower holds a thread

@@ -205,11 +205,13 @@ def test_a_finished_stream_replays_on_another_process_exactly(
     missing = requests.get(f"{backbone.b.url}/v1/streams/{'0' * 32}", timeout=5)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "stream_not_found"
-    bad = requests.get(
-        f"{backbone.b.url}/v1/streams/{rid}", headers={"Last-Event-ID": "nonsense"}, timeout=5
-    )
-    assert bad.status_code == 400
-    assert bad.json()["error"]["code"] == "invalid_event_id"
+    # Not an id at all; a Messages event's id (``<cursor>/<k>``) for a chat stream.
+    for wrong in ("nonsense", f"{original.events[middle][0]}/0"):
+        bad = requests.get(
+            f"{backbone.b.url}/v1/streams/{rid}", headers={"Last-Event-ID": wrong}, timeout=5
+        )
+        assert bad.status_code == 400
+        assert bad.json()["error"]["code"] == "invalid_event_id"
 
 
 # -- WebSocket ----------------------------------------------------------------------------
