@@ -96,6 +96,7 @@ class DrivenBatch:
     pending: deque[PlannedLine[PreparedRequest]] = field(default_factory=deque)
     running: dict[str, LineRun] = field(default_factory=dict)  # by request id
     ending: str | None = None  # "batch_cancelled" / "batch_expired" while winding down
+    total: int = 0  # the input file's lines, once planned
     wind_down_since: float = 0.0
 
     @property

@@ -323,6 +323,7 @@ class BatchDriver:
         if plan.errors:
             self._fail(b, errors=BatchErrors(data=plan.errors[:100]))
             return
+        b.total = plan.total
         for line in plan.lines:
             if isinstance(line, RejectedLine):
                 rid = line_request_id(b.id, line.index)
@@ -535,7 +536,8 @@ class BatchDriver:
             return
         if b.ending is not None:
             self._record_not_run(b)
-        fields = write_result_files(self.batches, self.files, b.id, now)
+        # ``total`` again: a batch cancelled while validating never went in_progress.
+        fields = {**write_result_files(self.batches, self.files, b.id, now), "total": b.total}
         final, previous = {
             None: (BatchStatus.COMPLETED, BatchStatus.FINALIZING),
             "batch_expired": (BatchStatus.EXPIRED, BatchStatus.FINALIZING),

@@ -213,6 +213,26 @@ def test_cancel_mid_batch_keeps_partial_results(client: openai.OpenAI, stack: St
     assert client.batches.cancel(batch.id).status == "cancelled"
 
 
+def test_a_cancel_while_validating_counts_every_line(client: openai.OpenAI, stack: Stack) -> None:
+    """Cancelled before its driver took it: every line in the error file and in
+    ``total`` (``total - completed - failed`` lines did not run), though the batch never
+    went ``in_progress``, where ``total`` is set otherwise."""
+    model = stack.settings.served_name
+    lines = [chat_line(f"v-{i}", f"line {i}", model) for i in range(3)] + ["not json"]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
+    )
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    batch, _ = poll(client, batch.id)
+    assert batch.status == "cancelled", stack.logs()
+    assert batch.in_progress_at is None  # cancelled while validating
+    counts = batch.request_counts
+    errors = jsonl(client, batch.error_file_id)
+    not_run = [e for e in errors if e["error"]["code"] == "batch_cancelled"]
+    assert (counts.total, counts.completed, counts.failed) == (4, 0, 1)
+    assert len(errors) == 4 and len(not_run) == counts.total - counts.completed - counts.failed
+
+
 def test_batch_survives_a_web_restart(
     client: openai.OpenAI, stack: Stack, exits: ExitStack
 ) -> None:
