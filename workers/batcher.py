@@ -316,7 +316,7 @@ class BatchDriver:
         plan = plan_batch(
             content,
             endpoint=b.body.endpoint,
-            build=self._builder(b.body.endpoint),
+            build=self._builder(b.body.endpoint, self.batches.owner(b.id)),
             max_line_bytes=self.settings.max_body_bytes,
             max_requests=self.settings.batch_max_requests,
         )
@@ -363,12 +363,14 @@ class BatchDriver:
             b.pending.clear()
             self._finalize(b)
 
-    def _builder(self, endpoint: str) -> Callable[[dict[str, Any]], PreparedRequest]:
+    def _builder(self, endpoint: str, owner: str) -> Callable[[dict[str, Any]], PreparedRequest]:
+        """Each line's request, made for the key that created the batch (``owner``):
+        its usage, its prefix-cache scope and who may read its output are that key's."""
         target = Endpoint(endpoint)
 
         def build(body: dict[str, Any]) -> PreparedRequest:
             self._keep_locks()  # planning a big file takes longer than a lock lives
-            return self.runner.prepare(target, body, queue="batch", stream=False)
+            return self.runner.prepare(target, body, queue="batch", stream=False, owner=owner)
 
         return build
 

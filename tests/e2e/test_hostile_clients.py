@@ -19,7 +19,8 @@ import pytest
 import requests
 import websocket
 
-from tests.stack import Stack, stack_with
+from tests.stack import Stack, stack_with, wait_for
+from web.auth import key_owner
 
 pytestmark = pytest.mark.e2e
 
@@ -118,6 +119,19 @@ def test_a_batch_with_a_bom_and_a_lone_surrogate_id_completes_for_its_owner_only
     assert out_id not in [x["id"] for x in listed]
     admin = requests.get(f"{stack.base_url}/v1/files/{out_id}/content", headers=auth(ADMIN))
     assert admin.status_code == 200 and admin.text == got.text
+
+    # Its lines' usage is alpha's too (they ran as no key's before: ``owner`` unset).
+    def batch_requests(key: str) -> int:
+        usage = requests.get(
+            f"{stack.base_url}/admin/usage",
+            params={"api": "batch", "key": key_owner(key)},
+            headers=auth(ADMIN),
+            timeout=10,
+        ).json()
+        return int(usage["totals"]["requests"])
+
+    wait_for(lambda: batch_requests(ALPHA) == 2, 10, "alpha's batch lines in the ledger")
+    assert batch_requests(BETA) == 0
 
 
 def test_a_non_ascii_filename_downloads(stack: Stack) -> None:
