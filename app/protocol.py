@@ -36,6 +36,7 @@ from app.tools import (
     ToolChoice,
     ToolDefinition,
     forced_functions,
+    tool_choice_problem,
 )
 from app.validation import RequestModel, invalid
 from app.validation import (
@@ -362,11 +363,9 @@ class ChatCompletionRequest(_GenerationRequest):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _check_tool_choice(cls, value: Any) -> Any:
-        if isinstance(value, str) and value not in ("none", "auto", "required"):
-            raise invalid(
-                f"Invalid value for 'tool_choice': {value!r}; use 'none', 'auto', 'required' "
-                "or {'type': 'function', 'function': {'name': ...}}."
-            )
+        problem = tool_choice_problem(value)
+        if problem is not None:
+            raise invalid(problem)
         return value
 
     @model_validator(mode="after")

@@ -63,6 +63,31 @@ class NamedToolChoice(_Wire):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+TOOL_CHOICE_SHAPES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+
+
+def tool_choice_problem(value: Any) -> str | None:
+    """What is wrong with a ``tool_choice`` (None: nothing), in our words: pydantic's
+    would name its union's members (``tool_choice.literal['none','auto','required']``)."""
+    if value is None or value in ("none", "auto", "required"):
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "allowed_tools":
+        return (
+            "'tool_choice' of type 'allowed_tools' is not supported; list only the allowed "
+            "functions in 'tools', with 'tool_choice' 'auto' or 'required'."
+        )
+    if kind == "function":
+        function = value.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return None
+        return (
+            "'tool_choice' of type 'function' must name the function: "
+            "{'type': 'function', 'function': {'name': ...}}."
+        )
+    shown = repr(value) if isinstance(value, str) and len(value) <= 40 else None
+    said = f": {shown}" if shown else ""
+    return f"Invalid value for 'tool_choice'{said}; use {TOOL_CHOICE_SHAPES}."
 
 
 class ToolCallFunction(_Wire):

@@ -292,6 +292,20 @@ def test_tool_calling_none_forms_are_accepted() -> None:
             "not in 'tools'",
         ),
         ({"tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+        # Wrong shapes in our words, not pydantic's union members (``literal[...]``).
+        ({"tool_choice": {"type": "function"}}, "tool_choice", "must name the function"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": 3}}},
+            "tool_choice",
+            "must name the function",
+        ),
+        (
+            {"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto"}}},
+            "tool_choice",
+            "'allowed_tools' is not supported",
+        ),
+        ({"tool_choice": {"type": "custom"}}, "tool_choice", "use 'none', 'auto'"),
+        ({"tool_choice": 7}, "tool_choice", "use 'none', 'auto'"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "'xml'"),
         (
             {"response_format": {"type": "json_schema"}},
@@ -327,6 +341,7 @@ def test_bad_tool_fields_are_named(fields: dict[str, Any], param: str, needle: s
     err = chat_field_error(**fields)
     assert err.param == param
     assert needle in err.message
+    assert "literal[" not in err.message and "ToolChoice" not in err.message  # ours, not pydantic's
 
 
 # --- numeric ranges ---------------------------------------------------------------------
