@@ -32,7 +32,8 @@ ROUTE = "/admin/keys"
 class KeyFields(BaseModel):
     """What a create or a PATCH may set."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a security flag is a JSON boolean, never "yes" or 1 read as one.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = Field(default=None, max_length=200)
     admin: bool | None = None

@@ -84,6 +84,17 @@ def test_the_admin_api_manages_keys_and_only_admins_reach_it(
     assert client.get("/admin/keys").status_code == 401
     bad = client.post("/admin/keys", json={"weight": 0}, headers=bearer(ADMIN))
     assert bad.status_code == 400 and bad.get_json()["error"]["param"] == "weight"
+    # The admin flag is a JSON boolean: "yes", "1" or 1 grant nothing, they are a 400;
+    # so is a limit written as a string.
+    for wrong in ({"admin": "yes"}, {"admin": "1"}, {"admin": 1}, {"weight": "5"}):
+        bad = client.post("/admin/keys", json=wrong, headers=bearer(ADMIN))
+        assert bad.status_code == 400, wrong
+        assert bad.get_json()["error"]["param"] == next(iter(wrong))
+        patched = client.patch(f"/admin/keys/{key['id']}", json=wrong, headers=bearer(ADMIN))
+        assert patched.status_code == 400, wrong
+    assert [
+        k["admin"] for k in client.get("/admin/keys", headers=bearer(ADMIN)).get_json()["data"]
+    ] == [False]
     assert client.get("/admin/keys/key_nope", headers=bearer(ADMIN)).status_code == 404
 
 
