@@ -27,6 +27,7 @@ from app.errors import (
 )
 from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
+from app.messages_api import count_tokens_body
 from app.messages_api import to_chat_body as messages_to_chat_body
 from app.model_card import ModelCard
 from app.protocol import (
@@ -129,6 +130,15 @@ class PreparedRequest:
         return self.record.request_id
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request's rendered prompt and what rendering it settled."""
+
+    text: str
+    constraint: OutputConstraint | None
+    tools_enabled: bool
+
+
 class RecordBuilder:
     """OpenAI requests -> ``RequestRecord`` for one served model (pure: no I/O).
 
@@ -181,13 +191,12 @@ class RecordBuilder:
                 f"The model '{model}' does not exist.", param="model", code="model_not_found"
             )
 
-    def chat(
-        self,
-        req: ChatCompletionRequest,
-        *,
-        queue: QueueName = "interactive",
-        request_id: str | None = None,
-    ) -> RequestRecord:
+    def chat_prompt(self, req: ChatCompletionRequest) -> ChatPrompt:
+        """The prompt text ``req`` renders: its tools only where they are offered (not
+        under ``tool_choice: "none"``, nor beside a JSON ``response_format``), its
+        template variables, the constraint its output runs under. One method for the
+        request and for a count of its prompt (``/v1/messages/count_tokens``), so the
+        count is the prompt's."""
         self.check_model(req.model)
         messages = [m.for_template() for m in req.messages]
         constraint = self.constraint(req)
@@ -203,21 +212,31 @@ class RecordBuilder:
         tools = [t.for_template() for t in req.tools or ()] if tools_enabled else None
         text = self.prompts.render_chat(messages, tools=tools, variables=req.template_variables())
         self.check_prompt_chars(text, "messages")
+        return ChatPrompt(text, constraint, tools_enabled)
+
+    def chat(
+        self,
+        req: ChatCompletionRequest,
+        *,
+        queue: QueueName = "interactive",
+        request_id: str | None = None,
+    ) -> RequestRecord:
+        prompt = self.chat_prompt(req)
         last_user = next((m.text for m in reversed(req.messages) if m.role == "user"), None)
         echo: list[list[int]] | None = None
         if last_user and self.echo:
-            prompt, last_user_ids = self.prompts.encode_with_part(text, last_user)
+            ids, last_user_ids = self.prompts.encode_with_part(prompt.text, last_user)
             echo = [last_user_ids]
         else:
-            prompt = self.prompts.encode(text)
+            ids = self.prompts.encode(prompt.text)
         return self._record(
             req,
-            [prompt],
+            [ids],
             echo_ids=echo,
             queue=queue,
             request_id=request_id,
-            constraint=constraint,
-            tools_enabled=tools_enabled,
+            constraint=prompt.constraint,
+            tools_enabled=prompt.tools_enabled,
         )
 
     def constraint(self, req: ChatCompletionRequest) -> OutputConstraint | None:
@@ -486,6 +505,14 @@ class Intake:
         if owner or scope:
             record = record.model_copy(update={"owner": owner, "cache_scope": scope})
         return PreparedRequest(endpoint, record, shape_of(record), stream=bool(req.stream))
+
+    def message_tokens(self, body: Any) -> int:
+        """The prompt tokens of a Messages ``body`` (``/v1/messages/count_tokens``, where
+        ``max_tokens`` is not required): the prompt ``prepare`` builds for it, counted
+        without checking that a completion fits the context."""
+        chat = count_tokens_body(body)
+        req = parse_chat_request(chat, **self.limits.parse_args())
+        return len(self.builder.prompts.encode(self.builder.chat_prompt(req).text))
 
     def _prepare_responses(
         self,

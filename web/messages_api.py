@@ -25,8 +25,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, request
 
 from app.intake import Endpoint
-from app.messages_api import ROUTE, MessageFeed, anthropic_error, count_tokens_body
-from app.tokenize_api import tokenize
+from app.messages_api import ROUTE, MessageFeed, anthropic_error
 from broker import drive
 from broker.run import Run
 from web import sse
@@ -34,7 +33,7 @@ from web.auth import tenant_of
 from web.bodies import client_trace, json_body
 from web.clients import client_gone_probe
 from web.context import runner_of, settings_of
-from web.tokenize import prompts_for
+from web.tokenize import intake_for
 
 blueprint = Blueprint("messages", __name__)
 
@@ -73,11 +72,11 @@ def create_message() -> Response:
 
 @blueprint.post(f"{ROUTE}/count_tokens")
 def count_tokens() -> Response:
-    """``{"input_tokens": N}``: the prompt the same body would be (template, tools)."""
-    chat = count_tokens_body(json_body(request))
-    keep = ("model", "messages", "tools", "chat_template_kwargs")
-    body: dict[str, Any] = {k: chat[k] for k in keep if k in chat}
-    return _json({"input_tokens": tokenize(body, prompts_for(body))["count"]})
+    """``{"input_tokens": N}``: the prompt the same body would be (template, tools as
+    its ``tool_choice`` leaves them, thinking and effort), built by the request's own
+    intake."""
+    intake, body = intake_for(json_body(request))
+    return _json({"input_tokens": intake.message_tokens(body)})
 
 
 def feed_for(run: Run) -> MessageFeed:

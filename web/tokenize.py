@@ -11,6 +11,7 @@ import redis
 from flask import Blueprint, current_app, request
 
 from app.chat_template import PromptBuilder
+from app.intake import Intake
 from app.tokenize_api import detokenize, tokenize
 from broker.backbone import backbone_unavailable
 from web import auth
@@ -20,15 +21,23 @@ from web.context import runner_of, settings_of
 blueprint = Blueprint("tokenize", __name__)
 
 
-def prompts_for(body: Any) -> PromptBuilder:
-    """The prompt builder of the model the body names (the default model without one)."""
+def intake_for(body: Any) -> tuple[Intake, Any]:
+    """The intake of the model the body names (the default model without one), and the
+    body as that intake takes it (an alias named as the model it serves)."""
     runner = runner_of(current_app)
     asked = body.get("model") if isinstance(body, dict) else None
     try:
         served = runner.models.resolve(asked if isinstance(asked, str) else None)
     except redis.RedisError as exc:
         raise backbone_unavailable() from exc
-    return runner.intake_for(served).builder.prompts
+    if isinstance(asked, str) and asked != served:
+        body = {**body, "model": served}
+    return runner.intake_for(served), body
+
+
+def prompts_for(body: Any) -> PromptBuilder:
+    """The prompt builder of the model the body names (the default model without one)."""
+    return intake_for(body)[0].builder.prompts
 
 
 def _check_key() -> None:
