@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import redis
@@ -27,6 +27,7 @@ from redis.client import Pipeline
 
 from app import logs
 from app.errors import (
+    InvalidRequest,
     ModelError,
     NotFound,
     QueueFull,
@@ -39,6 +40,7 @@ from app.intake import Endpoint, Intake, PreparedRequest, shape_of
 from app.lenient_json import loads_lenient
 from app.model_card import ModelCard, load_model_card
 from app.records import RequestRecord
+from app.responses_api import response_id_of
 from app.settings import Settings
 from broker.abandon import Abandoned
 from broker.backbone import RETRY_AFTER_S, backbone_unavailable
@@ -312,6 +314,7 @@ class Runner:
         route: str | None = None,
         scope: str | None = None,
         trace: Mapping[str, str] | None = None,
+        framed: Collection[Endpoint] = tuple(Endpoint),
     ) -> Run:
         """A run that continues request ``request_id``'s output after ``cursor`` (from
         the start when None): what a client that lost its connection reconnects to, on
@@ -322,7 +325,9 @@ class Runner:
         ``scope``: the owner the caller may see (the key that made the stream; None:
         any, for a stored response its caller may see already); another owner's stream
         is answered as if it did not exist. ``trace``: the client's trace context
-        headers; the resumed run's span continues the request's own trace."""
+        headers; the resumed run's span continues the request's own trace. ``framed``:
+        the endpoints whose events the caller can frame; another's stream is a 400 that
+        says where it resumes."""
         try:
             loaded = self.store.load(request_id)
         except redis.RedisError as exc:
@@ -334,6 +339,14 @@ class Runner:
                 code="stream_not_found",
             )
         prepared = self.intake.restore(loaded[0])
+        made_as = Endpoint(loaded[0].api or prepared.endpoint)  # a response runs as a chat
+        if made_as not in framed:
+            raise InvalidRequest(
+                f"Stream '{request_id}' is a {made_as.value} stream: resume it with "
+                f"GET /v1/responses/{response_id_of(request_id)}?stream=true&starting_after="
+                "<its last sequence_number> (one made with store: false cannot be resumed).",
+                param="request_id",
+            )
         if prepared.endpoint is Endpoint.MESSAGES:
             # Anthropic's events number their content blocks from the message's start:
             # replayed from there, and the route skips what the client has seen.

@@ -197,6 +197,11 @@ def completions() -> Response:
     return _generate(Endpoint.COMPLETIONS)
 
 
+# What ``/v1/streams`` frames as the stream was framed; a Responses stream resumes on its
+# own route, with its own event numbers (``web.responses_api``).
+FRAMED_HERE = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.MESSAGES)
+
+
 @blueprint.get("/v1/streams/<request_id>")
 def resume_stream(request_id: str) -> Response:
     """Continue a streamed response after ``Last-Event-ID`` (or ``?last_event_id=``):
@@ -212,7 +217,11 @@ def resume_stream(request_id: str) -> Response:
         # Only the key that made a stream may read it: an admin key's reach is files
         # and batches (docs/security.md), not other keys' prompts and outputs.
         run = runner_of(current_app).resume(
-            request_id, cursor, scope=tenant.owner, trace=client_trace(request)
+            request_id,
+            cursor,
+            scope=tenant.owner,
+            trace=client_trace(request),
+            framed=FRAMED_HERE,
         )
         if run.prepared.endpoint is Endpoint.MESSAGES:  # framed as it was made
             response = messages_api.stream(run, last_seen=cursor)
