@@ -1,6 +1,7 @@
 """OpenAI's Responses API as a chat request: the translation, pure (no I/O).
 
-A ``POST /v1/responses`` body is checked here and turned into the body of a chat
+A ``POST /v1/responses`` body is checked here (its input items in
+``app.responses_input``) and turned into the body of a chat
 completion, which then takes the one request path every other transport takes
 (``app.intake`` -> ``broker.run``): the conversation (``input`` items, after the
 stored context of ``previous_response_id``) becomes chat ``messages``, ``instructions``
@@ -24,6 +25,7 @@ from typing import Any
 
 from app.errors import InvalidRequest, NotFound
 from app.metadata import check_metadata
+from app.responses_input import input_items, text_of, unsupported
 
 # Fields of a Responses request that are translated (the rest are refused).
 SUPPORTED_FIELDS = frozenset(
@@ -72,10 +74,6 @@ _PARAM_NAMES = {
     "response_format.json_schema.schema": "text.format.schema",
     "response_format.json_schema.name": "text.format.name",
 }
-
-
-def unsupported(message: str, param: str) -> InvalidRequest:
-    return InvalidRequest(message, param=param, code="unsupported_parameter")
 
 
 def responses_param(param: str | None) -> str | None:
@@ -149,7 +147,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     tools = _tools(body.get("tools"))
     return ResponsesRequest(
         model=_opt_str(body, "model"),
-        input_items=_input_items(body["input"]),
+        input_items=input_items(body["input"]),
         instructions=_opt_str(body, "instructions"),
         max_output_tokens=_opt_int(body, "max_output_tokens", minimum=1),
         temperature=_opt_number(body, "temperature"),
@@ -231,111 +229,6 @@ def _opt_number(body: dict[str, Any], name: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"'{name}' must be a number.", param=name)
     return float(value)
-
-
-# -- input items --------------------------------------------------------------------------
-
-_ROLES = ("user", "assistant", "system", "developer")
-
-
-def _input_items(value: Any) -> list[dict[str, Any]]:
-    """The input as Responses items in their stored form (ids are added on storing)."""
-    if isinstance(value, str):
-        return [_message("user", [{"type": "input_text", "text": value}])]
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest(
-            "'input' must be a string or a non-empty list of items.", param="input"
-        )
-    return [_input_item(item, f"input[{i}]") for i, item in enumerate(value)]
-
-
-def _message(role: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "message", "role": role, "content": content, "status": "completed"}
-
-
-def _input_item(item: Any, param: str) -> dict[str, Any]:
-    if not isinstance(item, dict):
-        raise InvalidRequest("Each input item must be an object.", param=param)
-    kind = item.get("type", "message" if "role" in item else None)
-    if kind == "message":
-        role = item.get("role")
-        if role not in _ROLES:
-            raise InvalidRequest(
-                f"An input message's role must be one of {', '.join(_ROLES)}.",
-                param=f"{param}.role",
-            )
-        content = _content(item.get("content"), role, f"{param}.content")
-        return _message(role, content)
-    if kind == "function_call":
-        call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
-        for key, v in (("call_id", call_id), ("name", name), ("arguments", arguments)):
-            if not isinstance(v, str):
-                raise InvalidRequest(
-                    f"A function_call needs a string '{key}'.", param=f"{param}.{key}"
-                )
-        return {
-            "type": "function_call",
-            "call_id": call_id,
-            "name": name,
-            "arguments": arguments,
-            "status": "completed",
-        }
-    if kind == "function_call_output":
-        call_id, output = item.get("call_id"), item.get("output")
-        if not isinstance(call_id, str):
-            raise InvalidRequest(
-                "A function_call_output needs a 'call_id'.", param=f"{param}.call_id"
-            )
-        if isinstance(output, list):
-            output = _text_of(_content(output, "user", f"{param}.output"))
-        if not isinstance(output, str):
-            raise InvalidRequest(
-                "A function_call_output needs a string 'output'.", param=f"{param}.output"
-            )
-        return {
-            "type": "function_call_output",
-            "call_id": call_id,
-            "output": output,
-            "status": "completed",
-        }
-    raise unsupported(
-        f"Input items of type {kind!r} are not supported; use 'message', 'function_call' "
-        "or 'function_call_output'.",
-        f"{param}.type",
-    )
-
-
-def _content(value: Any, role: str, param: str) -> list[dict[str, Any]]:
-    """Message content as a list of text parts (input_text, or output_text for the
-    assistant's own earlier turns)."""
-    part_type = "output_text" if role == "assistant" else "input_text"
-    if isinstance(value, str):
-        return [_part(part_type, value)]
-    if not isinstance(value, list):
-        raise InvalidRequest("Message content must be a string or a list of parts.", param=param)
-    parts = []
-    for i, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise unsupported(
-                f"Content parts of type {kind!r} are not supported; only text parts are.",
-                f"{param}[{i}].type",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidRequest("A text part needs a string 'text'.", param=f"{param}[{i}].text")
-        parts.append(_part(part_type, text))
-    return parts
-
-
-def _part(kind: str, text: str) -> dict[str, Any]:
-    if kind == "output_text":
-        return {"type": "output_text", "text": text, "annotations": []}
-    return {"type": kind, "text": text}
-
-
-def _text_of(parts: list[dict[str, Any]]) -> str:
-    return "\n".join(str(p.get("text", "")) for p in parts)
 
 
 # -- tools and formats --------------------------------------------------------------------
@@ -486,7 +379,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type")
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": _text_of(item["content"])})
+            out.append({"role": role, "content": text_of(item["content"])})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
