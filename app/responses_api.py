@@ -49,6 +49,7 @@ SUPPORTED_FIELDS = frozenset(
         "truncation",
         "reasoning",
         "max_tool_calls",
+        "top_logprobs",
         "conversation",
         "prompt",
     }
@@ -57,13 +58,14 @@ SUPPORTED_FIELDS = frozenset(
 IGNORED_FIELDS = frozenset(
     {
         "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-        "safety_identifier", "service_tier", "stream_options", "include", "top_logprobs",
-        "moderation", "image", "access_programs", "background_options", "context_management",
+        "safety_identifier", "service_tier", "stream_options", "include", "moderation",
+        "image", "access_programs", "background_options", "context_management",
     }
 )  # fmt: skip
 # Accepted only empty (null, [] or {}: what SDKs may send by default).
 EMPTY_ONLY_FIELDS: frozenset[str] = frozenset()
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_SUMMARIES = ("auto", "concise", "detailed")
 
 # Chat-side parameter names an intake error may carry -> the Responses field they are.
 _PARAM_NAMES = {
@@ -115,6 +117,11 @@ class ResponsesRequest:
     background: bool = False
     user: str | None = None
     reasoning_effort: str | None = None
+    # Echoed by the response object only (OpenAI's defaults when absent).
+    reasoning_summary: str | None = None
+    truncation: str = "disabled"
+    top_logprobs: int = 0
+    max_tool_calls: int | None = None
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -145,6 +152,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if background and not store:
         raise InvalidRequest("A background response must be stored ('store' true).", param="store")
     tools = _tools(body.get("tools"))
+    effort, summary = _reasoning(body.get("reasoning"))
     return ResponsesRequest(
         model=_opt_str(body, "model"),
         input_items=input_items(body["input"]),
@@ -162,7 +170,11 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         metadata=check_metadata(body.get("metadata")) or {},
         background=background,
         user=_opt_str(body, "user"),
-        reasoning_effort=_reasoning_effort(body.get("reasoning")),
+        reasoning_effort=effort,
+        reasoning_summary=summary,
+        truncation=truncation or "disabled",
+        top_logprobs=_opt_int(body, "top_logprobs", minimum=0, maximum=20) or 0,
+        max_tool_calls=max_calls,
     )
 
 
@@ -181,17 +193,23 @@ def _no_stored_reference(body: dict[str, Any], name: str, what: str, instead: st
     )
 
 
-def _reasoning_effort(value: Any) -> str | None:
-    """``reasoning.effort``: the chat template's thinking switch (``reasoning_effort``);
-    ``summary`` is accepted (the reasoning text itself is what the model wrote)."""
+def _reasoning(value: Any) -> tuple[str | None, str | None]:
+    """``reasoning``'s effort (the chat template's thinking switch, ``reasoning_effort``)
+    and summary (accepted and echoed: the reasoning text itself is what the model wrote)."""
     if value is None:
-        return None
+        return None, None
     effort = value.get("effort") if isinstance(value, dict) else value
+    summary = value.get("summary") if isinstance(value, dict) else None
     if effort is not None and effort not in _EFFORTS:
         raise InvalidRequest(
             f"'reasoning.effort' must be one of {', '.join(_EFFORTS)}.", param="reasoning.effort"
         )
-    return effort
+    if summary is not None and summary not in _SUMMARIES:
+        raise InvalidRequest(
+            f"'reasoning.summary' must be one of {', '.join(_SUMMARIES)}.",
+            param="reasoning.summary",
+        )
+    return effort, summary
 
 
 # -- scalar fields ------------------------------------------------------------------------
@@ -213,12 +231,16 @@ def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _opt_int(body: dict[str, Any], name: str, *, minimum: int) -> int | None:
+def _opt_int(
+    body: dict[str, Any], name: str, *, minimum: int, maximum: int | None = None
+) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidRequest(f"'{name}' must be an integer of at least {minimum}.", param=name)
+    if maximum is not None and value > maximum:
+        raise InvalidRequest(f"'{name}' must be at most {maximum}.", param=name)
     return value
 
 
@@ -431,15 +453,18 @@ class ResponseSkeleton:
             "metadata": r.metadata,
             "model": self.model,
             "output": [],
+            "max_tool_calls": r.max_tool_calls,
             "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": r.previous_response_id,
+            "reasoning": {"effort": r.reasoning_effort, "summary": r.reasoning_summary},
             "store": r.store,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "text": {"format": r.text_format},
             "tool_choice": r.tool_choice,
             "tools": r.tools,
+            "top_logprobs": r.top_logprobs,
             "top_p": 1.0 if r.top_p is None else r.top_p,
-            "truncation": "disabled",
+            "truncation": r.truncation,
             "usage": None,
             "user": r.user,
         }

@@ -178,6 +178,44 @@ def test_reasoning_effort_and_max_tool_calls_reach_the_chat_body() -> None:
     assert chat_of({"input": "x", "tools": tools})["parallel_tool_calls"] is True
 
 
+def test_the_response_object_echoes_the_request_s_fields() -> None:
+    """As OpenAI's Response object: what the request said, its defaults where it said
+    nothing (``truncation`` was always "disabled", the rest were missing)."""
+    asked = {
+        "truncation": "auto",
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "top_logprobs": 3,
+        "max_tool_calls": 3,
+    }
+    req = parse_responses_request({"input": "x", **asked})
+    base = ResponseSkeleton("resp_r1", 1700000000, "m", req).base()
+    assert {k: base[k] for k in asked} == asked
+    default = ResponseSkeleton("resp_r1", 0, "m", parse_responses_request({"input": "x"})).base()
+    assert {k: default[k] for k in asked} == {
+        "truncation": "disabled",
+        "reasoning": {"effort": None, "summary": None},
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+    }
+    for obj in (base, default):
+        echoed = Response.model_validate({**obj, "status": "completed"})
+        assert echoed.truncation == obj["truncation"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": "3"}, "top_logprobs"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+    ],
+)
+def test_echoed_fields_are_checked(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        parse_responses_request({"input": "x", **body})
+    assert err.value.param == param
+
+
 @pytest.mark.parametrize("name", ["conversation", "prompt"])
 def test_references_to_objects_stored_at_openai_are_not_found(name: str) -> None:
     from app.errors import NotFound
