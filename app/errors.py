@@ -246,6 +246,17 @@ class ModelError(TokenRelayError):
     public = True
 
 
+def rename_param(exc: TokenRelayError, param: str | None) -> None:
+    """Make ``exc`` name ``param``: an error raised on the chat body that another API's
+    body was translated to names the field the client sent, in ``param`` and where its
+    message quotes the chat one (``'tools[0].function.name'``)."""
+    old = exc.param
+    if not old or param is None or param == old:
+        return
+    exc.param = param
+    exc.message = exc.message.replace(f"'{old}'", f"'{param}'")
+
+
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and OpenAI error body for any exception.
 

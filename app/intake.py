@@ -24,6 +24,7 @@ from app.errors import (
     NotFound,
     NotImplementedFeature,
     TokenRelayError,
+    rename_param,
 )
 from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
@@ -539,7 +540,7 @@ class Intake:
                 Endpoint.CHAT, chat, queue=queue, request_id=request_id, owner=owner
             )
         except TokenRelayError as exc:
-            exc.param = responses_param(exc.param)
+            rename_param(exc, responses_param(exc.param))
             raise
         record = prepared.record.model_copy(update={"api": Endpoint.RESPONSES.value})
         return replace(prepared, endpoint=Endpoint.RESPONSES, record=record, responses=responses)

@@ -297,9 +297,18 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any
                 "'tool_choice' must be 'none', 'auto', 'required' or a function.",
                 param="tool_choice",
             )
+        if value == "required" and not tools:  # as chat and OpenAI: nothing to call
+            raise InvalidRequest(
+                "'tool_choice' 'required' is only allowed when 'tools' are given.",
+                param="tool_choice",
+            )
         return value
     if isinstance(value, dict) and value.get("type") == "function":
         name = value.get("name")
+        if name is None:
+            raise InvalidRequest(
+                "Missing required parameter: 'tool_choice.name'.", param="tool_choice.name"
+            )
         if not isinstance(name, str) or name not in {t["name"] for t in tools}:
             raise InvalidRequest(
                 f"'tool_choice' names function {name!r}, which is not in 'tools'.",

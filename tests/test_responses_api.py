@@ -3,13 +3,17 @@ framer (app.responses_events), checked against the openai SDK's own types."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, get_args
 
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
+from app.chat_template import PromptBuilder
 from app.errors import InvalidRequest
+from app.intake import Endpoint, Intake, Limits, RecordBuilder
 from app.messages import FinishReason, OutputEvent, OutputKind, ToolCallDelta
+from app.model_card import ModelCard
 from app.responses_api import (
     ResponseSkeleton,
     chat_messages,
@@ -29,6 +33,14 @@ EVENT_TYPES: dict[str, Any] = {
     get_args(cls.model_fields["type"].annotation)[0]: cls
     for cls in get_args(get_args(ResponseStreamEvent)[0])
 }
+
+
+@pytest.fixture(scope="module")
+def intake(card: ModelCard) -> Intake:
+    builder = RecordBuilder(
+        card, PromptBuilder.from_card(card), model_name="m", request_timeout_s=60, clock=time.time
+    )
+    return Intake(builder, Limits())
 
 
 def chat_of(body: dict[str, Any], context: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -152,6 +164,37 @@ def test_refused_fields_are_named(body: dict[str, Any], param: str) -> None:
         parse_responses_request(body)
     assert err.value.param == param
     assert err.value.status == 400
+
+
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "'tool_choice' 'required'"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice", "'tools'"),
+        ({"tool_choice": {"type": "function"}, "tools": [FUNCTION]}, "tool_choice.name", ""),
+        ({"tool_choice": {"type": "function", "name": 3}, "tools": [FUNCTION]}, "tool_choice", ""),
+    ],
+)
+def test_a_tool_choice_that_cannot_be_kept_is_refused(
+    body: dict[str, Any], param: str, says: str
+) -> None:
+    """A call forced with nothing to call is a 400, as chat and OpenAI answer (it was
+    accepted and dropped); a function choice without a name says so."""
+    with pytest.raises(InvalidRequest) as err:
+        parse_responses_request({"input": "x", **body})
+    assert err.value.param.startswith(param) and says in err.value.message
+    assert "None" not in err.value.message
+
+
+def test_intake_errors_name_the_responses_field_in_param_and_message(intake: Intake) -> None:
+    bad = {**FUNCTION, "name": "bad name"}
+    with pytest.raises(InvalidRequest) as err:
+        intake.prepare(Endpoint.RESPONSES, {"input": "x", "tools": [bad]})
+    assert err.value.param == "tools[0].name"
+    assert "'tools[0].name'" in err.value.message and "function" not in err.value.message
 
 
 def test_harmless_hints_are_accepted() -> None:
