@@ -255,6 +255,7 @@ def rename_param(exc: TokenRelayError, param: str | None) -> None:
         return
     exc.param = param
     exc.message = exc.message.replace(f"'{old}'", f"'{param}'")
+    exc.args = (exc.message,)
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:

@@ -28,7 +28,7 @@ from app.errors import (
 )
 from app.grammar import grammar_problem
 from app.lenient_json import loads_lenient
-from app.messages_api import count_tokens_body
+from app.messages_api import count_tokens_body, messages_param
 from app.messages_api import to_chat_body as messages_to_chat_body
 from app.model_card import ModelCard
 from app.protocol import (
@@ -480,13 +480,14 @@ class Intake:
                 body, queue=queue, request_id=request_id, owner=owner, context=context
             )
         if endpoint is Endpoint.MESSAGES:
-            chat = self.prepare(
-                Endpoint.CHAT,
-                messages_to_chat_body(body),
-                queue=queue,
-                request_id=request_id,
-                owner=owner,
-            )
+            chat_body = messages_to_chat_body(body)
+            try:
+                chat = self.prepare(
+                    Endpoint.CHAT, chat_body, queue=queue, request_id=request_id, owner=owner
+                )
+            except TokenRelayError as exc:
+                rename_param(exc, messages_param(exc.param))
+                raise
             record = chat.record.model_copy(update={"endpoint": Endpoint.MESSAGES.value})
             return replace(chat, endpoint=Endpoint.MESSAGES, record=record)
         req: ChatCompletionRequest | CompletionRequest
@@ -512,8 +513,13 @@ class Intake:
         ``max_tokens`` is not required): the prompt ``prepare`` builds for it, counted
         without checking that a completion fits the context."""
         chat = count_tokens_body(body)
-        req = parse_chat_request(chat, **self.limits.parse_args())
-        return len(self.builder.prompts.encode(self.builder.chat_prompt(req).text))
+        try:
+            req = parse_chat_request(chat, **self.limits.parse_args())
+            text = self.builder.chat_prompt(req).text
+        except TokenRelayError as exc:
+            rename_param(exc, messages_param(exc.param))
+            raise
+        return len(self.builder.prompts.encode(text))
 
     def _prepare_responses(
         self,

@@ -18,6 +18,7 @@ Errors use Anthropic's shape and types (``anthropic_error``).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,37 @@ _ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
+
+
+# Chat-side parameter names an intake error may carry -> the Messages field they are.
+_PARAM_NAMES = {
+    "reasoning_effort": "output_config.effort",
+    "response_format": "output_config.format",
+    "response_format.json_schema.schema": "output_config.format.schema",
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "chat_template_kwargs": "thinking",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+}
+_TOOL_FIELDS = {"name": "name", "description": "description", "parameters": "input_schema"}
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\](?:\.function\.(\w+))?")
+
+
+def messages_param(param: str | None) -> str | None:
+    """The Messages name of a chat parameter named by an intake error (Anthropic's
+    dotted paths: ``tools.0.input_schema``)."""
+    if param is None or param in _PARAM_NAMES:
+        return _PARAM_NAMES.get(param or "", param)
+    tool = _CHAT_TOOL.match(param)
+    if tool:
+        field = _TOOL_FIELDS.get(tool[2] or "", tool[2])
+        return f"tools.{tool[1]}" + (f".{field}" if field else "") + param[tool.end() :]
+    if param.startswith("stop["):
+        return "stop_sequences." + param[len("stop[") :].replace("]", "", 1)
+    if param.startswith("messages"):
+        # Turns are regrouped (system first, tool results split off): no index maps back.
+        return "messages"
+    return param
 
 
 def anthropic_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -180,9 +212,20 @@ def _tool_choice(choice: Any, body: dict[str, Any]) -> None:
             "tool_choice: must be {'type': 'auto' | 'any' | 'tool' | 'none'}.", param="tool_choice"
         )
     kind = choice["type"]
+    names = [t["function"]["name"] for t in body.get("tools", ())]
+    if kind in ("any", "tool") and not names:  # a forced call with nothing to call
+        raise InvalidRequest(
+            f"tool_choice: type {kind!r} is only allowed when 'tools' are given.",
+            param="tool_choice",
+        )
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise InvalidRequest("tool_choice.name: required for type 'tool'.", param="tool_choice")
+        if choice["name"] not in names:
+            raise InvalidRequest(
+                f"tool_choice.name: {choice['name']!r} is not the name of one of 'tools'.",
+                param="tool_choice.name",
+            )
         body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     else:
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]

@@ -5,13 +5,23 @@ events a run's output makes (issue 42)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 
+from app.chat_template import PromptBuilder
 from app.errors import InvalidRequest, NotFound, QueueFull, ServiceUnavailable
+from app.intake import Endpoint, Intake, Limits, RecordBuilder
 from app.messages import FinishReason, OutputEvent, OutputKind, ToolCallDelta
-from app.messages_api import MESSAGE_FIELDS, MessageFeed, anthropic_error, to_chat_body
+from app.messages_api import (
+    MESSAGE_FIELDS,
+    MessageFeed,
+    anthropic_error,
+    messages_param,
+    to_chat_body,
+)
+from app.model_card import ModelCard
 
 pytestmark = pytest.mark.unit
 
@@ -119,6 +129,62 @@ def test_bad_requests_name_the_field(bad: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as err:
         to_chat_body(body(**bad))
     assert err.value.param == param
+
+
+@pytest.fixture(scope="module")
+def intake(card: ModelCard) -> Intake:
+    builder = RecordBuilder(
+        card, PromptBuilder.from_card(card), model_name="m", request_timeout_s=60, clock=time.time
+    )
+    return Intake(builder, Limits())
+
+
+TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}
+
+
+@pytest.mark.parametrize(
+    ("bad", "param", "says"),
+    [
+        ({"tool_choice": {"type": "any"}}, "tool_choice", "type 'any'"),
+        ({"tool_choice": {"type": "tool", "name": "w"}}, "tool_choice", "type 'tool'"),
+        (
+            {"tool_choice": {"type": "tool", "name": "w"}, "tools": [TOOL]},
+            "tool_choice.name",
+            "'w'",
+        ),
+        ({"tools": [{**TOOL, "name": "bad name"}]}, "tools.0.name", "'tools.0.name'"),
+        (
+            {"tools": [{**TOOL, "input_schema": "x"}]},
+            "tools.0.input_schema",
+            "'tools.0.input_schema'",
+        ),
+        ({"output_config": {"effort": "bogus"}}, "output_config.effort", "'output_config.effort'"),
+    ],
+)
+def test_intake_errors_name_anthropic_s_fields(
+    intake: Intake, bad: dict[str, Any], param: str, says: str
+) -> None:
+    """What the client sent, never the chat body it became ('required', 'function',
+    'reasoning_effort'), in the message (all Anthropic's error shows) and in ``param``;
+    the same for a count of the prompt."""
+    for prepare in (
+        lambda b: intake.prepare(Endpoint.MESSAGES, b),
+        intake.message_tokens,
+    ):
+        with pytest.raises(InvalidRequest) as err:
+            prepare(body(**bad))
+        assert err.value.param == param and says in err.value.message
+        chat_words = ("required", "function", "reasoning_effort", "[0]")
+        assert not any(word in err.value.message for word in chat_words), err.value.message
+
+
+def test_chat_params_are_renamed() -> None:
+    assert messages_param("tools[2].function.parameters") == "tools.2.input_schema"
+    assert messages_param("tools[2]") == "tools.2"
+    assert messages_param("response_format.json_schema.schema") == "output_config.format.schema"
+    assert messages_param("stop[1]") == "stop_sequences.1"
+    assert messages_param("messages[3].content") == "messages"
+    assert messages_param("max_tokens") == "max_tokens" and messages_param(None) is None
 
 
 def test_errors_take_anthropic_s_shape_and_status() -> None:

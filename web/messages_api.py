@@ -89,15 +89,18 @@ def feed_for(run: Run) -> MessageFeed:
 
 
 def _unary(run: Run) -> Response:
-    """The whole message; a request that failed before any output is the error's
-    HTTP status."""
+    """The whole message, with the ``request-id`` header a stream has (the anthropic
+    SDK's ``_request_id``); a request that failed before any output is the error's HTTP
+    status."""
     feed = feed_for(run)
     if not drive.unary(run, feed.feed, lambda: feed.done, client_gone_probe(request.environ)):
         return Response(status=499)
     run.close()
     if feed.error is not None and not feed.blocks:
         raise feed.error
-    return _json(feed.message())
+    response = _json(feed.message())
+    response.headers["request-id"] = run.request_id
+    return response
 
 
 EVERY_EVENT = 1 << 30  # an id without its event's place: every event of its cursor

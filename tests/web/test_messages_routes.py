@@ -5,6 +5,7 @@ scripted."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,8 +14,23 @@ from flask.testing import FlaskClient
 from app.intake import Endpoint
 from app.settings import Settings
 from broker.runner import Runner
+from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def hub_closed(service: Runner) -> Iterator[None]:
+    """Each test's Runner is dropped after it, but its output hub's reader keeps its
+    Redis connection for the next read once it has nothing to follow (``broker.hub``):
+    closed here, or the collector finds the socket and the session fails on it."""
+    yield
+    service.hub.stop()
+    thread = getattr(service.hub, "_thread", None)
+    if thread is not None:
+        thread.join(timeout=10)
+    service.hub._direct.close()  # type: ignore[union-attr]
+
 
 TOOLS = [
     {
@@ -62,3 +78,16 @@ def test_count_tokens_without_the_tools_tool_choice_none_leaves_out(
         return n
 
     assert count(tools=TOOLS, tool_choice={"type": "none"}) == count() < count(tools=TOOLS)
+
+
+def test_a_non_streamed_message_names_its_request_as_a_stream_does(
+    client: FlaskClient, ids: RequestIds, scripted: ScriptedOutput, settings: Settings
+) -> None:
+    """``request-id`` (the anthropic SDK's ``_request_id``, what ``GET
+    /v1/streams/<id>`` takes) on the JSON answer too, not only on the event stream."""
+    rid = ids.peek()
+    scripted.write(rid, delta(0, "Hi"), final(0), usage())
+    resp = client.post("/v1/messages", json=message_body(settings, max_tokens=4))
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    assert resp.headers["request-id"] == rid
+    assert resp.get_json()["id"] == f"msg_{rid}"
