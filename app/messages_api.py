@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import from_json
+
 from app.errors import InvalidRequest, TokenRelayError, error_body, event_error
 from app.messages import FinishReason, OutputEvent, OutputKind
 
@@ -323,6 +325,27 @@ _STOP_REASONS = {
 }
 
 
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input`` from the arguments the model wrote.
+
+    A call cut short (``max_tokens``, a stop sequence) has arguments that are not whole
+    JSON: its input is what the anthropic SDK's stream helper makes of the same
+    ``input_json_delta``s (partial JSON: the members written in full, an unfinished
+    value left out; ``{}`` when none is), so a streamed and a non-streamed answer agree,
+    and no key the tool never declared is invented. Anything but an object is ``{}``.
+    """
+    if not arguments:
+        return {}
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        try:
+            value = from_json(arguments, allow_partial=True)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
 @dataclass
 class _Block:
     kind: str  # "text", "thinking", "tool_use"
@@ -477,16 +500,12 @@ class MessageFeed:
             elif block.kind == "thinking":
                 content.append({"type": "thinking", "thinking": text, "signature": ""})
             else:
-                try:
-                    arguments = json.loads(text) if text else {}
-                except ValueError:
-                    arguments = {"_raw": text}  # what the model wrote, kept
                 content.append(
                     {
                         "type": "tool_use",
                         "id": block.tool_id,
                         "name": block.name,
-                        "input": arguments,
+                        "input": tool_input(text),
                     }
                 )
         return self._message(content)

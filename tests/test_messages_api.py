@@ -280,3 +280,43 @@ def test_a_failure_ends_the_stream_with_an_error_event() -> None:
         "type": "error",
         "error": {"type": "overloaded_error", "message": "worker lost"},
     }
+
+
+@pytest.mark.parametrize(
+    ("pieces", "final", "want"),
+    [
+        (['{"city": "', "Par"], {"stop_reason": "Paris"}, {}),
+        (
+            ['{"city": "Paris", ', '"unit": "c'],
+            {"finish_reason": FinishReason.LENGTH},
+            {"city": "Paris"},
+        ),
+        (['{"days": [1, 2', ", 3"], {"finish_reason": FinishReason.LENGTH}, {"days": [1, 2, 3]}),
+        (['{"city": "Oslo"}'], {"finish_reason": FinishReason.TOOL_CALLS}, {"city": "Oslo"}),
+        (["not json"], {"finish_reason": FinishReason.TOOL_CALLS}, {}),
+        (["[1, 2]"], {"finish_reason": FinishReason.TOOL_CALLS}, {}),
+    ],
+)
+def test_a_tool_use_cut_short_has_the_input_a_streamed_client_builds(
+    pieces: list[str], final: dict[str, Any], want: dict[str, Any]
+) -> None:
+    """A call cut by a stop sequence or ``max_tokens`` is not whole JSON: its input is
+    the members written in full, as the anthropic SDK's stream helper parses the same
+    deltas (never an invented ``_raw`` key the tool did not declare)."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    feed, out = run_feed(
+        ev(OutputKind.DELTA, tool_calls=[ToolCallDelta(0, "call_1", "w", "")]),
+        *(ev(OutputKind.DELTA, tool_calls=[ToolCallDelta(0, None, None, p)]) for p in pieces),
+        ev(OutputKind.FINAL, **final),
+        ev(OutputKind.USAGE, usage={"prompt_tokens": 7, "completion_tokens": 9}),
+    )
+    (block,) = feed.message()["content"]
+    assert block["input"] == want
+    if pieces != ["not json"]:  # the SDK raises on text that is no JSON at all
+        snapshot: Any = None
+        bufs: dict[int, bytes] = {}
+        for event in out:
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+        streamed = snapshot.content[0].input
+        assert block["input"] == (streamed if isinstance(streamed, dict) else {})
