@@ -22,6 +22,7 @@ query string).
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -260,9 +261,41 @@ def settings_problem(exc: Exception) -> str:
     errors = getattr(exc, "errors", None)
     if callable(errors):
         first = errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        return f"invalid setting TOKENRELAY_{where.upper()}: {first['msg']}"
+        cause = first.get("ctx", {}).get("error")
+        said = str(cause) if first["type"] == "value_error" and cause else first["msg"]
+        if not first["loc"]:  # a check across settings: its message names them
+            return f"invalid settings: {said}"
+        where = str(first["loc"][0])
+        if first["type"] == "string_pattern_mismatch":  # the pattern alone says little
+            said += f": {_described(where)}"
+        return f"invalid setting TOKENRELAY_{where.upper()}: {said}"
+    field = re.search(r'field "(\w+)"', str(exc))  # pydantic-settings' SettingsError
+    if field is not None:
+        return (
+            f"invalid setting TOKENRELAY_{field.group(1).upper()}: not valid JSON (list "
+            """and object settings are JSON, e.g. TOKENRELAY_API_KEYS='["k1"]')"""
+        )
     return f"invalid settings: {exc}"
+
+
+def _described(field: str) -> str:
+    from app.settings import Settings
+
+    info = Settings.model_fields.get(field)
+    return (info.description or "") if info is not None else ""
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """``TOKENRELAY_*`` variables that name no setting, each with the setting it is
+    most likely meant to be (a misspelt TOKENRELAY_API_KEY would leave keys off)."""
+    from app.settings import Settings
+
+    known = [f"TOKENRELAY_{name.upper()}" for name in Settings.model_fields]
+    out = []
+    for name in sorted(n for n in environ if n.startswith("TOKENRELAY_") and n not in known):
+        close = difflib.get_close_matches(name, known, n=1)
+        out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return out
 
 
 def settings_or_exit(kind: str, **overrides: Any) -> Settings:
@@ -277,17 +310,26 @@ def settings_or_exit(kind: str, **overrides: Any) -> Settings:
     from app.settings import Settings
 
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
     except (ValidationError, SettingsError) as exc:
         report_settings_problem(kind, exc)
-    raise SystemExit(2)
+        raise SystemExit(2) from None
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        report_settings_problem(
+            kind, f"ignoring variables that name no setting: {', '.join(unknown)}", warning=True
+        )
+    return settings
 
 
-def report_settings_problem(kind: str, exc: Exception) -> None:
-    """``settings_or_exit``'s line about ``exc``, in the environment's log format."""
-    problem = settings_problem(exc)
+def report_settings_problem(kind: str, exc: Exception | str, *, warning: bool = False) -> None:
+    """``settings_or_exit``'s line about ``exc`` (or a ``warning`` said as it is), in
+    the environment's log format."""
+    problem = exc if isinstance(exc, str) else settings_problem(exc)
     if os.environ.get("TOKENRELAY_LOG_FORMAT", "").strip().lower() == "json":
         configure(kind, "INFO", "json")
-        logging.getLogger(f"tokenrelay.{kind}").critical("%s", problem)
+        log = logging.getLogger(f"tokenrelay.{kind}")
+        log.log(logging.WARNING if warning else logging.CRITICAL, "%s", problem)
     else:
-        print(f"tokenrelay {kind}: error: {problem}", file=sys.stderr, flush=True)
+        said = "warning" if warning else "error"
+        print(f"tokenrelay {kind}: {said}: {problem}", file=sys.stderr, flush=True)

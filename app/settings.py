@@ -12,12 +12,13 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.records import DEADLINE_GRACE_S
 
 EngineName = Literal["llamacpp", "exllamav2", "echo"]
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 
 
 def _default_models_dir() -> Path:
@@ -86,6 +87,7 @@ class Settings(BaseSettings):
     )
     model: str = Field(
         default="SmolLM2-135M-Instruct",
+        min_length=1,
         description="Model to serve: a directory name under models_dir, or a path to a "
         "HF-style model directory.",
     )
@@ -519,15 +521,34 @@ class Settings(BaseSettings):
     # Flower
     flower_port: int = Field(default=5555, ge=1, le=65535, description="Flower's port.")
     flower_basic_auth: str | None = Field(
-        default=None, description="Flower basic auth as user:password."
+        default=None,
+        pattern=r"^[^:]+:.+$",  # without a password Flower lets nobody in
+        description="Flower basic auth as user:password (both non-empty).",
     )
+
+    @field_validator("redis_url", "celery_url")
+    @classmethod
+    def _redis_scheme(cls, url: str, info: ValidationInfo) -> str:
+        """Refused here, in one line, rather than as a traceback from the first
+        connection of every process (the scheme only: the URL may hold a password)."""
+        if url == "" and info.field_name == "celery_url":
+            return url
+        scheme = url.partition("://")[0] if "://" in url else ""
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"a Redis URL starts with {', '.join(s + '://' for s in REDIS_SCHEMES)} "
+                f"(got {scheme + '://' if scheme else 'no scheme'})"
+            )
+        return url
 
     @model_validator(mode="after")
     def _admin_keys_are_keys(self) -> Settings:
         """An admin key that is not an API key could never authenticate: say so at start."""
         missing = [k for k in self.admin_api_keys if k not in self.api_keys]
         if missing:
-            raise ValueError("every key in admin_api_keys must also be listed in api_keys")
+            raise ValueError(
+                "every key in TOKENRELAY_ADMIN_API_KEYS must also be listed in TOKENRELAY_API_KEYS"
+            )
         return self
 
     @model_validator(mode="after")
@@ -537,8 +558,9 @@ class Settings(BaseSettings):
         client would lose the stream. The deadline is request_timeout_s plus a grace."""
         if self.stream_ttl_s <= self.request_timeout_s + DEADLINE_GRACE_S:
             raise ValueError(
-                f"stream_ttl_s ({self.stream_ttl_s}) must exceed request_timeout_s "
-                f"({self.request_timeout_s:g}) + {DEADLINE_GRACE_S:g} s"
+                f"TOKENRELAY_STREAM_TTL_S ({self.stream_ttl_s}) must exceed "
+                f"TOKENRELAY_REQUEST_TIMEOUT_S ({self.request_timeout_s:g}) + "
+                f"{DEADLINE_GRACE_S:g} s"
             )
         return self
 

@@ -4,6 +4,8 @@ compares the two)."""
 
 from __future__ import annotations
 
+import json
+
 from app.settings import Settings
 
 
@@ -20,8 +22,10 @@ def settings_markdown() -> str:
         "| --- | --- | --- |",
     ]
     for name, info in Settings.model_fields.items():
-        if info.default_factory is not None:
-            default = "(computed)" if name == "models_dir" else "`[]`"
+        if name == "models_dir":
+            default = "(computed)"
+        elif info.default_factory is not None:  # what the factory makes, as JSON ([] or {})
+            default = f"`{json.dumps(info.default_factory())}`"  # type: ignore[call-arg]
         else:
             default = f"`{info.default!r}`" if info.default is not None else "(unset)"
         if name == "models_dir":

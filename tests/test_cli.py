@@ -161,7 +161,8 @@ def test_unparsable_settings_are_one_line(
     monkeypatch.setenv("TOKENRELAY_API_KEYS", "not json")
     assert cli.main(["model", "list"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tokenrelay: error: invalid settings") and err.count("\n") == 1
+    assert err.startswith("tokenrelay: error: invalid setting TOKENRELAY_API_KEYS: not valid JSON")
+    assert err.count("\n") == 1
 
 
 def test_model_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

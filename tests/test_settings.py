@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from app.logs import settings_or_exit, unknown_variables
 from app.settings import Settings
 from app.settings_docs import settings_markdown
 
@@ -69,6 +71,12 @@ def test_xdg_data_home_sets_the_default_models_dir(
         ("TOKENRELAY_ENGINE", "vllm"),
         ("TOKENRELAY_WORKER_SLOTS", "0"),
         ("TOKENRELAY_API_KEYS", "not json"),
+        ("TOKENRELAY_REDIS_URL", "http://127.0.0.1:6379/0"),
+        ("TOKENRELAY_REDIS_URL", "127.0.0.1:6379"),
+        ("TOKENRELAY_CELERY_URL", "amqp://guest@localhost//"),
+        ("TOKENRELAY_FLOWER_BASIC_AUTH", "admin"),
+        ("TOKENRELAY_FLOWER_BASIC_AUTH", "admin:"),
+        ("TOKENRELAY_MODEL", ""),
     ],
 )
 def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
@@ -86,6 +94,70 @@ def test_settings_are_frozen() -> None:
 def test_records_must_outlive_the_requests_they_describe() -> None:
     """A record or stream that expired mid-generation would be recreated by the next
     publish without a TTL (found by benchmarks/memory.py): refused at start instead."""
-    with pytest.raises(ValidationError, match=r"stream_ttl_s \(600\) must exceed"):
+    with pytest.raises(ValidationError, match=r"TOKENRELAY_STREAM_TTL_S \(600\) must exceed"):
         Settings(stream_ttl_s=600, request_timeout_s=600)
     assert Settings(stream_ttl_s=91, request_timeout_s=60).stream_ttl_s == 91
+
+
+def test_every_redis_scheme_is_accepted() -> None:
+    for url in (
+        "redis://h:6379/0",
+        "rediss://:pw@h:6380/1",
+        "unix:///run/redis.sock",
+        "redis+sentinel://h:26379/main/0",
+    ):
+        assert Settings(redis_url=url, celery_url=url).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "said"),
+    [
+        # The scheme only: a URL may hold a password.
+        ("TOKENRELAY_REDIS_URL", "http://u:secret@h/0", "TOKENRELAY_REDIS_URL: a Redis URL"),
+        ("TOKENRELAY_API_KEYS", "k1", "TOKENRELAY_API_KEYS: not valid JSON"),
+        ("TOKENRELAY_FLOWER_BASIC_AUTH", "admin", "user:password"),
+        # Checks across settings name them (they have no one variable to blame).
+        ("TOKENRELAY_STREAM_TTL_S", "100", "invalid settings: TOKENRELAY_STREAM_TTL_S (100)"),
+        ("TOKENRELAY_ADMIN_API_KEYS", '["a"]', "TOKENRELAY_ADMIN_API_KEYS must also be"),
+    ],
+)
+def test_a_bad_setting_is_one_line_that_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    var: str,
+    value: str,
+    said: str,
+) -> None:
+    monkeypatch.delenv("TOKENRELAY_LOG_FORMAT", raising=False)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exited:
+        settings_or_exit("web")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenrelay web: error: ") and said in err and err.count("\n") == 1
+    assert "secret" not in err and "TOKENRELAY_:" not in err and "Value error" not in err
+
+
+def test_a_misspelt_variable_is_named_with_what_it_was_meant_to_be(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TOKENRELAY_LOG_FORMAT", raising=False)
+    monkeypatch.setenv("TOKENRELAY_API_KEY", '["k"]')
+    settings_or_exit("web")  # a warning, not an error
+    err = capsys.readouterr().err
+    assert "TOKENRELAY_API_KEY (did you mean TOKENRELAY_API_KEYS?)" in err
+    assert unknown_variables({"TOKENRELAY_PORT": "1", "OTHER": "x"}) == []
+
+
+def test_documented_defaults_are_accepted() -> None:
+    """Each default docs/configuration.md shows for a computed list or mapping is what
+    the setting defaults to, and valid as that variable's value."""
+    for name, info in Settings.model_fields.items():
+        if info.default_factory is None or name == "models_dir":
+            continue
+        row = next(
+            ln for ln in settings_markdown().splitlines() if f"`TOKENRELAY_{name.upper()}`" in ln
+        )
+        shown = json.loads(row.split("|")[2].strip().strip("`"))
+        assert shown == info.default_factory(), name  # type: ignore[call-arg]
+        assert getattr(Settings(**{name: shown}), name) == shown
