@@ -322,11 +322,14 @@ def settings_or_exit(kind: str, **overrides: Any) -> Settings:
     return settings
 
 
-def report_settings_problem(kind: str, exc: Exception | str, *, warning: bool = False) -> None:
+def report_settings_problem(
+    kind: str, exc: Exception | str, *, warning: bool = False, fmt: str | None = None
+) -> None:
     """``settings_or_exit``'s line about ``exc`` (or a ``warning`` said as it is), in
-    the environment's log format."""
+    the log format ``fmt`` (a command line's ``--log-format``), else the environment's."""
     problem = exc if isinstance(exc, str) else settings_problem(exc)
-    if os.environ.get("TOKENRELAY_LOG_FORMAT", "").strip().lower() == "json":
+    fmt = fmt or os.environ.get("TOKENRELAY_LOG_FORMAT", "")
+    if fmt.strip().lower() == "json":
         configure(kind, "INFO", "json")
         log = logging.getLogger(f"tokenrelay.{kind}")
         log.log(logging.WARNING if warning else logging.CRITICAL, "%s", problem)
