@@ -40,7 +40,6 @@ import base64
 import contextlib
 import dataclasses
 import fcntl
-import importlib.util
 import json
 import logging
 import os
@@ -64,19 +63,14 @@ from pydantic_settings import SettingsError
 
 from app import logs
 from app.errors import TokenRelayError
-from app.prepare import (
-    BUNDLED_MODEL_NAME,
-    bundled_is_current,
-    prepare_bundled_model,
-    prepare_model_file,
-)
 from app.settings import Settings
 from broker.cluster_server import LAYOUT_FILE, ClusterError, LocalCluster
 from broker.connection import redis_client
 from broker.sentinel import redact
 from broker.server import free_port, port_is_free, redis_server_args
 from workers.supervise import GiveUp, Supervisor
-from workers.up_options import PROG, Options, load_settings, parse_args
+from workers.up_models import models_to_serve
+from workers.up_options import PROG, Options, UpError, load_settings, parse_args
 
 STATE_FILE = "up.json"
 FLOWER_AUTH_FILE = "flower-auth"  # Flower's generated user:password, with log_format json
@@ -103,10 +97,6 @@ STOP_PHASES: tuple[tuple[str, ...], ...] = (
     ("streamer",),
     ("redis",),
 )
-
-
-class UpError(Exception):
-    """A start-up failure to report in one line (exit status 1)."""
 
 
 class Interrupted(Exception):
@@ -477,36 +467,6 @@ def fail(message: str) -> None:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
 
 
-def own_model(settings: Settings, model: str) -> str:
-    """``model``, or for a path to a .gguf file the name it is served as once prepared
-    into the models directory (``tokenrelay model add``)."""
-    path = Path(model).expanduser()
-    if path.suffix.lower() != ".gguf":
-        return model
-    if not path.is_file():
-        raise UpError(f"model file {path} not found")
-    say(f"preparing {path.name} in {settings.models_dir}")
-    return prepare_model_file(path, settings.models_dir, progress=lambda m: say(f"  {m}")).name
-
-
-def ensure_model(settings: Settings) -> None:
-    """Prepare the bundled model if it is the one asked for and is missing; else check."""
-    path = settings.card_path()
-    if path.name == BUNDLED_MODEL_NAME and not bundled_is_current(settings.models_dir):
-        say(f"preparing the bundled model in {settings.models_dir} (once)")
-        prepare_bundled_model(settings.models_dir, progress=lambda m: say(f"  {m}"))
-    elif not path.is_dir():
-        raise UpError(
-            f"model {settings.model!r} not found (looked in {path}); set TOKENRELAY_MODEL "
-            "or TOKENRELAY_MODELS_DIR, or run `tokenrelay model prepare`"
-        )
-    if settings.engine == "llamacpp" and importlib.util.find_spec("llama_cpp") is None:
-        raise UpError(
-            "the llamacpp engine needs llama-cpp-python: pip install 'tokenrelay[cpu]' "
-            "(or try `tokenrelay up --engine echo`)"
-        )
-
-
 def redis_hint(data_dir: Path) -> str:
     """What to do when the private Redis cannot start: most often a damaged AOF."""
     aof = data_dir / "appendonly.aof"
@@ -558,12 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.log_format == "json":  # else up's own lines stay plain text
             logs.configure("up", "INFO", "json")
         lock = acquire_run_dir(args.run_dir)
-        # A .gguf file is prepared into the models directory and served as its name.
-        models = [own_model(settings, m) for m in (settings.model, *options.more_models)]
+        models = models_to_serve(settings, options.more_models, say)
         settings = settings.model_copy(update={"model": models[0]})
         options = dataclasses.replace(options, more_models=tuple(models[1:]))
-        for model in models:
-            ensure_model(settings.model_copy(update={"model": model}))
     except (ValidationError, SettingsError) as exc:
         logs.report_settings_problem("up", exc)
         return 2

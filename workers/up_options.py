@@ -15,6 +15,10 @@ from workers.supervise import RestartPolicy
 PROG = "tokenrelay up"
 
 
+class UpError(Exception):
+    """A start-up failure to report in one line (exit status 1)."""
+
+
 @dataclass(frozen=True)
 class Options:
     """What ``up`` does beyond the settings it hands to every child."""
