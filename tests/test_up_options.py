@@ -1,10 +1,13 @@
-"""``tokenrelay up``'s command line: ``--redis-cluster N`` and what it refuses."""
+"""``tokenrelay up``'s command line and what it refuses before starting anything:
+``--redis-cluster N``, ports, timeouts."""
 
 from __future__ import annotations
 
 import pytest
 
 from workers.up_options import parse_args
+
+PORT_OPTIONS = ("--port", "--flower-port", "--redis-port")
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +49,37 @@ def test_redis_cluster_needs_three_masters(
     masters: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert "at least 3 masters" in refused(["--redis-cluster", masters], capsys)
+
+
+@pytest.mark.parametrize("flag", PORT_OPTIONS)
+@pytest.mark.parametrize("value", ["0", "-1", "65536", "70000", "http"])
+def test_every_port_option_takes_only_a_port_number(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Argparse refuses it, naming the flag (was: an OverflowError traceback for 70000,
+    a redis-server on port 0 listening nowhere, or "invalid setting TOKENRELAY_PORT")."""
+    err = refused([flag, value], capsys)
+    assert err.splitlines()[-1] == (
+        f"tokenrelay up: error: argument {flag}: {value!r} is not a port number (1-65535)"
+    )
+
+
+@pytest.mark.parametrize("flag", PORT_OPTIONS)
+def test_port_options_take_the_whole_range(flag: str) -> None:
+    for port in (1, 65535):
+        args, _ = parse_args([flag, str(port)])
+        assert getattr(args, flag.removeprefix("--").replace("-", "_")) == port
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "soon"])
+def test_ready_timeout_must_be_positive(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = refused(["--ready-timeout", value], capsys)
+    assert f"argument --ready-timeout: {value!r} is not a positive number of seconds" in err
+    assert parse_args(["--ready-timeout", "0.5"])[1].ready_timeout == 0.5
+
+
+def test_stop_timeout_may_be_zero_but_not_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(["--stop-timeout", "0"])[1].stop_timeout == 0
+    assert "argument --stop-timeout: '-1' is not a number of seconds" in refused(
+        ["--stop-timeout", "-1"], capsys
+    )

@@ -11,12 +11,36 @@ from pathlib import Path
 
 from app.settings import Settings
 from workers.supervise import RestartPolicy
+from workers.up_ports import port_number
 
 PROG = "tokenrelay up"
 
 
 class UpError(Exception):
     """A start-up failure to report in one line (exit status 1)."""
+
+
+def positive_seconds(text: str) -> float:
+    """argparse's ``type`` for a wait that must be able to end in success: a deadline
+    already past (0, -5) would fail every start, so argparse refuses it, naming the flag."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return seconds
+
+
+def grace_seconds(text: str) -> float:
+    """argparse's ``type`` for a grace period: 0 (kill at once) is one, -1 is not."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 or more)")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -73,14 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="what every process logs, up included: human text, or one JSON object a "
         "line (default: TOKENRELAY_LOG_FORMAT, text)",
     )
-    parser.add_argument("--port", type=int, help="web server port (default: TOKENRELAY_PORT)")
-    parser.add_argument("--flower-port", type=int, help="Flower port (TOKENRELAY_FLOWER_PORT)")
+    parser.add_argument(
+        "--port", type=port_number, help="web server port (default: TOKENRELAY_PORT)"
+    )
+    parser.add_argument(
+        "--flower-port", type=port_number, help="Flower port (TOKENRELAY_FLOWER_PORT)"
+    )
     parser.add_argument(
         "--redis-url", help="use this Redis instead of starting one (TOKENRELAY_REDIS_URL)"
     )
     parser.add_argument(
         "--redis-port",
-        type=int,
+        type=port_number,
         help="port of the private redis-server, Celery's with --redis-cluster (default: 6379 "
         "if free, else any free port)",
     )
@@ -107,11 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         "in RUN_DIR/redis-cluster/)",
     )
     parser.add_argument(
-        "--ready-timeout", type=float, default=180.0, help="seconds to wait for readiness"
+        "--ready-timeout",
+        type=positive_seconds,
+        default=180.0,
+        help="seconds to wait for readiness (default: %(default)s)",
     )
     parser.add_argument(
         "--stop-timeout",
-        type=float,
+        type=grace_seconds,
         default=None,
         help="seconds each process gets to stop before it is killed (default: "
         "TOKENRELAY_DRAIN_S + 10)",
