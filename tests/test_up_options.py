@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+from workers.up import main
 from workers.up_options import parse_args
 
 PORT_OPTIONS = ("--port", "--flower-port", "--redis-port")
@@ -12,8 +17,22 @@ PORT_OPTIONS = ("--port", "--flower-port", "--redis-port")
 
 @pytest.fixture(autouse=True)
 def _no_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("TOKENRELAY_REDIS_URL", "TOKENRELAY_CELERY_URL"):
+    for var in (
+        "TOKENRELAY_REDIS_URL",
+        "TOKENRELAY_CELERY_URL",
+        "TOKENRELAY_PORT",
+        "TOKENRELAY_FLOWER_PORT",
+    ):
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def _signal_handlers_kept() -> Iterator[None]:
+    """``main`` installs its own; the rest of the session keeps pytest's."""
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in kept.items():
+        signal.signal(signum, handler)
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -83,3 +102,35 @@ def test_stop_timeout_may_be_zero_but_not_negative(capsys: pytest.CaptureFixture
     assert "argument --stop-timeout: '-1' is not a number of seconds" in refused(
         ["--stop-timeout", "-1"], capsys
     )
+
+
+@pytest.mark.usefixtures("_signal_handlers_kept")
+@pytest.mark.parametrize(
+    ("argv", "env", "first", "second"),
+    [
+        (["--port", "8901", "--flower-port", "8901"], {}, "--port", "--flower-port"),
+        (["--port", "6901", "--redis-port", "6901"], {}, "--port", "--redis-port"),
+        (["--flower-port", "5901", "--redis-port", "5901"], {}, "--flower-port", "--redis-port"),
+        (["--port", "8902"], {"TOKENRELAY_FLOWER_PORT": "8902"}, "--port", "--flower-port"),
+    ],
+)
+def test_two_servers_given_one_port_are_refused_before_anything_starts(
+    argv: list[str],
+    env: dict[str, str],
+    first: str,
+    second: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was: the port check passed and the second server crash-looped until up gave up."""
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exited:
+        main(["--engine", "echo", "--run-dir", str(run_dir), *argv])
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"tokenrelay up: error: {first} ")
+    assert f" and {second}" in line and "need a port each" in line
+    assert not run_dir.exists()  # no lock, no logs, no up.json

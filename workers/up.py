@@ -24,8 +24,9 @@ Supervision rules, and why:
 * ``--redis-cluster N``: the relay's Redis is a private Redis Cluster (``broker.
   cluster_server``), Celery's a private redis-server. A node that dies is restarted like
   any child; a master back after its replica took its slots rejoins as that one's replica.
-* Ports are probed the way the servers bind them (``SO_REUSEADDR``), so a restart right
-  after a run whose connections are still in TIME_WAIT works.
+* Ports are checked before anything starts (``workers.up_ports``): each a port number,
+  one per server. They are probed the way the servers bind them (``SO_REUSEADDR``), so
+  a restart right after a run whose connections are still in TIME_WAIT works.
 * Children also get SIGTERM if this supervisor is killed outright (Linux
   ``PR_SET_PDEATHSIG``), so nothing is orphaned even by ``kill -9``.
 
@@ -67,19 +68,20 @@ from app.settings import Settings
 from broker.cluster_server import LAYOUT_FILE, ClusterError, LocalCluster
 from broker.connection import redis_client
 from broker.sentinel import redact
-from broker.server import free_port, port_is_free, redis_server_args
+from broker.server import port_is_free, redis_server_args
 from workers.supervise import GiveUp, Supervisor
 from workers.up_models import models_to_serve
-from workers.up_options import PROG, Options, UpError, load_settings, parse_args
+from workers.up_options import PROG, Options, UpError, build_parser, load_settings, parse_args
+from workers.up_ports import clash, private_redis_port, server_ports
 
 STATE_FILE = "up.json"
+REDIS_URL_VAR = "TOKENRELAY_REDIS_URL"
 FLOWER_AUTH_FILE = "flower-auth"  # Flower's generated user:password, with log_format json
 LOCK_FILE = "up.lock"
 REDIS_DIR = "redis"
 CLUSTER_DIR = "redis-cluster"
 #: Long enough that a node busy on a machine whose cores run a model is not failed over.
 CLUSTER_NODE_TIMEOUT_MS = 5000
-DEFAULT_REDIS_PORT = 6379
 POLL_S = 0.2
 # A stopping child's time beyond drain_s (closing its engine, writing its last frames).
 STOP_MARGIN_S = 10.0
@@ -275,7 +277,7 @@ class Stack:
         if self.options.redis_cluster:
             celery = self._private_redis()
             return {"redis_url": self._cluster(), "redis_cluster": "yes", "celery_url": celery}
-        url = self.options.redis_url or os.environ.get("TOKENRELAY_REDIS_URL")
+        url = self.options.redis_url or os.environ.get(REDIS_URL_VAR)
         if url:
             try:
                 client = redis_client(url, max_connections=2, socket_timeout=3)
@@ -290,9 +292,7 @@ class Stack:
     def _private_redis(self) -> str:
         port = self.options.redis_port
         if port is None:
-            port = (
-                DEFAULT_REDIS_PORT if port_is_free("127.0.0.1", DEFAULT_REDIS_PORT) else free_port()
-            )
+            port = private_redis_port({self.settings.port, self.settings.flower_port})
         elif not port_is_free("127.0.0.1", port):
             raise UpError(f"port {port} for Redis is in use; choose another with --redis-port")
         data_dir = self.options.run_dir / REDIS_DIR
@@ -515,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         settings = load_settings(args)
+        ours = options.redis_cluster or not (options.redis_url or os.environ.get(REDIS_URL_VAR))
+        if problem := clash(server_ports(settings, options.redis_port if ours else None)):
+            build_parser().error(problem)  # exits 2, as any other bad option
         if settings.log_format == "json":  # else up's own lines stay plain text
             logs.configure("up", "INFO", "json")
         lock = acquire_run_dir(args.run_dir)
