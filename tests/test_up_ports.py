@@ -1,12 +1,12 @@
-"""``workers.up_ports``: the stack's ports, one per server (probes passed in: a unit
-test opens no socket)."""
+"""``workers.up_ports``: the stack's ports, one per server, free before anything starts
+(probes passed in: a unit test opens no socket)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from app.settings import Settings
-from workers.up_ports import clash, private_redis_port, server_ports
+from workers.up_ports import busy, clash, private_redis_port, server_ports
 
 
 def test_ports_of_their_own_do_not_clash() -> None:
@@ -18,6 +18,14 @@ def test_one_port_for_two_servers_names_both_and_how_each_was_chosen() -> None:
     assert clash(ports) == (
         "--port / TOKENRELAY_PORT and --redis-port are both 8901: "
         "the web server and Redis need a port each"
+    )
+
+
+def test_a_busy_port_names_its_server_and_option() -> None:
+    ports = server_ports(Settings(port=8901, flower_port=5901), 6901)
+    assert busy(ports, is_free=lambda _host, _port: True) is None
+    assert busy(ports, is_free=lambda _host, port: port != 5901) == (
+        "port 5901 for Flower is in use; choose another with --flower-port / TOKENRELAY_FLOWER_PORT"
     )
 
 

@@ -25,8 +25,9 @@ Supervision rules, and why:
   cluster_server``), Celery's a private redis-server. A node that dies is restarted like
   any child; a master back after its replica took its slots rejoins as that one's replica.
 * Ports are checked before anything starts (``workers.up_ports``): each a port number,
-  one per server. They are probed the way the servers bind them (``SO_REUSEADDR``), so
-  a restart right after a run whose connections are still in TIME_WAIT works.
+  one per server, each free. They are probed the way the servers bind them
+  (``SO_REUSEADDR``), so a restart right after a run whose connections are still in
+  TIME_WAIT works.
 * Children also get SIGTERM if this supervisor is killed outright (Linux
   ``PR_SET_PDEATHSIG``), so nothing is orphaned even by ``kill -9``.
 
@@ -72,7 +73,7 @@ from broker.server import port_is_free, redis_server_args
 from workers.supervise import GiveUp, Supervisor
 from workers.up_models import models_to_serve
 from workers.up_options import PROG, Options, UpError, build_parser, load_settings, parse_args
-from workers.up_ports import clash, private_redis_port, server_ports
+from workers.up_ports import busy, clash, private_redis_port, server_ports
 
 STATE_FILE = "up.json"
 REDIS_URL_VAR = "TOKENRELAY_REDIS_URL"
@@ -180,7 +181,6 @@ class Stack:
     def start(self) -> None:
         """Start everything and wait for readiness; raises UpError / GiveUp / Interrupted."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._check_ports()
         self.settings = self.settings.model_copy(update=self.start_redis())
         env = self._child_env()
         py = sys.executable
@@ -261,15 +261,6 @@ class Stack:
     def served_models(self) -> list[str]:
         """The names clients use: the default model's, then each other model's."""
         return [self.settings.served_name, *(Path(m).name for m in self.options.more_models)]
-
-    def _check_ports(self) -> None:
-        s = self.settings
-        for what, host, port, var in (
-            ("web server", s.host, s.port, "--port / TOKENRELAY_PORT"),
-            ("Flower", "127.0.0.1", s.flower_port, "--flower-port / TOKENRELAY_FLOWER_PORT"),
-        ):
-            if not port_is_free(host, port):
-                raise UpError(f"port {port} for the {what} is in use; choose another with {var}")
 
     def start_redis(self) -> dict[str, str]:
         """The settings saying where Redis is: the URL given (checked), else a private
@@ -516,11 +507,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(args)
         ours = options.redis_cluster or not (options.redis_url or os.environ.get(REDIS_URL_VAR))
-        if problem := clash(server_ports(settings, options.redis_port if ours else None)):
+        ports = server_ports(settings, options.redis_port if ours else None)
+        if problem := clash(ports):
             build_parser().error(problem)  # exits 2, as any other bad option
         if settings.log_format == "json":  # else up's own lines stay plain text
             logs.configure("up", "INFO", "json")
         lock = acquire_run_dir(args.run_dir)
+        if problem := busy(ports):  # before anything starts: nothing to stop, no up.json
+            raise UpError(problem)
         models = models_to_serve(settings, options.more_models, say)
         settings = settings.model_copy(update={"model": models[0]})
         options = dataclasses.replace(options, more_models=tuple(models[1:]))
@@ -545,10 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 node = f"{CLUSTER_DIR}/{exc.slot.name.removeprefix('redis-')}"  # node-2
                 say(redis_hint(options.run_dir / {"redis": REDIS_DIR}.get(exc.slot.name, node)))
             code = 1
-        say("stopping everything it started ...")
-        stack.stop()
-        stack.write_state(exit_code=code)
-        say("stopped" if code == 0 else f"stopped (exit status {code})")
+        if stack.supervisor.slots:  # else it failed before starting anything
+            say("stopping everything it started ...")
+            stack.stop()
+            stack.write_state(exit_code=code)
+            say("stopped" if code == 0 else f"stopped (exit status {code})")
     return code
 
 

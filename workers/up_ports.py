@@ -1,5 +1,5 @@
 """The ports of the servers ``tokenrelay up`` starts: each a port number (1-65535), each
-a port of its own.
+a port of its own, each free before anything starts.
 
 A bad port is refused here, before any process starts, rather than left to the server
 that cannot use it: a redis-server given port 0 listens nowhere, a Flower given the web
@@ -68,6 +68,19 @@ def clash(ports: Sequence[ServerPort]) -> str | None:
             return (
                 f"{other.chosen_by} and {this.chosen_by} are both {this.port}: "
                 f"{other.server} and {this.server} need a port each"
+            )
+    return None
+
+
+def busy(
+    ports: Sequence[ServerPort], is_free: Callable[[str, int], bool] = port_is_free
+) -> str | None:
+    """Why ``up`` cannot start (a port another process holds), if so."""
+    for this in ports:
+        if not is_free(this.host, this.port):
+            return (
+                f"port {this.port} for {this.server} is in use; choose another with "
+                f"{this.chosen_by}"
             )
     return None
 

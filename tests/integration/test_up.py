@@ -149,9 +149,12 @@ def test_a_busy_port_fails_fast_and_starts_nothing(tmp_path: Path, models_dir: P
             assert run.wait_exit(60) == 1
         finally:
             run.cleanup()
-    assert f"port {port} for the web server is in use" in run.output()
+    out = run.output()
+    assert f"port {port} for the web server is in use; choose another with --port" in out
     assert time.monotonic() - started < 30
-    assert not run.state().get("children")
+    # Nothing started, so nothing to stop and no run to record.
+    assert "stopping everything it started" not in out, out
+    assert not (run_dir / "up.json").exists()
 
 
 def test_a_damaged_redis_file_is_a_clear_error(tmp_path: Path, models_dir: Path) -> None:
