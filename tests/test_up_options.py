@@ -1,15 +1,18 @@
 """``tokenrelay up``'s command line and what it refuses before starting anything:
-``--redis-cluster N``, ports, timeouts."""
+``--redis-cluster N``, ports, timeouts; and what up.json records."""
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from workers.up import main
+from app.settings import Settings
+from workers.up import Stack, main
 from workers.up_options import parse_args
 
 PORT_OPTIONS = ("--port", "--flower-port", "--redis-port")
@@ -134,3 +137,20 @@ def test_two_servers_given_one_port_are_refused_before_anything_starts(
     assert line.startswith(f"tokenrelay up: error: {first} ")
     assert f" and {second}" in line and "need a port each" in line
     assert not run_dir.exists()  # no lock, no logs, no up.json
+
+
+def test_up_json_masks_the_redis_password(tmp_path: Path) -> None:
+    """As the banner and the logs do (was: the password in clear in a 0644 file)."""
+    _, options = parse_args(["--run-dir", str(tmp_path)])
+    settings = Settings(
+        redis_url="redis://:RedisPw-s3cr3t@127.0.0.1:6733/0",
+        celery_url="redis://user:CeleryPw-s3cr3t@127.0.0.1:6734/0",
+    )
+    stack = Stack(settings, options, threading.Event())
+    stack.urls = stack.service_urls()
+    stack.write_state()
+    text = (tmp_path / "up.json").read_text()
+    assert "s3cr3t" not in text
+    urls = json.loads(text)["urls"]
+    assert urls["redis"] == "redis://:***@127.0.0.1:6733/0"
+    assert urls["celery"].endswith("@127.0.0.1:6734/0")

@@ -201,24 +201,34 @@ class Stack:
         flower_env = {**env, "FLOWER_BASIC_AUTH": self.flower_auth}  # not on the command line
         self._spawn("flower", flower_command(self.settings.flower_port), flower_env)
 
-        web = f"http://{display_host(self.settings.host)}:{self.settings.port}"
-        flower_base = f"127.0.0.1:{self.settings.flower_port}"
-        self.urls = {
-            "chat": f"{web}/",
-            "api": f"{web}/v1",
-            "flower": f"http://{flower_base}/",
-            "redis": self.settings.redis_url,
-        }
-        if self.settings.celery_url:
-            self.urls["celery"] = self.settings.celery_url
+        self.urls = self.service_urls()
         self.write_state()
+        web = self.urls["chat"].rstrip("/")
         self._wait_ready(
             [f"{web}/ready?model={quote(m, safe='')}" for m in self.served_models()],
-            f"http://{flower_base}/healthcheck",
+            f"{self.urls['flower']}healthcheck",
         )
         self.state = "running"
         self.write_state()
         self._say_ready()
+
+    def service_urls(self) -> dict[str, str]:
+        """Where each server answers, as up.json records them.
+
+        Redis's are masked, as in the banner and the logs: up.json is as readable as the
+        logs, and none of its readers (tests/upstack.py, benchmarks/peer.py, scripts
+        waiting for "running") connects to Redis with them; a private Redis has no
+        password, and one given by URL is known to whoever gave it."""
+        web = f"http://{display_host(self.settings.host)}:{self.settings.port}"
+        urls = {
+            "chat": f"{web}/",
+            "api": f"{web}/v1",
+            "flower": f"http://127.0.0.1:{self.settings.flower_port}/",
+            "redis": redact(self.settings.redis_url),
+        }
+        if self.settings.celery_url:  # Celery's Redis, where it is another
+            urls["celery"] = redact(self.settings.celery_url)
+        return urls
 
     def _say_ready(self) -> None:
         """The lines that tell a person where everything is (Flower's password only
