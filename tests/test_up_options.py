@@ -1,5 +1,5 @@
 """``tokenrelay up``'s command line and what it refuses before starting anything:
-``--redis-cluster N``, ports, timeouts; and what up.json records."""
+``--redis-cluster N``, ports, timeouts, repeated models; and what up.json records."""
 
 from __future__ import annotations
 
@@ -139,6 +139,18 @@ def test_two_servers_given_one_port_are_refused_before_anything_starts(
     assert not run_dir.exists()  # no lock, no logs, no up.json
 
 
+def test_a_repeated_model_is_served_once() -> None:
+    """The first ``--model`` repeated too (was: a second worker set for it, its name
+    listed twice in the banner)."""
+    _, options = parse_args(
+        ["--model", "Foo", "--model", "Bar", "--model", "Foo", "--model", "Bar"]
+    )
+    assert options.more_models == ("Bar",)
+    stack = Stack(Settings(model="Foo", engine="echo"), options, threading.Event())
+    assert stack.worker_names == ["worker", "worker-Bar"]
+    assert stack.served_models() == ["Foo", "Bar"]
+
+
 def test_up_json_masks_the_redis_password(tmp_path: Path) -> None:
     """As the banner and the logs do (was: the password in clear in a 0644 file)."""
     _, options = parse_args(["--run-dir", str(tmp_path)])
@@ -154,3 +166,12 @@ def test_up_json_masks_the_redis_password(tmp_path: Path) -> None:
     urls = json.loads(text)["urls"]
     assert urls["redis"] == "redis://:***@127.0.0.1:6733/0"
     assert urls["celery"].endswith("@127.0.0.1:6734/0")
+
+
+def test_models_resolved_to_one_name_are_served_once(models_dir: Path) -> None:
+    """After resolution too (a .gguf file and the name it is prepared as are one model)."""
+    from workers.up_models import models_to_serve
+
+    settings = Settings(model="Foo", engine="echo", models_dir=models_dir)
+    said: list[str] = []
+    assert models_to_serve(settings, ("Bar", "Foo"), said.append) == ["Foo", "Bar"]

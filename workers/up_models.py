@@ -52,8 +52,11 @@ def ensure_model(settings: Settings, say: Callable[[str], None]) -> None:
 def models_to_serve(
     settings: Settings, more: Sequence[str], say: Callable[[str], None]
 ) -> list[str]:
-    """The settings' model, then each of ``more``, as they are served, each checked."""
-    models = [own_model(settings, m, say) for m in (settings.model, *more)]
+    """The settings' model, then each of ``more``, as they are served, each checked.
+
+    Each once: a .gguf file and the name it is prepared as (``x.gguf``, ``x``) are one
+    model, and a second set of workers for it would only double its memory."""
+    models = list(dict.fromkeys(own_model(settings, m, say) for m in (settings.model, *more)))
     for model in models:
         ensure_model(settings.model_copy(update={"model": model}), say)
     return models

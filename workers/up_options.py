@@ -202,6 +202,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
         parser.error("--max-restarts must be >= 0 and --restart-window > 0")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    # Each model once: a repeat (of the first too) would start a second set of workers
+    # for the same model and list it twice.
+    models = list(dict.fromkeys(args.model or ()))
     options = Options(
         run_dir=args.run_dir,
         redis_url=args.redis_url,
@@ -211,7 +214,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Options]
         fresh=args.fresh,
         restart=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window),
         workers=args.workers,
-        more_models=tuple(dict.fromkeys(args.model[1:])) if args.model else (),
+        more_models=tuple(models[1:]),
         redis_cluster=args.redis_cluster,
     )
     return args, options
