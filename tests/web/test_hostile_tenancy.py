@@ -165,7 +165,9 @@ def test_without_keys_everything_is_shared_as_before(
 
 
 def test_admin_keys_must_be_api_keys(settings: Settings) -> None:
-    with pytest.raises(ValueError, match="ADMIN_API_KEYS must also be listed in TOKENRELAY_API_KEYS"):
+    with pytest.raises(
+        ValueError, match="ADMIN_API_KEYS must also be listed in TOKENRELAY_API_KEYS"
+    ):
         Settings(**{**settings.model_dump(), "api_keys": [ALPHA], "admin_api_keys": [ADMIN]})
 
 
