@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,3 +177,44 @@ def test_models_resolved_to_one_name_are_served_once(models_dir: Path) -> None:
     settings = Settings(model="Foo", engine="echo", models_dir=models_dir)
     said: list[str] = []
     assert models_to_serve(settings, ("Bar", "Foo"), said.append) == ["Foo", "Bar"]
+
+
+@pytest.fixture
+def _logging_kept() -> Iterator[None]:
+    """A JSON ``up`` configures the process's logging; the session keeps its own."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    hooks = (sys.excepthook, threading.excepthook, sys.unraisablehook)
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+    sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
+    logging.captureWarnings(False)
+
+
+@pytest.mark.usefixtures("_signal_handlers_kept", "_logging_kept")
+def test_log_format_json_on_the_command_line_covers_a_bad_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--log-format json`` makes up's own lines JSON, a bad setting's too (it followed
+    only TOKENRELAY_LOG_FORMAT); and a misspelt variable is a warning naming the likely
+    one, in the same format."""
+    monkeypatch.delenv("TOKENRELAY_LOG_FORMAT", raising=False)
+    monkeypatch.setenv("TOKENRELAY_STREAM_TTL_S", "100")
+    run_dir = tmp_path / "run"
+    assert main(["--engine", "echo", "--log-format", "json", "--run-dir", str(run_dir)]) == 2
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert line["level"] == "CRITICAL" and "TOKENRELAY_STREAM_TTL_S (100)" in line["message"]
+    assert not run_dir.exists()
+
+    monkeypatch.delenv("TOKENRELAY_STREAM_TTL_S")
+    monkeypatch.setenv("TOKENRELAY_WORKER_SLOT", "4")
+    with pytest.raises(SystemExit):  # one port for two servers: stops before any socket
+        main(["--log-format", "json", "--run-dir", str(run_dir), "--port", "8903",
+              "--flower-port", "8903"])  # fmt: skip
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    warned = [x for x in lines if x["level"] == "WARNING"]
+    assert warned and "did you mean TOKENRELAY_WORKER_SLOTS?" in warned[0]["message"]

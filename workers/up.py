@@ -516,12 +516,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         settings = load_settings(args)
+        if settings.log_format == "json":  # else up's own lines stay plain text
+            logs.configure("up", "INFO", "json")
+        if unknown := logs.unknown_variables(os.environ):  # each child says so in its log
+            logs.report_settings_problem(
+                "up", f"ignoring variables that name no setting: {', '.join(unknown)}",
+                warning=True, fmt=settings.log_format,
+            )  # fmt: skip
         ours = options.redis_cluster or not (options.redis_url or os.environ.get(REDIS_URL_VAR))
         ports = server_ports(settings, options.redis_port if ours else None)
         if problem := clash(ports):
             build_parser().error(problem)  # exits 2, as any other bad option
-        if settings.log_format == "json":  # else up's own lines stay plain text
-            logs.configure("up", "INFO", "json")
         lock = acquire_run_dir(args.run_dir)
         if problem := busy(ports):  # before anything starts: nothing to stop, no up.json
             raise UpError(problem)
@@ -529,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings.model_copy(update={"model": models[0]})
         options = dataclasses.replace(options, more_models=tuple(models[1:]))
     except (ValidationError, SettingsError) as exc:
-        logs.report_settings_problem("up", exc)
+        logs.report_settings_problem("up", exc, fmt=args.log_format)  # --log-format wins
         return 2
     except (UpError, TokenRelayError) as exc:
         fail(str(exc))
