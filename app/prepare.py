@@ -129,6 +129,8 @@ def prepare_model_file(gguf: Path, models_dir: Path, *, progress: Progress = _si
     the GGUF itself linked, not copied, when the filesystem allows). Rebuilt when the
     file changes (its size or modification time)."""
     gguf = Path(gguf).expanduser()
+    if not gguf.exists():
+        raise ModelError(f"{gguf} does not exist")
     if not gguf.is_file() or gguf.suffix.lower() != ".gguf":
         raise ModelError(f"{gguf} is not a .gguf file")
     stat = gguf.stat()

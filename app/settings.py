@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     )
     redis_maxmemory: str = Field(
         default="4gb",
-        pattern=r"^\d+(b|kb|mb|gb)?$",
+        pattern=r"^\d+([kmgKMG][bB]?|[bB])?$",  # redis.conf's units, any case
         description="maxmemory of the redis-server `tokenrelay up` starts (noeviction: at "
         "the limit writes are refused and clients get 503 + Retry-After; deletes still "
         "work). Size it for the file quotas. compose.yaml's Redis reads REDIS_MAXMEMORY.",

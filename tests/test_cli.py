@@ -217,3 +217,12 @@ def test_app_imports_no_network_stack() -> None:
         cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_adding_a_file_that_does_not_exist_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nowhere.gguf"
+    assert cli.main(["model", "add", str(missing), "--models-dir", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"tokenrelay: error: {missing} does not exist\n"

@@ -161,3 +161,11 @@ def test_documented_defaults_are_accepted() -> None:
         shown = json.loads(row.split("|")[2].strip().strip("`"))
         assert shown == info.default_factory(), name  # type: ignore[call-arg]
         assert getattr(Settings(**{name: shown}), name) == shown
+
+
+def test_redis_maxmemory_takes_redis_conf_units_in_any_case() -> None:
+    for size in ("4gb", "4GB", "512Mb", "4g", "1024", "100kb"):
+        assert Settings(redis_maxmemory=size).redis_maxmemory == size
+    for size in ("4x", "gb", "4 gb", "-1gb"):
+        with pytest.raises(ValidationError):
+            Settings(redis_maxmemory=size)
