@@ -181,6 +181,17 @@ class OutputHub:
         """End the reader thread at its next read (a benchmark's or test's hub)."""
         self.stopping.set()
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the reader and close its connection, which it keeps between threads
+        (a process's hub lives as long as the process; a test's or benchmark's does
+        not, and a connection left for the collector fails a warnings-strict run)."""
+        self.stopping.set()
+        self._kick.set()  # a reader waiting out a backoff
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        self._direct.close()
+
     @property
     def followed(self) -> int:
         return sum(len(subs) for subs in self._subs.values())

@@ -57,6 +57,10 @@ class ShardedHub:
         for hub in self.hubs:
             hub.stop()
 
+    def close(self) -> None:
+        for hub in self.hubs:
+            hub.close()
+
     @property
     def followed(self) -> int:
         return sum(hub.followed for hub in self.hubs)

@@ -164,8 +164,10 @@ def fleet(settings: Settings) -> LiveFleet:
 
 
 @pytest.fixture
-def service(settings: Settings, ids: RequestIds, fleet: LiveFleet) -> Runner:
-    return Runner(settings, new_id=ids)
+def service(settings: Settings, ids: RequestIds, fleet: LiveFleet) -> Iterator[Runner]:
+    runner = Runner(settings, new_id=ids)
+    yield runner
+    runner.hub.close()  # its reader's connection, which outlives the reader otherwise
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ scripted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,19 +16,6 @@ from broker.runner import Runner
 from tests.web.conftest import RequestIds, ScriptedOutput, delta, final, usage
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(autouse=True)
-def hub_closed(service: Runner) -> Iterator[None]:
-    """Each test's Runner is dropped after it, but its output hub's reader keeps its
-    Redis connection for the next read once it has nothing to follow (``broker.hub``):
-    closed here, or the collector finds the socket and the session fails on it."""
-    yield
-    service.hub.stop()
-    thread = getattr(service.hub, "_thread", None)
-    if thread is not None:
-        thread.join(timeout=10)
-    service.hub._direct.close()  # type: ignore[union-attr]
 
 
 TOOLS = [
