@@ -314,12 +314,17 @@ def settings_or_exit(kind: str, **overrides: Any) -> Settings:
     except (ValidationError, SettingsError) as exc:
         report_settings_problem(kind, exc)
         raise SystemExit(2) from None
+    warn_unknown_variables(kind)
+    return settings
+
+
+def warn_unknown_variables(kind: str, fmt: str | None = None) -> None:
+    """A warning naming each ``TOKENRELAY_*`` variable that names no setting (they are
+    ignored), in ``report_settings_problem``'s format."""
     unknown = unknown_variables(os.environ)
     if unknown:
-        report_settings_problem(
-            kind, f"ignoring variables that name no setting: {', '.join(unknown)}", warning=True
-        )
-    return settings
+        said = f"ignoring variables that name no setting: {', '.join(unknown)}"
+        report_settings_problem(kind, said, warning=True, fmt=fmt)
 
 
 def report_settings_problem(

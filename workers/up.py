@@ -518,11 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args)
         if settings.log_format == "json":  # else up's own lines stay plain text
             logs.configure("up", "INFO", "json")
-        if unknown := logs.unknown_variables(os.environ):  # each child says so in its log
-            logs.report_settings_problem(
-                "up", f"ignoring variables that name no setting: {', '.join(unknown)}",
-                warning=True, fmt=settings.log_format,
-            )  # fmt: skip
+        logs.warn_unknown_variables("up", settings.log_format)  # each child's log says so too
         ours = options.redis_cluster or not (options.redis_url or os.environ.get(REDIS_URL_VAR))
         ports = server_ports(settings, options.redis_port if ours else None)
         if problem := clash(ports):
