@@ -163,5 +163,8 @@ def test_a_gguf_file_becomes_a_model_directory_served_as_its_name(tmp_path: Path
     tokenizer = load_tokenizer(card)
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids) == text
     assert prepare_model_file(gguf, tmp_path / "models") == directory  # idempotent
-    with pytest.raises(ModelError, match=r"not a \.gguf file"):
+    with pytest.raises(ModelError, match=r"missing\.gguf does not exist"):
         prepare_model_file(tmp_path / "missing.gguf", tmp_path / "models")
+    (tmp_path / "weights.bin").write_bytes(b"GGUF")
+    with pytest.raises(ModelError, match=r"not a \.gguf file"):
+        prepare_model_file(tmp_path / "weights.bin", tmp_path / "models")
